@@ -1,0 +1,24 @@
+"""Device functions shared by every tpfuse kernel."""
+
+import triton
+import triton.language as tl
+
+from tpfuse._runtime import INTERPRETER
+
+_INTERPRETER = tl.constexpr(INTERPRETER)
+
+
+@triton.jit
+def round_to(x, DTYPE: tl.constexpr):
+    """Round fp32 x to DTYPE to nearest, ties to even: the one rounding of every output.
+
+    On GPUs this is the native conversion. Triton's interpreter truncates fp32 -> bf16
+    casts (and rounds ties away from even where it does round), which would break the
+    bitwise contracts on CPU, so there the rounding is done on the bits.
+    """
+    if _INTERPRETER and DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = tl.where(x != x, (bits >> 16) | 0x40, rounded)  # NaN stays a (quiet) NaN
+        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return x.to(DTYPE)

@@ -1,0 +1,401 @@
+"""RMSNorm kernels: forward, fused residual-add forward, backward with in-kernel dW reduction.
+
+Every kernel works on tiles of ``ROWS x BLOCK_N`` (a row is split into ``NUM_CHUNKS`` column
+chunks of ``BLOCK_N`` when it is too long to keep in registers). ``NormConfig.from_shape``
+derives all of it from (N, dtype) alone, and the row reduction is one device function,
+``row_inv_rms``, so a row's bits depend only on N and dtype: not on the number of rows, the
+row's position, the grid, or the GPU's SM count. The fused all-reduce kernels call the same
+device function with the same config, which is how they match these kernels bit for bit.
+
+Launchers here write into caller-provided outputs and take 2-D contiguous, 16-byte-aligned
+operands (``tpfuse._runtime.aligned_contiguous``); allocation, validation and autograd live
+in ``tpfuse.ops``.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from tpfuse._runtime import INTERPRETER
+from tpfuse.kernels.common import round_to
+
+# A row of up to 32 KiB is held in registers and read from memory once; longer rows are
+# processed in 8 KiB chunks and read twice (the second read mostly hits L2).
+_MAX_REGISTER_ROW_BYTES = 32 * 1024
+_CHUNK_BYTES = 8 * 1024
+# Tiles of at least this many bytes give each program enough loads in flight: short rows
+# are stacked ROWS high (up to 32 rows).
+_MIN_TILE_BYTES = 8 * 1024
+_MAX_TILE_ROWS = 32
+# Each thread holds about this many 16-byte vectors of a tile.
+_VECTORS_PER_THREAD = 2
+
+# Backward dW: at most this many per-program partial rows, combined in a fixed two-level
+# tree (groups of DW_GROUP_SIZE summed in order, then the group sums in order). Constants,
+# never the SM count, so dW has the same bits on every GPU of the arch.
+_MAX_DW_PARTIALS = 256
+_DW_GROUP_SIZE = 16
+_MIN_ROWS_PER_PARTIAL = 4
+
+
+@dataclass(frozen=True)
+class NormConfig:
+    """Tile shape and launch parameters for one (N, dtype); shared by every norm kernel."""
+
+    block_n: int  # columns per tile (a power of two)
+    num_chunks: int  # column chunks per row; 1 = the row stays in registers
+    rows: int  # rows per tile
+    num_warps: int
+
+    @staticmethod
+    @functools.lru_cache(maxsize=None)
+    def from_shape(n: int, dtype: torch.dtype) -> "NormConfig":
+        esize = torch.empty((), dtype=dtype).element_size()
+        if n * esize <= _MAX_REGISTER_ROW_BYTES:
+            block_n = triton.next_power_of_2(max(n, 1))
+        else:
+            block_n = _CHUNK_BYTES // esize
+        num_chunks = triton.cdiv(n, block_n)
+        rows = 1
+        while rows < _MAX_TILE_ROWS and rows * block_n * esize < _MIN_TILE_BYTES:
+            rows *= 2
+        vec = 16 // esize
+        threads = rows * block_n // (vec * _VECTORS_PER_THREAD)
+        num_warps = min(max(triton.next_power_of_2(max(threads // 32, 1)), 1), 16)
+        return NormConfig(block_n=block_n, num_chunks=num_chunks, rows=rows, num_warps=num_warps)
+
+
+@triton.jit
+def row_inv_rms(sq, N, eps):
+    """1 / sqrt(mean(x^2) + eps) per row, from sq: [ROWS, BLOCK_N] fp32 per-lane sums of x^2
+    (zero in padding lanes). The one row reduction of tpfuse: every kernel that normalises
+    calls it on a tile of the config's shape, so rows reduce in the same order everywhere."""
+    return 1.0 / tl.sqrt(tl.sum(sq, axis=1) / N + eps)
+
+
+@triton.jit
+def _load_norm_input(X, RES, RES_OUT, offs, mask, HAS_RESIDUAL: tl.constexpr, STORE_RES: tl.constexpr):
+    """The fp32 values to normalise at offs: x, or round(x + residual) (stored when STORE_RES)."""
+    x = tl.load(X + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = round_to(x.to(tl.float32) + tl.load(RES + offs, mask=mask, other=0.0).to(tl.float32), x.dtype)
+        if STORE_RES:
+            tl.store(RES_OUT + offs, r, mask=mask)
+        x = r
+    return x.to(tl.float32)
+
+
+@triton.jit
+def rms_norm_fwd_kernel(
+    X, RES, W, Y, RES_OUT,
+    n_rows, N, eps, weight_offset,
+    BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+):
+    """Y = rms_norm(X) or, with HAS_RESIDUAL, RES_OUT = round(X + RES), Y = rms_norm(RES_OUT).
+    All operands are [n_rows, N] contiguous; one program per tile of ROWS rows."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_mask = rows < n_rows
+    row_offs = rows.to(tl.int64)[:, None] * N
+    cols = tl.arange(0, BLOCK_N)[None, :]
+    if NUM_CHUNKS == 1:
+        mask = row_mask[:, None] & (cols < N)
+        x = _load_norm_input(X, RES, RES_OUT, row_offs + cols, mask, HAS_RESIDUAL, True)
+        inv = row_inv_rms(x * x, N, eps)
+        y = x * inv[:, None]
+        if HAS_WEIGHT:
+            y = y * (tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32) + weight_offset)
+        tl.store(Y + row_offs + cols, round_to(y, Y.dtype.element_ty), mask=mask)
+    else:
+        sq = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+        for c in range(NUM_CHUNKS):
+            ccols = c * BLOCK_N + cols
+            mask = row_mask[:, None] & (ccols < N)
+            x = _load_norm_input(X, RES, RES_OUT, row_offs + ccols, mask, HAS_RESIDUAL, True)
+            sq += x * x
+        inv = row_inv_rms(sq, N, eps)
+        for c in range(NUM_CHUNKS):
+            ccols = c * BLOCK_N + cols
+            mask = row_mask[:, None] & (ccols < N)
+            # Recomputing round(x + res) gives the bits stored in pass one, without reading
+            # back memory this program wrote.
+            x = _load_norm_input(X, RES, RES_OUT, row_offs + ccols, mask, HAS_RESIDUAL, False)
+            y = x * inv[:, None]
+            if HAS_WEIGHT:
+                y = y * (tl.load(W + ccols, mask=ccols < N, other=0.0).to(tl.float32) + weight_offset)
+            tl.store(Y + row_offs + ccols, round_to(y, Y.dtype.element_ty), mask=mask)
+
+
+def rms_norm_fwd(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    y: torch.Tensor,
+    eps: float,
+    weight_offset: float,
+    residual: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+) -> None:
+    """Launch the forward on 2-D contiguous aligned operands; writes y (and residual_out)."""
+    n_rows, n = x.shape
+    if n_rows == 0:
+        return
+    cfg = NormConfig.from_shape(n, x.dtype)
+    rms_norm_fwd_kernel[(triton.cdiv(n_rows, cfg.rows),)](
+        X=x, RES=residual if residual is not None else x, W=weight if weight is not None else x, Y=y,
+        RES_OUT=residual_out if residual_out is not None else y,
+        n_rows=n_rows, N=n, eps=eps, weight_offset=weight_offset,
+        BLOCK_N=cfg.block_n, NUM_CHUNKS=cfg.num_chunks, ROWS=cfg.rows,
+        HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
+        num_warps=cfg.num_warps,
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Backward
+
+
+@dataclass(frozen=True)
+class DwPlan:
+    """How the dW partials of one backward call are laid out and combined.
+
+    ``num_partials`` programs each own ``rows_per_partial`` consecutive rows (a multiple of
+    the tile height) and write one fp32 partial row. The partials are summed in a fixed
+    two-level order: within groups of ``group_size`` in index order, then the group sums in
+    index order. Depends on (M, N, dtype) only.
+    """
+
+    num_partials: int
+    rows_per_partial: int
+    group_size: int
+
+    @property
+    def num_groups(self) -> int:
+        return triton.cdiv(self.num_partials, self.group_size)
+
+    @staticmethod
+    def from_shape(m: int, n: int, dtype: torch.dtype) -> "DwPlan":
+        rows = NormConfig.from_shape(n, dtype).rows
+        min_rows = max(_MIN_ROWS_PER_PARTIAL, rows)
+        num_partials = max(1, min(_MAX_DW_PARTIALS, triton.cdiv(m, min_rows)))
+        rows_per_partial = triton.cdiv(triton.cdiv(m, num_partials), rows) * rows
+        num_partials = triton.cdiv(m, rows_per_partial)
+        return DwPlan(num_partials, rows_per_partial, _DW_GROUP_SIZE)
+
+
+@triton.jit
+def _group_sum(PARTIAL, group, num_partials, N, cols, mask, GROUP_SIZE: tl.constexpr):
+    """Sum of the partial rows of one group at cols, in index order (fp32, starting from 0)."""
+    acc = tl.zeros(cols.shape, dtype=tl.float32)
+    for s in range(GROUP_SIZE):
+        p = group * GROUP_SIZE + s
+        # .cg: other programs wrote these rows; read them from L2, never a stale L1 line.
+        acc += tl.load(PARTIAL + p * N + cols, mask=mask & (p < num_partials), other=0.0, cache_modifier=".cg")
+    return acc
+
+
+@triton.jit
+def _finish_dw(PARTIAL, GROUP_SUM, COUNTERS, DW, pid, num_partials, N,
+               GROUP_SIZE: tl.constexpr, BLOCK: tl.constexpr):
+    """Called by every program after storing its partial row: the last program of each group
+    writes the group's sum, and the last group finisher writes dW = sum of the group sums.
+
+    Arrival is counted with integer atomics: a CTA barrier, then an acq_rel add by one
+    thread, publishes this program's stores before the count (the CUTLASS generic-barrier
+    pattern); the finisher's acquire orders its loads after every arrival it counted. Each
+    finisher resets its counter to 0, so the counters are zero between calls and nothing of
+    a call is baked into a captured CUDA graph.
+    """
+    group = pid // GROUP_SIZE
+    num_groups = tl.cdiv(num_partials, GROUP_SIZE)
+    group_len = tl.minimum(GROUP_SIZE, num_partials - group * GROUP_SIZE)
+    tl.debug_barrier()
+    if tl.atomic_add(COUNTERS + 1 + group, 1, sem="acq_rel", scope="gpu") == group_len - 1:
+        tl.atomic_xchg(COUNTERS + 1 + group, 0, sem="relaxed", scope="gpu")
+        for start in range(0, N, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < N
+            acc = _group_sum(PARTIAL, group, num_partials, N, cols, mask, GROUP_SIZE)
+            tl.store(GROUP_SUM + group.to(tl.int64) * N + cols, acc, mask=mask)
+        tl.debug_barrier()
+        if tl.atomic_add(COUNTERS, 1, sem="acq_rel", scope="gpu") == num_groups - 1:
+            tl.atomic_xchg(COUNTERS, 0, sem="relaxed", scope="gpu")
+            for start in range(0, N, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                mask = cols < N
+                total = tl.zeros([BLOCK], dtype=tl.float32)
+                for g in range(num_groups):
+                    total += tl.load(GROUP_SUM + g * N + cols, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.store(DW + cols, round_to(total, DW.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def dw_combine_kernel(PARTIAL, DW, num_partials, N, GROUP_SIZE: tl.constexpr, BLOCK: tl.constexpr):
+    """The separate-launch combine: the same two-level order as _finish_dw, so the same bits,
+    with the columns spread over programs instead of done by the last finisher."""
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for g in range(tl.cdiv(num_partials, GROUP_SIZE)):
+        total += _group_sum(PARTIAL, g, num_partials, N, cols, mask, GROUP_SIZE)
+    tl.store(DW + cols, round_to(total, DW.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bwd_tile(DY, X, W, DX, DRES, row_offs, cols, mask, N, eps, weight_offset,
+              HAS_WEIGHT: tl.constexpr, HAS_DRES: tl.constexpr):
+    """dx for a tile whose rows fit in one chunk; returns dy * x_hat for the dW partial."""
+    x = tl.load(X + row_offs + cols, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(DY + row_offs + cols, mask=mask, other=0.0).to(tl.float32)
+    inv = row_inv_rms(x * x, N, eps)[:, None]
+    g = dy
+    if HAS_WEIGHT:
+        g = dy * (tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32) + weight_offset)
+    c = (tl.sum(g * x, axis=1) / N)[:, None] * inv
+    dx = inv * (g - x * inv * c)
+    if HAS_DRES:
+        dx += tl.load(DRES + row_offs + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(DX + row_offs + cols, round_to(dx, DX.dtype.element_ty), mask=mask)
+    return dy * x * inv
+
+
+@triton.jit
+def rms_norm_bwd_kernel(
+    DY, X, W, DX, DRES, PARTIAL, GROUP_SUM, COUNTERS, DW,
+    n_rows, N, rows_per_partial, num_partials, eps, weight_offset,
+    BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_DRES: tl.constexpr, FUSED_COMBINE: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+):
+    """DX = d rms_norm(X) / dX applied to DY (+ DRES, the gradient arriving on residual_out).
+    With HAS_WEIGHT, program p also writes PARTIAL[p] = sum over its rows of DY * x_hat, and
+    with FUSED_COMBINE the last programs to finish reduce the partials into DW."""
+    pid = tl.program_id(0)
+    row_start = pid * rows_per_partial
+    row_end = tl.minimum(row_start + rows_per_partial, n_rows)  # masks, never a loop bound
+    tile_rows = tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)[None, :]
+    partial_row = PARTIAL + pid.to(tl.int64) * N
+    if NUM_CHUNKS == 1:
+        dw_acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+        for r0 in range(0, rows_per_partial, ROWS):
+            rows = row_start + r0 + tile_rows
+            mask = (rows < row_end)[:, None] & (cols < N)
+            dw_acc += _bwd_tile(DY, X, W, DX, DRES, rows.to(tl.int64)[:, None] * N, cols, mask, N, eps,
+                                weight_offset, HAS_WEIGHT, HAS_DRES)
+        if HAS_WEIGHT:
+            tl.store(partial_row + tl.arange(0, BLOCK_N), tl.sum(dw_acc, axis=0), mask=tl.arange(0, BLOCK_N) < N)
+    else:
+        # Long rows, one at a time: pass one reduces x^2 and g*x over the chunks, pass two
+        # writes dx; the partial row is accumulated in place in PARTIAL[pid] (each element
+        # read and written by the same thread, so no barrier is needed).
+        w_cols = tl.arange(0, BLOCK_N)
+        if HAS_WEIGHT:
+            for c in range(NUM_CHUNKS):
+                tl.store(partial_row + c * BLOCK_N + w_cols, tl.zeros([BLOCK_N], tl.float32),
+                         mask=c * BLOCK_N + w_cols < N)
+        for i in range(rows_per_partial):
+            row = row_start + i
+            row_off = row.to(tl.int64) * N
+            sq = tl.zeros([1, BLOCK_N], dtype=tl.float32)
+            gx = tl.zeros([1, BLOCK_N], dtype=tl.float32)
+            for c in range(NUM_CHUNKS):
+                ccols = c * BLOCK_N + cols
+                mask = (ccols < N) & (row < row_end)
+                x = tl.load(X + row_off + ccols, mask=mask, other=0.0).to(tl.float32)
+                g = tl.load(DY + row_off + ccols, mask=mask, other=0.0).to(tl.float32)
+                if HAS_WEIGHT:
+                    g = g * (tl.load(W + ccols, mask=mask, other=0.0).to(tl.float32) + weight_offset)
+                sq += x * x
+                gx += g * x
+            inv = row_inv_rms(sq, N, eps)[:, None]
+            c_row = (tl.sum(gx, axis=1) / N)[:, None] * inv
+            for c in range(NUM_CHUNKS):
+                ccols = c * BLOCK_N + cols
+                mask = (ccols < N) & (row < row_end)
+                x = tl.load(X + row_off + ccols, mask=mask, other=0.0).to(tl.float32)
+                dy = tl.load(DY + row_off + ccols, mask=mask, other=0.0).to(tl.float32)
+                g = dy
+                if HAS_WEIGHT:
+                    g = dy * (tl.load(W + ccols, mask=mask, other=0.0).to(tl.float32) + weight_offset)
+                dx = inv * (g - x * inv * c_row)
+                if HAS_DRES:
+                    dx += tl.load(DRES + row_off + ccols, mask=mask, other=0.0).to(tl.float32)
+                tl.store(DX + row_off + ccols, round_to(dx, DX.dtype.element_ty), mask=mask)
+                if HAS_WEIGHT:
+                    p_ptr = partial_row + ccols
+                    tl.store(p_ptr, tl.load(p_ptr, mask=mask, other=0.0) + dy * x * inv, mask=mask)
+    if HAS_WEIGHT and FUSED_COMBINE:
+        _finish_dw(PARTIAL, GROUP_SUM, COUNTERS, DW, pid, num_partials, N, GROUP_SIZE, BLOCK_N)
+
+
+_COMBINE_BLOCK = 1024
+_dw_counters: dict[tuple, torch.Tensor] = {}
+
+
+def _dw_counters_for(device: torch.device, max_groups: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters for the in-kernel dW tree, one set per (device, stream).
+
+    The kernels leave them at zero, so they are allocated once and reused by every call on
+    that stream (also inside CUDA graphs). Calls on one stream are ordered, so they never
+    share counters concurrently.
+    """
+    stream = 0 if INTERPRETER else torch.cuda.current_stream(device).stream_id
+    key = (device, stream)
+    counters = _dw_counters.get(key)
+    if counters is None or counters.numel() < max_groups + 1:
+        counters = torch.zeros(max_groups + 1, dtype=torch.int32, device=device)
+        _dw_counters[key] = counters
+    return counters
+
+
+def rms_norm_bwd(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    dx: torch.Tensor,
+    dweight: torch.Tensor | None,
+    eps: float,
+    weight_offset: float,
+    dresidual_out: torch.Tensor | None = None,
+    fused_combine: bool = True,
+) -> None:
+    """Launch the backward on 2-D contiguous aligned operands; writes dx and dweight.
+
+    ``fused_combine=False`` combines dW in a separate launch with the same order (same
+    bits); it exists for the benchmark that compares the two.
+    """
+    n_rows, n = x.shape
+    if dweight is not None and n_rows == 0:
+        dweight.zero_()
+    if n_rows == 0:
+        return
+    cfg = NormConfig.from_shape(n, x.dtype)
+    plan = DwPlan.from_shape(n_rows, n, x.dtype)
+    has_weight = weight is not None
+    partial = group_sum = counters = None
+    if has_weight:
+        partial = torch.empty((plan.num_partials, n), dtype=torch.float32, device=x.device)
+        if fused_combine:
+            group_sum = torch.empty((plan.num_groups, n), dtype=torch.float32, device=x.device)
+            counters = _dw_counters_for(x.device, triton.cdiv(_MAX_DW_PARTIALS, _DW_GROUP_SIZE))
+    rms_norm_bwd_kernel[(plan.num_partials,)](
+        DY=dy, X=x, W=weight if has_weight else x, DX=dx,
+        DRES=dresidual_out if dresidual_out is not None else dx,
+        PARTIAL=partial if has_weight else dx, GROUP_SUM=group_sum if group_sum is not None else dx,
+        COUNTERS=counters if counters is not None else dx, DW=dweight if dweight is not None else dx,
+        n_rows=n_rows, N=n, rows_per_partial=plan.rows_per_partial, num_partials=plan.num_partials,
+        eps=eps, weight_offset=weight_offset,
+        BLOCK_N=cfg.block_n, NUM_CHUNKS=cfg.num_chunks, ROWS=cfg.rows if cfg.num_chunks == 1 else 1,
+        HAS_WEIGHT=has_weight, HAS_DRES=dresidual_out is not None, FUSED_COMBINE=fused_combine,
+        GROUP_SIZE=plan.group_size, num_warps=cfg.num_warps,
+    )
+    if has_weight and not fused_combine:
+        dw_combine_kernel[(triton.cdiv(n, _COMBINE_BLOCK),)](
+            PARTIAL=partial, DW=dweight, num_partials=plan.num_partials, N=n,
+            GROUP_SIZE=plan.group_size, BLOCK=_COMBINE_BLOCK, num_warps=4,
+        )
