@@ -1,0 +1,234 @@
+"""RMSNorm forward, residual-add forward and backward against tpfuse.reference.
+
+Runs on CPU under Triton's interpreter (small shapes) and on CUDA (large shapes)."""
+
+import pytest
+import torch
+
+import tpfuse
+from tpfuse import reference
+from tpfuse.kernels import norm as K
+from tests.conftest import DEVICE, ON_GPU, rel_err, rel_err_budget
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+if ON_GPU:
+    NS = [1, 7, 256, 1000, 2880, 4096, 5120, 7168, 14336, 16384, 20000, 65536]
+    MS = [0, 1, 16, 1000, 3000]
+else:
+    # 20000 exceeds the register-resident row for every dtype: the chunked path.
+    NS = [1, 7, 64, 1000, 2880, 20000]
+    MS = [0, 1, 5, 37]
+WEIGHTS = ["none", "plain", "offset1"]
+
+
+def _inputs(m, n, dtype, weight_kind, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, n, generator=g).to(dtype).to(DEVICE)
+    w = None if weight_kind == "none" else (1 + 0.5 * torch.randn(n, generator=g)).to(dtype).to(DEVICE)
+    off = 1.0 if weight_kind == "offset1" else 0.0
+    return x, w, off
+
+
+def _rows_for(n):
+    return [m for m in MS if m * n <= (50_000_000 if ON_GPU else 400_000)]
+
+
+@pytest.mark.parametrize("weight_kind", WEIGHTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", NS)
+def test_forward_and_backward_match_reference(n, dtype, weight_kind):
+    budget = rel_err_budget(dtype)
+    for m in _rows_for(n):
+        x, w, off = _inputs(m, n, dtype, weight_kind, seed=n * 31 + m)
+        y = tpfuse.rms_norm(x, w, 1e-6, weight_offset=off)
+        assert y.shape == x.shape and y.dtype == dtype
+        if m == 0:
+            continue
+        assert rel_err(y, reference.rms_norm(x, w, 1e-6, weight_offset=off)) <= budget
+
+        xg = x.clone().requires_grad_(True)
+        wg = None if w is None else w.clone().requires_grad_(True)
+        dy = torch.randn(m, n, dtype=torch.float32).to(dtype).to(DEVICE)
+        tpfuse.rms_norm(xg, wg, 1e-6, weight_offset=off).backward(dy)
+        dx_ref, dw_ref = reference.rms_norm_backward(dy, x, w, 1e-6, weight_offset=off)
+        if n > 1:  # at N=1 the exact dx is 0 up to eps: an absolute check below covers it
+            assert rel_err(xg.grad, dx_ref) <= 2 * budget
+        assert (xg.grad.double() - dx_ref).abs().max().item() <= 1e-2 * max(1.0, dx_ref.abs().max().item())
+        if w is not None:
+            assert rel_err(wg.grad, dw_ref) <= 2 * budget
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", NS)
+def test_add_rms_norm_is_bitwise_rms_norm_of_rounded_sum(n, dtype):
+    for m in _rows_for(n)[1:]:
+        x, w, off = _inputs(m, n, dtype, "offset1", seed=n + m)
+        residual = torch.randn(m, n).to(dtype).to(DEVICE)
+        y, residual_out = tpfuse.add_rms_norm(x, residual, w, weight_offset=off)
+        _, residual_out_ref = reference.add_rms_norm(x, residual, w, weight_offset=off)
+        assert torch.equal(residual_out, residual_out_ref)
+        assert torch.equal(y, tpfuse.rms_norm(residual_out, w, weight_offset=off))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [64, 1000, 2880] + ([4096, 7168, 20000] if ON_GPU else [20000]))
+def test_batch_invariance(n, dtype):
+    """A row alone and inside a batch of many rows, at a random position: the same bits."""
+    m = 1000 if (ON_GPU or n <= 2880) else 40
+    x, w, _ = _inputs(m, n, dtype, "plain", seed=n)
+    residual = torch.randn(m, n).to(dtype).to(DEVICE)
+    pos = int(torch.randint(m, (1,)))
+    y_batch = tpfuse.rms_norm(x, w)
+    y_alone = tpfuse.rms_norm(x[pos : pos + 1].clone(), w)
+    assert torch.equal(y_batch[pos : pos + 1], y_alone)
+    yb, rb = tpfuse.add_rms_norm(x, residual, w)
+    ya, ra = tpfuse.add_rms_norm(x[pos : pos + 1].clone(), residual[pos : pos + 1].clone(), w)
+    assert torch.equal(yb[pos : pos + 1], ya) and torch.equal(rb[pos : pos + 1], ra)
+
+
+@pytest.mark.parametrize("n", [64, 1000, 20000])
+def test_backward_is_deterministic(n):
+    m = 3000 if ON_GPU else (300 if n <= 1000 else 12)
+    x, w, _ = _inputs(m, n, torch.bfloat16, "plain", seed=7)
+    dy = torch.randn(m, n).to(torch.bfloat16).to(DEVICE)
+    results = []
+    for _ in range(10):
+        xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        tpfuse.rms_norm(xg, wg).backward(dy)
+        results.append((xg.grad, wg.grad))
+    for dx, dw in results[1:]:
+        assert torch.equal(dx, results[0][0]) and torch.equal(dw, results[0][1])
+
+
+@pytest.mark.parametrize("m", [1, 5, 64, 300] + ([4096, 32768] if ON_GPU else []))
+@pytest.mark.parametrize("n", [256, 1000] + ([4096, 20000] if ON_GPU else []))
+def test_fused_and_separate_dw_combine_give_the_same_bits(m, n):
+    x, w, _ = _inputs(m, n, torch.bfloat16, "plain", seed=m + n)
+    dy = torch.randn(m, n).to(torch.bfloat16).to(DEVICE)
+    outs = []
+    for fused in (True, False):
+        dx = torch.full_like(x, float("nan"))
+        dw = torch.full_like(w, float("nan"))
+        K.rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0, fused_combine=fused)
+        outs.append((dx, dw))
+    assert not outs[0][1].isnan().any() and not outs[0][0].isnan().any()
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    _, dw_ref = reference.rms_norm_backward(dy, x, w)
+    assert rel_err(outs[0][1], dw_ref) <= 2 * rel_err_budget(torch.bfloat16)
+
+
+@pytest.mark.parametrize("n", [7, 1000, 20000])
+def test_launchers_write_every_output_element(n):
+    m = 9
+    x, w, _ = _inputs(m, n, torch.float16, "plain", seed=3)
+    residual = torch.randn(m, n).to(torch.float16).to(DEVICE)
+    y = torch.full_like(x, float("nan"))
+    r_out = torch.full_like(x, float("nan"))
+    K.rms_norm_fwd(x, w, y, 1e-6, 0.0, residual=residual, residual_out=r_out)
+    assert not y.isnan().any() and not r_out.isnan().any()
+
+
+def test_add_rms_norm_backward_with_gradients_on_both_outputs():
+    m, n = 6, 1000
+    x, w, off = _inputs(m, n, torch.float32, "offset1", seed=11)
+    residual = torch.randn(m, n, device=DEVICE)
+    dy, dr = torch.randn(m, n, device=DEVICE), torch.randn(m, n, device=DEVICE)
+    xg, rg, wg = (t.clone().requires_grad_(True) for t in (x, residual, w))
+    y, r_out = tpfuse.add_rms_norm(xg, rg, wg, weight_offset=off)
+    torch.autograd.backward([y, r_out], [dy, dr])
+    r_ref = (x + residual).double()
+    dnorm_ref, dw_ref = reference.rms_norm_backward(dy, r_ref, w, weight_offset=off)
+    budget = 2 * rel_err_budget(torch.float32)
+    assert rel_err(xg.grad, dnorm_ref + dr.double()) <= budget
+    assert rel_err(rg.grad, dnorm_ref + dr.double()) <= budget
+    assert rel_err(wg.grad, dw_ref) <= budget
+    # Gradient only on residual_out: the norm contributes nothing.
+    xg2 = x.clone().requires_grad_(True)
+    _, r2 = tpfuse.add_rms_norm(xg2, residual, w)
+    r2.backward(dr)
+    assert torch.equal(xg2.grad, dr)
+
+
+def test_inplace_add_rms_norm_writes_residual():
+    m, n = 5, 1000
+    x, w, _ = _inputs(m, n, torch.bfloat16, "plain", seed=5)
+    residual = torch.randn(m, n).to(torch.bfloat16).to(DEVICE)
+    y_ref, r_ref = tpfuse.add_rms_norm(x, residual, w)
+    res_in = residual.clone()
+    y, r = tpfuse.add_rms_norm(x, res_in, w, inplace=True)
+    assert r is res_in and torch.equal(res_in, r_ref) and torch.equal(y, y_ref)
+    # A non-contiguous residual is updated in place as well.
+    wide = torch.randn(m, 2 * n).to(torch.bfloat16).to(DEVICE)
+    view = wide[:, ::2]
+    expect_y, expect_r = tpfuse.add_rms_norm(x, view.clone(), w)
+    y2, r2 = tpfuse.add_rms_norm(x, view, w, inplace=True)
+    assert r2 is view and torch.equal(view, expect_r) and torch.equal(y2, expect_y)
+    with pytest.raises(ValueError, match="not differentiable"):
+        tpfuse.add_rms_norm(x.clone().requires_grad_(True), residual.clone(), w, inplace=True)
+
+
+def test_non_contiguous_misaligned_and_leading_shapes_give_the_same_bits():
+    n = 1000
+    x, w, _ = _inputs(12, n, torch.bfloat16, "plain", seed=9)
+    y = tpfuse.rms_norm(x, w)
+    transposed = x.t().contiguous().t()
+    assert not transposed.is_contiguous()
+    assert torch.equal(tpfuse.rms_norm(transposed, w), y)
+    buf = torch.empty(12 * n + 1, dtype=torch.bfloat16, device=DEVICE)
+    misaligned = buf[1:].view(12, n)
+    misaligned.copy_(x)
+    assert misaligned.data_ptr() % 16 != 0
+    assert torch.equal(tpfuse.rms_norm(misaligned, w), y)
+    assert torch.equal(tpfuse.rms_norm(x.view(3, 4, n), w), y.view(3, 4, n))
+
+
+def test_nan_and_inf_propagate_like_the_reference():
+    x, w, _ = _inputs(4, 64, torch.float32, "plain", seed=1)
+    x[1, 3] = float("nan")
+    x[2, 5] = float("inf")
+    y = tpfuse.rms_norm(x, w)
+    ref = reference.rms_norm(x, w)
+    assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y.isinf(), ref.isinf())
+    finite = ref.isfinite()
+    assert rel_err(y[finite], ref[finite]) <= rel_err_budget(torch.float32)
+    assert y[1].isnan().all() and not y[0].isnan().any()
+
+
+def test_fp32_weight_with_bf16_input():
+    x, _, _ = _inputs(7, 1000, torch.bfloat16, "none", seed=2)
+    w = torch.randn(1000, device=DEVICE)
+    y = tpfuse.rms_norm(x, w)
+    assert y.dtype == torch.bfloat16
+    assert rel_err(y, reference.rms_norm(x, w)) <= rel_err_budget(torch.bfloat16)
+
+
+def test_bad_inputs_raise_clear_errors():
+    x = torch.randn(4, 64, device=DEVICE)
+    with pytest.raises(ValueError, match=r"weight has shape \(63,\); expected \(64,\)"):
+        tpfuse.rms_norm(x, torch.ones(63, device=DEVICE))
+    with pytest.raises(TypeError, match="residual has dtype torch.float16 but x has dtype torch.float32"):
+        tpfuse.add_rms_norm(x, x.half())
+    with pytest.raises(ValueError, match="residual has shape"):
+        tpfuse.add_rms_norm(x, x[:2])
+    with pytest.raises(TypeError, match="torch.int32"):
+        tpfuse.rms_norm(torch.ones(4, 64, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(TypeError, match="weight has dtype torch.float64"):
+        tpfuse.rms_norm(x, torch.ones(64, dtype=torch.float64, device=DEVICE))
+    with pytest.raises(ValueError, match="meta"):
+        tpfuse.rms_norm(x, torch.ones(64, device="meta"))
+    with pytest.raises(ValueError, match="0-dim"):
+        tpfuse.rms_norm(torch.tensor(1.0, device=DEVICE))
+    with pytest.raises(ValueError, match="weight_offset"):
+        tpfuse.rms_norm(x, None, weight_offset=1.0)
+
+
+def test_empty_inputs():
+    for shape in [(0, 64), (2, 0, 64)]:
+        x = torch.randn(shape, device=DEVICE)
+        w = torch.randn(64, device=DEVICE, requires_grad=True)
+        y, r = tpfuse.add_rms_norm(x, x.clone(), w)
+        assert y.shape == x.shape and r.shape == x.shape
+        xg = x.clone().requires_grad_(True)
+        tpfuse.rms_norm(xg, w).sum().backward()
+        assert xg.grad.shape == x.shape and torch.equal(w.grad, torch.zeros_like(w))
+        w.grad = None

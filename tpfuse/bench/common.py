@@ -1,0 +1,111 @@
+"""Shared benchmark utilities: the run header, CUDA-graph timing, copy bandwidth, output files."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import subprocess
+from typing import Callable
+
+import torch
+
+
+def run_header() -> dict:
+    """What a result file must carry to be reproducible: machine, versions, commit, date."""
+    import triton
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                cwd=os.path.dirname(__file__), check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "tpfuse"], capture_output=True, text=True,
+                               cwd=os.path.dirname(__file__), check=True).stdout.strip()
+        if dirty:
+            commit += "+dirty"
+    except (OSError, subprocess.CalledProcessError):
+        commit = os.environ.get("TPFUSE_COMMIT", "unknown")
+    header = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": commit,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+    }
+    if torch.cuda.is_available():
+        header["gpu"] = torch.cuda.get_device_name()
+        header["gpu_count"] = torch.cuda.device_count()
+        header["cuda"] = torch.version.cuda
+        nccl = torch.cuda.nccl.version()
+        header["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
+    return header
+
+
+def graph_time_us(fn: Callable[[int], object], calls_per_graph: int = 20, repeats: int = 5,
+                  min_replay_ms: float = 20.0) -> float:
+    """Median microseconds per call of ``fn(i)`` (i = call index, for rotating inputs),
+    captured ``calls_per_graph`` times in one CUDA graph and replayed.
+
+    The decode path of serving engines is graph-replayed, so launch overhead is measured the
+    way it is paid there. Each timed sample replays the graph enough times to last at
+    least ``min_replay_ms``.
+    """
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(3):  # warm-up: compilation, allocator, workspace set-up
+            fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls_per_graph):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    replays = max(1, int(min_replay_ms / max(start.elapsed_time(end), 1e-3)))
+    samples = []
+    for _ in range(repeats):
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / (replays * calls_per_graph))
+    del graph
+    return statistics.median(samples)
+
+
+def copy_bandwidth_gbps(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth (bytes read + bytes written per second), the ceiling
+    that bandwidth-bound kernels are reported against."""
+    src = torch.randn(nbytes // 4, device="cuda")
+    dst = torch.empty_like(src)
+    us = graph_time_us(lambda i: dst.copy_(src), calls_per_graph=5)
+    return 2 * nbytes / (us * 1e-6) / 1e9
+
+
+def rotation(nbytes_per_set: int, l2_bytes: int = 60 << 20) -> int:
+    """How many input sets to rotate through so repeated calls do not measure the L2 cache."""
+    return 1 if nbytes_per_set >= 4 * l2_bytes else min(16, -(-4 * l2_bytes // max(nbytes_per_set, 1)))
+
+
+def write_results(out_dir: str, name: str, header: dict, records: list[dict], markdown: str) -> tuple[str, str]:
+    """Write ``name.json`` (header + one record per measurement) and ``name.md``."""
+    os.makedirs(out_dir, exist_ok=True)
+    json_path = os.path.join(out_dir, f"{name}.json")
+    md_path = os.path.join(out_dir, f"{name}.md")
+    with open(json_path, "w") as f:
+        json.dump({"header": header, "records": records}, f, indent=1)
+    with open(md_path, "w") as f:
+        f.write(markdown)
+    return json_path, md_path
+
+
+def header_markdown(title: str, header: dict) -> str:
+    fields = ", ".join(f"{k} {v}" for k, v in header.items())
+    return f"# {title}\n\n{fields}\n\n"

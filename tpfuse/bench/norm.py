@@ -1,0 +1,262 @@
+"""``tpfuse bench norm``: RMSNorm forward, residual-add forward and backward (dx + dW), side
+by side with torch, torch.compile and Liger-Kernel, as effective bandwidth against a
+device-to-device copy measured in the same run; plus in-kernel vs separate dW combine.
+
+Bytes counted (each input read once, each output written once; the weight is negligible):
+forward 2*M*N, residual-add forward 4*M*N, backward 3*M*N elements.
+On a machine without CUDA it runs a small correctness and determinism smoke test instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import tpfuse
+from tpfuse import reference
+from tpfuse.bench.common import (copy_bandwidth_gbps, graph_time_us, header_markdown, rotation, run_header,
+                                 write_results)
+from tpfuse.kernels import norm as K
+
+MS = [1, 16, 128, 1024, 4096, 16384, 32768, 65536]
+NS = [256, 512, 1024, 2048, 2880, 4096, 5120, 7168, 8192, 16384, 65536]
+COMPILE_MS = [4096, 32768]  # torch.compile recompiles per shape: measured on a subset
+COMPILE_NS = [1024, 2048, 4096, 8192, 16384]
+MAX_ELEMENTS = 1 << 30
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+BYTES_PER_ELEMENT = {"fwd": 2, "add_fwd": 4, "bwd": 3}
+EPS = 1e-6
+
+
+def _impls(with_compile: bool):
+    """name -> (fwd(x, w), add_fwd(x, res, w)); backward is autograd through fwd."""
+    def torch_fwd(x, w):
+        return F.rms_norm(x, (x.shape[-1],), w, EPS)
+
+    def torch_add(x, res, w):
+        r = x + res
+        return F.rms_norm(r, (r.shape[-1],), w, EPS), r
+
+    impls = {
+        "tpfuse": (lambda x, w: tpfuse.rms_norm(x, w, EPS), lambda x, res, w: tpfuse.add_rms_norm(x, res, w, EPS)),
+        "torch": (torch_fwd, torch_add),
+    }
+    if with_compile:
+        impls["torch.compile"] = (torch.compile(torch_fwd, dynamic=False), torch.compile(torch_add, dynamic=False))
+    try:
+        from liger_kernel.transformers.rms_norm import LigerRMSNorm
+    except ImportError:
+        return impls
+    liger_modules: dict = {}
+
+    def liger_fwd(x, w):
+        key = (x.shape[-1], x.dtype, w.data_ptr())
+        if key not in liger_modules:
+            mod = LigerRMSNorm(x.shape[-1], eps=EPS).to(device=x.device, dtype=x.dtype)
+            mod.weight = torch.nn.Parameter(w, requires_grad=w.requires_grad)
+            liger_modules[key] = mod
+        return liger_modules[key](x)
+
+    impls["liger"] = (liger_fwd, lambda x, res, w: (liger_fwd(x + res, w), None))
+    return impls
+
+
+def _time_shape(impls, op, m, n, dtype):
+    """{impl: microseconds} for one op at one shape."""
+    esize = torch.empty((), dtype=dtype).element_size()
+    sets = rotation(BYTES_PER_ELEMENT[op] * m * n * esize)
+    xs = [torch.randn(m, n, device="cuda", dtype=dtype) for _ in range(sets)]
+    ress = [torch.randn(m, n, device="cuda", dtype=dtype) for _ in range(sets)] if op == "add_fwd" else None
+    w = torch.randn(n, device="cuda", dtype=dtype)
+    times = {}
+    for name, (fwd, add_fwd) in impls.items():
+        if name == "torch.compile" and not (m in COMPILE_MS and n in COMPILE_NS and dtype == torch.bfloat16):
+            continue
+        if op == "fwd":
+            times[name] = graph_time_us(lambda i: fwd(xs[i % sets], w))
+        elif op == "add_fwd":
+            times[name] = graph_time_us(lambda i: add_fwd(xs[i % sets], ress[i % sets], w))
+        else:
+            xg = [x.clone().requires_grad_(True) for x in xs]
+            wg = w.clone().requires_grad_(True)
+            ys = [fwd(x, wg) for x in xg]
+            dy = torch.randn(m, n, device="cuda", dtype=dtype)
+            times[name] = graph_time_us(
+                lambda i: torch.autograd.grad(ys[i % sets], (xg[i % sets], wg), dy, retain_graph=True))
+            del xg, ys
+    return times
+
+
+def _time_dw_combine(m, n, dtype):
+    """Backward kernel (dx + dW) with the in-kernel dW tree vs the separate combine launch."""
+    x = torch.randn(m, n, device="cuda", dtype=dtype)
+    dy = torch.randn_like(x)
+    w = torch.randn(n, device="cuda", dtype=dtype)
+    dx, dw = torch.empty_like(x), torch.empty_like(w)
+    return {f"dw_{'fused' if fused else 'separate'}": graph_time_us(
+        lambda i, fused=fused: K.rms_norm_bwd(dy, x, w, dx, dw, EPS, 0.0, fused_combine=fused))
+        for fused in (True, False)}
+
+
+def _gpu(args) -> int:
+    header = run_header()
+    header["copy_gbps"] = copy_gbps = copy_bandwidth_gbps()
+    impls = _impls(not args.no_compile)
+    header["impls"] = list(impls)
+    print(f"# {header.get('gpu')}: copy bandwidth {copy_gbps:.0f} GB/s; impls {', '.join(impls)}", flush=True)
+    records = []
+    for dname in args.dtype:
+        dtype = DTYPES[dname]
+        esize = torch.empty((), dtype=dtype).element_size()
+        for n in args.n:
+            for m in args.m:
+                if m * n > MAX_ELEMENTS or (dname == "fp32" and m not in args.fp32_m):
+                    continue
+                for op in args.ops:
+                    times = _time_shape(impls, op, m, n, dtype)
+                    if op == "bwd":
+                        times.update(_time_dw_combine(m, n, dtype))
+                    for impl, us in times.items():
+                        gbps = BYTES_PER_ELEMENT[op] * m * n * esize / (us * 1e-6) / 1e9
+                        records.append({"op": op, "impl": impl, "dtype": dname, "M": m, "N": n, "us": round(us, 3),
+                                        "gbps": round(gbps, 1), "pct_copy": round(100 * gbps / copy_gbps, 1)})
+                    line = "  ".join(f"{k} {v:.1f}us" for k, v in times.items())
+                    print(f"{op:8s} {dname} M={m:6d} N={n:6d}  {line}", flush=True)
+                torch.cuda.empty_cache()
+    md = header_markdown("tpfuse bench norm", header) + summary_markdown(records)
+    paths = write_results(args.out, "norm", header, records, md)
+    print(md)
+    print("wrote", *paths)
+    if args.plot:
+        plot(records, args.out)
+    return 0
+
+
+def summary_markdown(records: list[dict]) -> str:
+    """Headline tables: % of copy bandwidth at the largest swept M, small-M latency, and
+    in-kernel vs separate dW combine."""
+    def table(rows, cols, cell, title, row_name):
+        out = [f"## {title}\n", f"| {row_name} | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+        for r in rows:
+            out.append(f"| {r} | " + " | ".join(cell(r, c) for c in cols) + " |")
+        return "\n".join(out) + "\n\n"
+
+    idx = {(r["op"], r["impl"], r["dtype"], r["M"], r["N"]): r for r in records}
+    text = ""
+    for dname in sorted({r["dtype"] for r in records}):
+        big_m = max((r["M"] for r in records if r["dtype"] == dname), default=None)
+        for m in sorted({32768, big_m} & {r["M"] for r in records if r["dtype"] == dname}):
+            ns = sorted({r["N"] for r in records if r["M"] == m and r["dtype"] == dname})
+            for op in ("fwd", "add_fwd", "bwd"):
+                impls = sorted({r["impl"] for r in records if r["op"] == op and r["M"] == m and r["dtype"] == dname},
+                               key=lambda s: (s != "tpfuse", s))
+                if not impls:
+                    continue
+
+                def cell(n, impl, op=op, m=m, dname=dname):
+                    r = idx.get((op, impl, dname, m, n))
+                    return f"{r['pct_copy']:.0f}% ({r['us']:.0f} us)" if r else "–"
+                text += table(ns, impls, cell, f"{op}, {dname}, M={m}: % of copy bandwidth (time)", "N")
+    small = sorted({r["M"] for r in records if r["M"] <= 16})
+    if small:
+        def cell_small(key, impl):
+            r = idx.get(("fwd", impl, "bf16", key[0], key[1]))
+            return f"{r['us']:.2f}" if r else "–"
+        keys = sorted({(r["M"], r["N"]) for r in records if r["M"] in small and r["dtype"] == "bf16"
+                       and r["N"] in (1024, 4096, 8192)})
+        impls = sorted({r["impl"] for r in records if r["op"] == "fwd"}, key=lambda s: (s != "tpfuse", s))
+        text += table([k for k in keys], impls, cell_small, "forward, bf16, small batches: us per call (graph replay)",
+                      "(M, N)")
+    dw = sorted({(r["M"], r["N"]) for r in records if r["impl"] == "dw_fused" and r["dtype"] == "bf16"})
+    if dw:
+        def cell_dw(key, col):
+            f, s = idx.get(("bwd", "dw_fused", "bf16") + key), idx.get(("bwd", "dw_separate", "bf16") + key)
+            return {"fused us": f"{f['us']:.1f}", "separate us": f"{s['us']:.1f}",
+                    "speedup": f"{s['us'] / f['us']:.2f}x"}[col]
+        text += table(dw, ["fused us", "separate us", "speedup"], cell_dw,
+                      "backward dx+dW, bf16: in-kernel dW tree vs separate combine launch (same bits)", "(M, N)")
+    return text
+
+
+def plot(records: list[dict], out_dir: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for op in ("fwd", "add_fwd", "bwd"):
+        sel = [r for r in records if r["op"] == op and r["dtype"] == "bf16" and r["M"] == 32768]
+        if not sel:
+            continue
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for impl in sorted({r["impl"] for r in sel}):
+            pts = sorted((r["N"], r["pct_copy"]) for r in sel if r["impl"] == impl)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("N (hidden size)")
+        ax.set_ylabel("% of device copy bandwidth")
+        ax.set_title(f"RMSNorm {op}, bf16, M=32768")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.savefig(f"{out_dir}/norm_{op}.png", dpi=120, bbox_inches="tight")
+        plt.close(fig)
+
+
+def _cpu_smoke() -> int:
+    """Correctness and determinism on small shapes under the interpreter (no timings)."""
+    print("No CUDA GPU: running the kernels under Triton's interpreter on CPU for a correctness and "
+          "determinism check. Timings need a GPU (run `tpfuse bench norm` on one).\n")
+    print(f"{'op':8s} {'dtype':9s} {'M':>4s} {'N':>6s} {'rel err':>9s} {'budget':>9s} {'bitwise/determ.':>16s}")
+    ok = True
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        budget = {torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}[dtype] + 2e-6
+        for m, n in [(4, 1000), (3, 4096), (2, 20000)]:
+            x = torch.randn(m, n, generator=g).to(dtype)
+            res = torch.randn(m, n, generator=g).to(dtype)
+            w = torch.randn(n, generator=g).to(dtype)
+            dy = torch.randn(m, n, generator=g).to(dtype)
+            y = tpfuse.rms_norm(x, w)
+            y2, r = tpfuse.add_rms_norm(x, res, w)
+            bitwise = torch.equal(y2, tpfuse.rms_norm(r, w))
+            grads = []
+            for _ in range(3):
+                xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+                grads.append(torch.autograd.grad(tpfuse.rms_norm(xg, wg), (xg, wg), dy))
+            determ = all(torch.equal(a, b) for gr in grads[1:] for a, b in zip(gr, grads[0]))
+            dx_ref, dw_ref = reference.rms_norm_backward(dy, x, w)
+            ref = reference.rms_norm(x, w)
+            for op, out, want, flag in (("fwd", y, ref, True), ("add_fwd", y2, reference.add_rms_norm(x, res, w)[0],
+                                        bitwise), ("bwd dx", grads[0][0], dx_ref, determ),
+                                        ("bwd dW", grads[0][1], dw_ref, determ)):
+                err = ((out.double() - want).norm() / want.norm()).item()
+                good = err <= 2 * budget and flag
+                ok &= good
+                print(f"{op:8s} {str(dtype)[6:]:9s} {m:4d} {n:6d} {err:9.2e} {budget:9.2e} "
+                      f"{'yes' if flag else 'NO':>16s}{'' if good else '  FAIL'}")
+    print("\nall checks passed" if ok else "\nSOME CHECKS FAILED")
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="tpfuse bench norm", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="bench_out", help="directory for norm.json / norm.md / plots")
+    p.add_argument("--dtype", nargs="+", default=["bf16", "fp32"], choices=list(DTYPES))
+    p.add_argument("--m", nargs="+", type=int, default=MS)
+    p.add_argument("--n", nargs="+", type=int, default=NS)
+    p.add_argument("--fp32-m", nargs="+", type=int, default=[1, 1024, 32768],
+                   help="the rows swept in fp32 (a subset, to bound the run time)")
+    p.add_argument("--ops", nargs="+", default=["fwd", "add_fwd", "bwd"], choices=list(BYTES_PER_ELEMENT))
+    p.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
+    p.add_argument("--plot", action="store_true", help="write PNG plots (needs matplotlib)")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        return _cpu_smoke()
+    return _gpu(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
