@@ -1,0 +1,125 @@
+"""Run a test function on W ranks: one process per rank, a process group over 127.0.0.1.
+
+``run_ranks(world_size, fn, *args)`` calls ``fn(*args)`` in every rank's process and returns
+the W results (index = rank). A rank that raises makes it raise AssertionError with that
+rank's traceback; ranks that do not answer within ``timeout_s`` are killed and it raises
+AssertionError. Rank processes are started once per (world size, backend) and reused by
+later calls, so each test pays only for its own work; ``fn`` must be a module-level function
+(it is sent by reference). Test functions usually return a list of failure messages.
+
+CPU ranks (backend "gloo") run tpfuse under Triton's interpreter (TRITON_INTERPRET=1 is set
+before they import anything), so these tests also run on GPU machines. GPU ranks (backend
+"nccl") each use GPU ``rank``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+
+_ENV = {
+    "gloo": {"TRITON_INTERPRET": "1"},
+    "nccl": {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"},
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(rank: int, world_size: int, port: int, backend: str, inbox, outbox) -> None:
+    os.environ.update(_ENV[backend])
+    import torch
+    import torch.distributed as dist
+
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            **({"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}))
+    outbox.put((rank, "ready", None))
+    while (job := inbox.get()) is not None:
+        fn, args = job
+        try:
+            outbox.put((rank, "ok", fn(*args)))
+        except BaseException:  # the parent reports whatever the rank hit
+            outbox.put((rank, "raised", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """``world_size`` rank processes waiting for functions to run."""
+
+    def __init__(self, world_size: int, backend: str = "gloo", start_timeout_s: float = 120.0):
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self.world_size = world_size
+        self.broken = False
+        self._outbox = ctx.Queue()
+        self._inboxes = [ctx.Queue() for _ in range(world_size)]
+        self._procs = [ctx.Process(target=_serve, args=(r, world_size, port, backend, self._inboxes[r], self._outbox),
+                                   daemon=True) for r in range(world_size)]
+        for p in self._procs:
+            p.start()
+        self._collect("start the ranks", start_timeout_s)
+
+    def run(self, fn, *args, timeout_s: float = 120.0) -> list:
+        for inbox in self._inboxes:
+            inbox.put((fn, args))
+        return self._collect(f"{fn.__name__}{args!r}", timeout_s)
+
+    def _collect(self, what: str, timeout_s: float) -> list:
+        results, errors = [None] * self.world_size, []
+        deadline = time.monotonic() + timeout_s
+        for _ in range(self.world_size):
+            while True:
+                try:
+                    rank, kind, value = self._outbox.get(timeout=0.5)
+                    break
+                except queue.Empty:
+                    dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                    if dead or time.monotonic() > deadline:
+                        self.close()
+                        why = f"rank processes {dead} died" if dead else f"not finished within {timeout_s} s (hang?)"
+                        raise AssertionError(f"{what}: {why}") from None
+            if kind == "raised":
+                errors.append(f"rank {rank} raised:\n{value}")
+            results[rank] = value
+        if errors:
+            self.close()  # a rank that raised may have left its peers mid-protocol
+            raise AssertionError("\n".join(errors))
+        return results
+
+    def close(self) -> None:
+        if self.broken:
+            return
+        self.broken = True
+        for inbox in self._inboxes:
+            inbox.put(None)
+        for p in self._procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+
+
+_pools: dict[tuple[int, str], RankPool] = {}
+
+
+def run_ranks(world_size: int, fn, *args, backend: str = "gloo", timeout_s: float = 120.0) -> list:
+    """``fn(*args)`` on every rank of a ``world_size`` group; the list of their results."""
+    pool = _pools.get((world_size, backend))
+    if pool is None or pool.broken:
+        pool = _pools[(world_size, backend)] = RankPool(world_size, backend)
+    return pool.run(fn, *args, timeout_s=timeout_s)
+
+
+@atexit.register
+def _close_pools() -> None:
+    for pool in _pools.values():
+        pool.close()

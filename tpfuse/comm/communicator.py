@@ -1,0 +1,214 @@
+"""Communicator: exact all-reduce over peer memory, with the group's backend as fallback."""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+import torch
+import torch.distributed as dist
+
+from tpfuse import _runtime
+from tpfuse.comm.peer_memory import PeerMemory, PeerMemoryUnavailable
+from tpfuse.comm.plan import MAX_BLOCKS, AllReducePlan
+from tpfuse.comm.workspace import WorkspaceLayout
+from tpfuse.kernels.allreduce import OP_NAMES, all_reduce_into
+from tpfuse.kernels.sync import STATUS_WORDS, decode_status
+
+logger = logging.getLogger("tpfuse.comm")
+
+MiB = 1024 * 1024
+DEFAULT_MAX_BYTES = {"cuda": 16 * MiB, "cpu": 1 * MiB}
+"""Largest two-shot message by default; the workspace is about 4x this per rank (64 MiB on
+GPUs). On CPU the interpreter moves a few MB/s, and /dev/shm is often small in containers."""
+MAX_MAX_BYTES = 512 * MiB
+"""Keeps every element offset inside a data region below 2**31 (the kernels use int32)."""
+MAX_WORLD_SIZE = 8
+
+
+class CommTimeoutError(RuntimeError):
+    """A peer did not arrive within ``timeout_s``; the communicator is unusable afterwards.
+
+    Attributes: rank (the rank that gave up), peer (the first rank it waited for in vain),
+    op (the operation), epoch (the call number, counted from 1 per communicator).
+    """
+
+    def __init__(self, op: str, rank: int, peer: int, epoch: int, timeout_s: float):
+        super().__init__(f"rank {rank} waited {timeout_s:g} s for rank {peer} in {op} (call {epoch}); "
+                         "the peer crashed, is stuck, or the ranks' call sequences differ. "
+                         "This communicator cannot be used any more")
+        self.op, self.rank, self.peer, self.epoch = op, rank, peer, epoch
+
+
+class Communicator:
+    """Exact all-reduce among the ranks of a process group on one node.
+
+    ``Communicator(group=None, *, max_bytes=None, timeout_s=30.0)`` is collective: every rank
+    of ``group`` (default: the world group) constructs it, with the same arguments. It
+    allocates its peer workspace once (``workspace_bytes`` per rank, about 4 * max_bytes;
+    ``max_bytes`` defaults to 16 MiB on GPUs, 1 MiB on CPU). ``close()`` releases it (local,
+    after the rank's last call); the communicator is also a context manager.
+
+    Devices: CUDA tensors (NCCL or any group; peer memory from torch symmetric memory), or
+    CPU tensors under Triton's interpreter (gloo group; peer memory in /dev/shm).
+
+    The group's backend (``torch.distributed.all_reduce``) serves a call instead, logged
+    once per reason on the ``tpfuse.comm`` logger, when the message exceeds the workspace,
+    the ranks cannot map each other's memory, the group spans nodes or has more than 8 ranks.
+
+    One stream at a time: every call of a communicator must be issued on one stream (or
+    graph-captured on one stream); two streams using one communicator concurrently corrupt
+    its protocol. Use one communicator per stream.
+
+    Errors in the kernels: a wait for a peer that does not arrive within ``timeout_s`` ends
+    the kernel and records the rank, the peer and the operation. Under the interpreter the
+    call raises ``CommTimeoutError`` itself. On GPUs the kernel cannot raise: the record is
+    in host memory and is checked at the start of every ``all_reduce`` (so the next call
+    raises once the failed kernel has finished) and by ``check()``, which synchronizes the
+    device first. After an error every call raises.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *, max_bytes: int | None = None,
+                 timeout_s: float = 30.0):
+        if not dist.is_initialized():
+            raise RuntimeError("Communicator needs torch.distributed to be initialized (init_process_group)")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.timeout_s = float(timeout_s)
+        self.device = (torch.device("cpu") if _runtime.INTERPRETER
+                       else torch.device("cuda", torch.cuda.current_device()))
+        if max_bytes is None:
+            max_bytes = DEFAULT_MAX_BYTES[self.device.type]
+        if not isinstance(max_bytes, int) or not 0 < max_bytes <= MAX_MAX_BYTES:
+            raise ValueError(f"max_bytes must be an int in (0, {MAX_MAX_BYTES}], got {max_bytes!r}")
+        self.max_bytes = max_bytes
+        self.layout: WorkspaceLayout | None = None
+        self._peer: PeerMemory | None = None
+        self._failure: Exception | None = None
+        self._closed = False
+        self._logged: set[str] = set()
+        self.fallback_reason = ""
+        """Why no peer workspace exists (empty when one does, or when world_size is 1)."""
+        if self.world_size > 1:
+            self._setup()
+
+    def _setup(self) -> None:
+        peers = [None] * self.world_size
+        dist.all_gather_object(peers, (socket.gethostname(), self.max_bytes), group=self.group)
+        if len({m for _, m in peers}) > 1:
+            raise ValueError(f"every rank must pass the same max_bytes; got {[m for _, m in peers]}")
+        if len({h for h, _ in peers}) > 1:
+            self.fallback_reason = f"the group spans nodes {sorted({h for h, _ in peers})}"
+        elif self.world_size > MAX_WORLD_SIZE:
+            self.fallback_reason = f"world size {self.world_size} > {MAX_WORLD_SIZE}"
+        else:
+            layout = WorkspaceLayout(self.world_size, self.max_bytes, MAX_BLOCKS)
+            try:
+                self._peer = PeerMemory(self.group, layout.total_bytes, self.device)
+                self.layout = layout
+            except PeerMemoryUnavailable as e:
+                self.fallback_reason = str(e)
+        if self._peer is None:
+            self._log_once(logging.WARNING, f"tpfuse Communicator uses the group's backend for every call: "
+                                            f"{self.fallback_reason}")
+            return
+        # The status record lives in host memory the kernels write (pinned, and so mapped
+        # into the device's address space on CUDA), so the host reads it without a sync.
+        self._status = torch.zeros(STATUS_WORDS, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        self._status_view = self._status.numpy()  # reading it costs ~100 ns, not a tensor op
+        self._table = torch.tensor(self._peer.buffer_ptrs + [self._status.data_ptr()], dtype=torch.int64,
+                                   device=self.device)
+
+    @property
+    def workspace_bytes(self) -> int:
+        """Bytes of peer memory this rank allocated (0 without a peer workspace)."""
+        return self.layout.total_bytes if self._peer is not None else 0
+
+    def all_reduce(self, x: torch.Tensor, *, algo: str = "auto") -> torch.Tensor:
+        """Sum of ``x`` over the ranks of the group, as a new contiguous tensor.
+
+        Every rank must call it, in the same order, with the same shape, dtype and algo.
+        Result: every element is the fp32 sum over ranks 0..W-1 in that order, rounded once
+        to x's dtype (``tpfuse.reference.all_reduce``), bitwise identical on every rank, for
+        "oneshot", "twoshot" and "auto" (whichever custom algorithm or size). "nccl" (and any
+        fallback to the group's backend) does not carry this contract: the backend's
+        summation order is its own.
+
+        Args:
+            x: bf16, fp16 or fp32 tensor of any shape, stride and alignment (non-contiguous
+                or misaligned inputs are copied first) on this communicator's device. Not
+                modified; the result never aliases it.
+            algo: "auto" (by size, see ``AllReducePlan``), "oneshot", "twoshot", or "nccl"
+                (the group's backend).
+
+        Raises:
+            TypeError: x is not a tensor, or has an unsupported dtype.
+            ValueError: x is on the wrong device, algo is unknown, or the explicit algo cannot
+                serve this message (too large for the workspace, or no workspace).
+            CommTimeoutError: a peer did not arrive (here or in an earlier call).
+            RuntimeError: the communicator is closed or failed earlier.
+        """
+        self._check_usable()
+        _runtime.check_float_tensor(x, "x")
+        if x.device != self.device and self.world_size > 1:
+            raise ValueError(f"x is on {x.device}, but this communicator serves {self.device}")
+        if algo not in ("auto", "oneshot", "twoshot", "nccl"):
+            raise ValueError(f"algo must be one of 'auto', 'oneshot', 'twoshot', 'nccl', got {algo!r}")
+        if x.numel() == 0 or self.world_size == 1:
+            return x.clone(memory_format=torch.contiguous_format)
+        plan = AllReducePlan.from_numel(x.numel(), self.world_size, x.dtype, self.layout, algo)
+        if plan.algo == "nccl":
+            self._log_once(logging.INFO, f"tpfuse all_reduce uses the group's backend: {plan.reason}")
+            out = x.clone(memory_format=torch.contiguous_format)
+            dist.all_reduce(out, group=self.group)
+            return out
+        src = _runtime.aligned_contiguous(x)
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        all_reduce_into(src, out, algo=plan.algo, grid=plan.grid, block=plan.block, num_warps=plan.num_warps,
+                        chunk=plan.chunk, table=self._table, rank=self.rank, layout=self.layout,
+                        timeout_ns=int(self.timeout_s * 1e9))
+        if _runtime.INTERPRETER:
+            self._check_usable()
+        return out
+
+    def check(self) -> None:
+        """Synchronize the device, then raise CommTimeoutError if any call so far failed."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._check_usable()
+
+    def close(self) -> None:
+        """Release the peer workspace (local; call it after this rank's last call)."""
+        if self._closed:
+            return
+        if self._peer is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # no kernel of ours still uses the workspace
+            self._peer.close()
+            self._peer = None
+        self._closed = True
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise RuntimeError("this Communicator is closed")
+        if self._failure is None and self._peer is not None:
+            record = decode_status(self._status_view)
+            if record is not None:
+                op, rank, peer, epoch = record
+                self._failure = CommTimeoutError(OP_NAMES.get(op, f"op {op}"), rank, peer, epoch, self.timeout_s)
+        if self._failure is not None:
+            raise self._failure
+
+    def _log_once(self, level: int, message: str) -> None:
+        if message not in self._logged:
+            self._logged.add(message)
+            logger.log(level, "%s", message)

@@ -1,0 +1,131 @@
+"""The fixed layout of a communicator's peer workspace (pure Python, no torch).
+
+Every rank allocates one buffer of ``WorkspaceLayout.total_bytes`` with this layout; peers
+write into it and the owner reads it. The byte offsets below depend only on the world size
+and the capacity chosen when the communicator is created, never on the size of a message,
+so a larger call after a smaller one can never land on a slot that a slow peer still reads
+(DESIGN.md section 2.1).
+
+Layout of one rank's buffer (every region starts at a multiple of ``ALIGN``)::
+
+    ctrl      local words: [0] epoch of the last finished call, [1] blocks finished in
+              the current call, [2] abort word (non-zero once any wait timed out)
+    flags[0]  phase-0 arrival flags: int64 word (block b, source rank s) at
+              flags[0] + (b * world_size + s) * 8, written only by rank s's block b
+    flags[1]  phase-1 arrival flags (two-shot all-gather), same shape
+    data[0]   message data of calls with even epoch
+    data[1]   message data of calls with odd epoch
+
+Each data region (``data_bytes``) is cut into ``world_size`` one-shot slots (slot s holds
+rank s's whole input), or, for two-shot, into ``world_size`` scatter slots (slot s holds
+rank s's contribution to this rank's chunk) followed by ``world_size`` gather slots (slot s
+holds the reduced chunk s). One-shot and two-shot use the same bytes: every call of either
+algorithm ends only after every peer has started it, so no peer is ever more than one call
+ahead, and two data regions rotated by call parity keep call k+1's writes off call k's data
+(section 2.3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ALIGN = 256
+"""Region and slot alignment in bytes: a multiple of the 16-byte vector width, and no two
+slots share a 128-byte cache line."""
+
+FLAG_BYTES = 8
+"""Flags are int64 epochs: an int32 epoch would wrap after 2**31 calls (hours at 4 us per
+call), and the one writer per word rules out sub-word flags sharing a word."""
+
+CTRL_EPOCH, CTRL_DONE, CTRL_ABORT = 0, 1, 2
+"""Indices of the int64 control words at the start of the buffer."""
+
+NUM_PHASES = 2
+NUM_PARITIES = 2
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class WorkspaceLayout:
+    """Byte offsets of every region of a rank's peer workspace.
+
+    Args:
+        world_size: ranks in the group (>= 2).
+        max_bytes: the largest message two-shot serves; one-shot serves up to
+            ``oneshot_max_bytes`` (= 2 * max_bytes / world_size, rounded down to ALIGN).
+        max_blocks: the most CTAs one call may launch (flag slots per phase).
+    """
+
+    world_size: int
+    max_bytes: int
+    max_blocks: int
+
+    def __post_init__(self) -> None:
+        if self.world_size < 2:
+            raise ValueError(f"a workspace needs world_size >= 2, got {self.world_size}")
+        if self.max_bytes < ALIGN:
+            raise ValueError(f"max_bytes must be at least {ALIGN}, got {self.max_bytes}")
+        if self.max_blocks < 1:
+            raise ValueError(f"max_blocks must be >= 1, got {self.max_blocks}")
+
+    @property
+    def ctrl_offset(self) -> int:
+        return 0
+
+    @property
+    def ctrl_bytes(self) -> int:
+        return ALIGN
+
+    @property
+    def flag_region_bytes(self) -> int:
+        return _round_up(self.max_blocks * self.world_size * FLAG_BYTES, ALIGN)
+
+    def flag_offset(self, phase: int) -> int:
+        """Start of the arrival flags of ``phase`` (0: publish/scatter, 1: gather)."""
+        if not 0 <= phase < NUM_PHASES:
+            raise ValueError(f"phase must be 0 or 1, got {phase}")
+        return self.ctrl_bytes + phase * self.flag_region_bytes
+
+    @property
+    def twoshot_slot_bytes(self) -> int:
+        """Bytes of one two-shot scatter or gather slot: one rank's chunk of the message."""
+        return _round_up(-(-self.max_bytes // self.world_size), ALIGN)
+
+    @property
+    def data_bytes(self) -> int:
+        """Bytes of one data region (one parity)."""
+        return 2 * self.world_size * self.twoshot_slot_bytes
+
+    @property
+    def oneshot_slot_bytes(self) -> int:
+        """Bytes of one one-shot slot: a whole message of one rank."""
+        return self.data_bytes // self.world_size
+
+    @property
+    def gather_offset(self) -> int:
+        """Start of the two-shot gather slots, relative to the start of a data region."""
+        return self.world_size * self.twoshot_slot_bytes
+
+    def data_offset(self, parity: int) -> int:
+        """Start of the data region of calls whose epoch has this parity."""
+        if not 0 <= parity < NUM_PARITIES:
+            raise ValueError(f"parity must be 0 or 1, got {parity}")
+        return self.flag_offset(NUM_PHASES - 1) + self.flag_region_bytes + parity * self.data_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.data_offset(NUM_PARITIES - 1) + self.data_bytes
+
+    def regions(self) -> list[tuple[str, int, int]]:
+        """Every region and slot as (name, offset, size), for checks and debugging."""
+        out = [("ctrl", self.ctrl_offset, self.ctrl_bytes)]
+        out += [(f"flags[{p}]", self.flag_offset(p), self.flag_region_bytes) for p in range(NUM_PHASES)]
+        w, s = self.world_size, self.twoshot_slot_bytes
+        for parity in range(NUM_PARITIES):
+            base = self.data_offset(parity)
+            out += [(f"data[{parity}].scatter[{r}]", base + r * s, s) for r in range(w)]
+            out += [(f"data[{parity}].gather[{r}]", base + self.gather_offset + r * s, s) for r in range(w)]
+        return out

@@ -1,0 +1,165 @@
+"""One-shot and two-shot all-reduce over peer memory, exact by construction.
+
+Each rank's result element is ``round(((f32(x_0) + f32(x_1)) + ...) + f32(x_{W-1}))``: fp32
+accumulation in rank order, one rounding (``tpfuse.reference.all_reduce``), on every rank
+and for every size, because the same ``sum_in_rank_order`` device function produces every
+output element of both algorithms.
+
+Both kernels push: a rank writes into its peers' workspaces and reads only its own, so
+every poll is of local memory and every remote access is a posted store.
+
+- one-shot: each rank writes its input into slot ``rank`` of every rank's data region, raises
+  its flag there, waits for all W flags, and sums the W local slots. One flag round trip.
+- two-shot: each rank writes chunk c of its input into scatter slot ``rank`` of rank c; rank
+  c sums its W scatter slots (its chunk, in rank order), rounds once, and writes the result
+  into gather slot c of every rank; every rank then copies the W gather slots to its output.
+  Each rank moves 2(W-1)/W of the message over the links.
+
+Addresses come from the workspace layout (``tpfuse.comm.workspace``) and a table of W+1
+int64 addresses: the W ranks' workspace bases as mapped in this process, then the host-visible
+status record. Block b of every rank handles the same tiles and synchronises only with block
+b of its peers, so blocks never wait on each other within a rank (and Triton's interpreter,
+which runs blocks one after another, runs the protocol too). The kernels know nothing of
+torch.distributed.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tpfuse.kernels.rounding import round_to
+from tpfuse.kernels.sync import begin_call, end_call, signal, wait
+
+# Operation codes of the status record (``sync.wait``), named for error messages.
+OP_ONESHOT = tl.constexpr(1)
+OP_TWOSHOT_SCATTER = tl.constexpr(2)
+OP_TWOSHOT_GATHER = tl.constexpr(3)
+OP_NAMES = {1: "one-shot all_reduce", 2: "two-shot all_reduce (reduce-scatter phase)",
+            3: "two-shot all_reduce (all-gather phase)"}
+
+
+@triton.jit
+def _typed(base, byte_offset, ELEM: tl.constexpr):
+    """A typed pointer to a workspace address (16-byte aligned by the layout)."""
+    return tl.multiple_of((base + byte_offset).to(tl.pointer_type(ELEM)), 16)
+
+
+@triton.jit
+def sum_in_rank_order(slot0, slot_elems, offs, mask, W: tl.constexpr):
+    """fp32 sum over the W slots ``slot0 + s * slot_elems`` (s = 0..W-1, in that order) at
+    ``offs``; the data was written by peers, so it is read through L2 (``.cg``)."""
+    acc = tl.load(slot0 + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    for s in tl.static_range(1, W):
+        acc += tl.load(slot0 + s * slot_elems + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _push_to_all(table_ptr, byte_offset, vals, offs, mask, W: tl.constexpr):
+    """Store ``vals`` at ``byte_offset`` + offs (elements) in every rank's workspace."""
+    for dst in tl.static_range(W):
+        tl.store(_typed(tl.load(table_ptr + dst), byte_offset, vals.dtype) + offs, vals, mask=mask)
+
+
+@triton.jit
+def _flag_row(local, flags_offset, W: tl.constexpr):
+    """This block's W local flag words (one per source rank) in a phase's flag region."""
+    return (local + flags_offset + tl.program_id(0) * W * 8).to(tl.pointer_type(tl.int64))
+
+
+@triton.jit
+def oneshot_all_reduce_kernel(x_ptr, out_ptr, numel, table_ptr, rank, timeout_ns, flags_offset, data_offset,
+                              data_bytes, slot_elems, W: tl.constexpr, PEERS: tl.constexpr, BLOCK: tl.constexpr):
+    ELEM: tl.constexpr = x_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    grid = tl.num_programs(0)
+    local = tl.load(table_ptr + rank)
+    ctrl = local.to(tl.pointer_type(tl.int64))
+    status = tl.load(table_ptr + W).to(tl.pointer_type(tl.int64))
+    epoch = begin_call(ctrl)
+    data = data_offset + (epoch % 2) * data_bytes
+    n_tiles = tl.cdiv(numel, BLOCK)
+    for tile in range(pid, n_tiles, grid):
+        offs = tile * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < numel
+        vals = tl.load(x_ptr + offs, mask=mask)
+        _push_to_all(table_ptr, data, vals, rank * slot_elems + offs, mask, W)
+    signal(table_ptr, flags_offset + (pid * W + rank) * 8, epoch, W, PEERS)
+    if wait(_flag_row(local, flags_offset, W), ctrl, status, epoch, rank, timeout_ns, OP_ONESHOT, W, PEERS):
+        slot0 = _typed(local, data, ELEM)
+        for tile in range(pid, n_tiles, grid):
+            offs = tile * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < numel
+            acc = sum_in_rank_order(slot0, slot_elems, offs, mask, W)
+            tl.store(out_ptr + offs, round_to(acc, ELEM), mask=mask)
+    end_call(ctrl, epoch)
+
+
+@triton.jit
+def twoshot_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, rank, timeout_ns, flags_offset,
+                              flags_bytes, data_offset, data_bytes, gather_offset, slot_elems,
+                              W: tl.constexpr, PEERS: tl.constexpr, BLOCK: tl.constexpr):
+    ELEM: tl.constexpr = x_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    grid = tl.num_programs(0)
+    local = tl.load(table_ptr + rank)
+    ctrl = local.to(tl.pointer_type(tl.int64))
+    status = tl.load(table_ptr + W).to(tl.pointer_type(tl.int64))
+    epoch = begin_call(ctrl)
+    data = data_offset + (epoch % 2) * data_bytes
+    n_tiles = tl.cdiv(chunk, BLOCK)
+    # Reduce-scatter, part 1: chunk c of my input into scatter slot `rank` of rank c.
+    for tile in range(pid, n_tiles, grid):
+        offs = tile * BLOCK + tl.arange(0, BLOCK)
+        for c in tl.static_range(W):
+            mask = (offs < chunk) & (c * chunk + offs < numel)
+            vals = tl.load(x_ptr + c * chunk + offs, mask=mask)
+            dst = _typed(tl.load(table_ptr + c), data, ELEM) + rank * slot_elems
+            tl.store(dst + offs, vals, mask=mask)
+    signal(table_ptr, flags_offset + (pid * W + rank) * 8, epoch, W, PEERS)
+    # Part 2: sum my chunk's W contributions, round once, write the result into gather slot
+    # `rank` of every rank.
+    if wait(_flag_row(local, flags_offset, W), ctrl, status, epoch, rank, timeout_ns, OP_TWOSHOT_SCATTER, W, PEERS):
+        slot0 = _typed(local, data, ELEM)
+        for tile in range(pid, n_tiles, grid):
+            offs = tile * BLOCK + tl.arange(0, BLOCK)
+            mask = (offs < chunk) & (rank * chunk + offs < numel)
+            y = round_to(sum_in_rank_order(slot0, slot_elems, offs, mask, W), ELEM)
+            _push_to_all(table_ptr, data + gather_offset, y, rank * slot_elems + offs, mask, W)
+    # All-gather: after a failed first wait the abort word makes this wait return at once.
+    signal(table_ptr, flags_offset + flags_bytes + (pid * W + rank) * 8, epoch, W, PEERS)
+    gather_flags = _flag_row(local, flags_offset + flags_bytes, W)
+    if wait(gather_flags, ctrl, status, epoch, rank, timeout_ns, OP_TWOSHOT_GATHER, W, PEERS):
+        gather0 = _typed(local, data + gather_offset, ELEM)
+        for tile in range(pid, n_tiles, grid):
+            offs = tile * BLOCK + tl.arange(0, BLOCK)
+            for c in tl.static_range(W):
+                mask = (offs < chunk) & (c * chunk + offs < numel)
+                vals = tl.load(gather0 + c * slot_elems + offs, mask=mask, cache_modifier=".cg")
+                tl.store(out_ptr + c * chunk + offs, vals, mask=mask)
+    end_call(ctrl, epoch)
+
+
+def all_reduce_into(x: torch.Tensor, out: torch.Tensor, *, algo: str, grid: int, block: int, num_warps: int,
+                    chunk: int, table: torch.Tensor, rank: int, layout, timeout_ns: int) -> None:
+    """Launch one all-reduce of contiguous, 16-byte aligned ``x`` into ``out`` (same shape
+    and dtype, not aliasing x). Every rank must launch the same algo, grid, block and chunk
+    (the caller derives them from the message size only) on one stream at a time.
+
+    table: int64 tensor of W+1 addresses on x's device (W workspace bases, status record);
+    layout: the ``WorkspaceLayout`` of those workspaces; chunk: elements per rank (two-shot).
+    """
+    world = layout.world_size
+    common = dict(x_ptr=x, out_ptr=out, numel=x.numel(), table_ptr=table, rank=rank, timeout_ns=timeout_ns,
+                  flags_offset=layout.flag_offset(0), data_offset=layout.data_offset(0), data_bytes=layout.data_bytes,
+                  W=world, PEERS=triton.next_power_of_2(world), BLOCK=block, num_warps=num_warps)
+    if algo == "oneshot":
+        oneshot_all_reduce_kernel[(grid,)](slot_elems=layout.oneshot_slot_bytes // x.element_size(), **common)
+    elif algo == "twoshot":
+        twoshot_all_reduce_kernel[(grid,)](chunk=chunk, flags_bytes=layout.flag_region_bytes,
+                                           gather_offset=layout.gather_offset,
+                                           slot_elems=layout.twoshot_slot_bytes // x.element_size(), **common)
+    else:
+        raise ValueError(f"algo must be 'oneshot' or 'twoshot', got {algo!r}")

@@ -1,0 +1,152 @@
+"""Cross-rank synchronisation device functions: call epochs, arrival flags, bounded waits.
+
+Every collective kernel in tpfuse synchronises with these functions and nothing else.
+
+**Epochs.** A rank's workspace starts with control words (see ``tpfuse.comm.workspace``):
+``ctrl[0]`` holds the epoch of the last finished call. Every block of a call reads it at
+its start (``begin_call``) and works with ``epoch = ctrl[0] + 1``; the last block to finish
+(counted by ``ctrl[1]``) stores the new epoch (``end_call``). The epoch therefore lives in
+device memory and is advanced by the kernel itself: a CUDA graph that captured a call holds
+no epoch value, and every replay, interleaved with eager calls in any pattern, runs with the
+next epoch (DESIGN.md 2.2). All ranks make the same sequence of calls, so all agree on it.
+
+**Flags.** Flag words are int64 and have exactly one writer: block b of rank s writes its
+slot (b, s) in the flag region of the phase on each destination rank, storing the call's
+epoch. A waiter accepts ``flag >= epoch``, never ``==``: a peer may already have moved on
+to the next call (2.2, 2.3).
+
+**Memory ordering.** ``signal`` first runs a CTA barrier, so every thread's peer stores
+precede the barrier, then each flag is written by an atomic exchange with release semantics
+at system scope: by cumulativity the release covers the whole CTA's stores (the pattern of
+CUTLASS's generic barrier). ``wait`` polls with acquire atomics at system scope and ends
+with a CTA barrier, so every thread's later loads see the peers' data; callers additionally
+load peer-written data with ``cache_modifier=".cg"`` so no stale L1 line is used (2.4).
+
+**Bounded waits.** ``wait`` gives up after ``timeout_ns`` (read from ``%globaltimer`` on
+GPUs, from the host's monotonic clock under Triton's interpreter), records
+``{op, rank, peer, epoch}`` in the host-visible status record and sets the local abort word,
+so every later wait on this rank returns at once instead of spinning (2.6). A GPU kernel
+cannot raise: the host reads the status record (``Communicator`` documents when).
+
+Capacity limits the kernels rely on, checked on the host: a call launches at most
+``WorkspaceLayout.max_blocks`` blocks (one flag slot per block), and every block of a grid
+is resident at once (grids are capped well below the SM count), so a block's wait for the
+same block on a peer cannot wait on a block that is not yet scheduled.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import triton
+import triton.language as tl
+
+from tpfuse._runtime import INTERPRETER
+
+STATUS_WORDS = 8
+"""Length of the int64 status record: [claim, valid, op, rank, peer, epoch, unused, unused]
+(``_record_error`` writes it, ``decode_status`` reads it)."""
+
+
+def decode_status(words) -> tuple[int, int, int, int] | None:
+    """(op, rank, peer, epoch) of a recorded error, or None while the record is not valid."""
+    if int(words[1]) == 0:
+        return None
+    return int(words[2]), int(words[3]), int(words[4]), int(words[5])
+
+if INTERPRETER:
+
+    @triton.jit
+    def now_ns():
+        """Host monotonic clock in ns. The yield lets a peer process that shares the core
+        make progress while this one polls."""
+        os.sched_yield()
+        return time.monotonic_ns()
+
+else:
+
+    @triton.jit
+    def now_ns():
+        """``%globaltimer`` in ns (a device-wide clock; resolution about 1 us)."""
+        return tl.inline_asm_elementwise(
+            "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+        )
+
+
+@triton.jit
+def begin_call(ctrl_ptr):
+    """The epoch of the call this block belongs to (ctrl_ptr: int64* to the control words).
+
+    The load bypasses L1: ``ctrl[0]`` was written by the previous call's last block, which
+    may have run on another SM."""
+    return tl.load(ctrl_ptr, volatile=True) + 1
+
+
+@triton.jit
+def end_call(ctrl_ptr, epoch):
+    """Count this block as finished; the last block of the grid publishes ``epoch``.
+
+    Every block read the epoch before its acq_rel increment, so the last block's store
+    cannot overtake any block's read. The next call (the next kernel on the stream) sees
+    both stores."""
+    finished = tl.atomic_add(ctrl_ptr + 1, 1, sem="acq_rel", scope="gpu")
+    if finished == tl.num_programs(0) - 1:
+        tl.store(ctrl_ptr + 1, 0)
+        tl.store(ctrl_ptr, epoch)
+
+
+@triton.jit
+def signal(table_ptr, flag_offset, epoch, W: tl.constexpr, PEERS: tl.constexpr):
+    """Raise this block's flag to ``epoch`` on every rank (itself included).
+
+    table_ptr: int64* to the W workspace base addresses; flag_offset: byte offset of this
+    block's (block, source rank) flag word in the phase's flag region. PEERS is W rounded up
+    to a power of two."""
+    tl.debug_barrier()
+    peers = tl.arange(0, PEERS)
+    live = peers < W
+    bases = tl.load(table_ptr + peers, mask=live, other=0)
+    flags = (bases + flag_offset).to(tl.pointer_type(tl.int64))
+    tl.atomic_xchg(flags, tl.full([PEERS], 0, tl.int64) + epoch, mask=live, sem="release", scope="sys")
+
+
+@triton.jit
+def wait(flags_ptr, ctrl_ptr, status_ptr, epoch, rank, timeout_ns, OP: tl.constexpr,
+         W: tl.constexpr, PEERS: tl.constexpr):
+    """Wait until every rank's flag in ``flags_ptr[0:W]`` (int64*, this block's local flag
+    row) reaches ``epoch``; returns True, or False after a timeout or an earlier abort.
+
+    On timeout, records ``(OP, rank, first late peer, epoch)`` in the status record (the
+    first recording wins) and sets the local abort word."""
+    peers = tl.arange(0, PEERS)
+    live = peers < W
+    zeros = tl.full([PEERS], 0, tl.int64)
+    seen = tl.where(live, tl.atomic_add(flags_ptr + peers, zeros, mask=live, sem="acquire", scope="sys"), epoch)
+    aborted = tl.load(ctrl_ptr + 2, volatile=True) != 0
+    ready = tl.min(seen, 0) >= epoch
+    start = now_ns()
+    elapsed = start - start
+    while not ready and not aborted and elapsed < timeout_ns:
+        seen = tl.where(live, tl.atomic_add(flags_ptr + peers, zeros, mask=live, sem="acquire", scope="sys"), epoch)
+        aborted = tl.load(ctrl_ptr + 2, volatile=True) != 0
+        ready = tl.min(seen, 0) >= epoch
+        elapsed = now_ns() - start
+    if not ready and not aborted:
+        late = tl.min(tl.where(seen < epoch, peers, PEERS), 0)
+        _record_error(status_ptr, OP, rank, late, epoch)
+        tl.atomic_xchg(ctrl_ptr + 2, 1, sem="release", scope="gpu")
+    tl.debug_barrier()
+    return ready
+
+
+@triton.jit
+def _record_error(status_ptr, op, rank, peer, epoch):
+    """Fill the status record once; ``valid`` is written last, so a reader that sees it
+    sees the whole record."""
+    if tl.atomic_cas(status_ptr + 0, 0, 1, sem="acq_rel", scope="sys") == 0:
+        tl.store(status_ptr + 2, op)
+        tl.store(status_ptr + 3, rank)
+        tl.store(status_ptr + 4, peer)
+        tl.store(status_ptr + 5, epoch)
+        tl.atomic_xchg(status_ptr + 1, 1, sem="release", scope="sys")
