@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.rounding import round_to
+from tpfuse.kernels.common import round_to
 from tpfuse.kernels.sync import begin_call, end_call, signal, wait
 
 # Operation codes of the status record (``sync.wait``), named for error messages.
