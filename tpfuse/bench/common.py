@@ -41,15 +41,17 @@ def run_header() -> dict:
 
 
 def graph_time_us(fn: Callable[[int], object], calls_per_graph: int = 20, repeats: int = 5,
-                  min_replay_ms: float = 20.0) -> float:
+                  min_replay_ms: float = 20.0, stream: torch.cuda.Stream | None = None) -> float:
     """Median microseconds per call of ``fn(i)`` (i = call index, for rotating inputs),
     captured ``calls_per_graph`` times in one CUDA graph and replayed.
 
     The decode path of serving engines is graph-replayed, so launch overhead is measured the
     way it is paid there. Each timed sample replays the graph enough times to last at
-    least ``min_replay_ms``.
+    least ``min_replay_ms``. ``stream`` is the warm-up and capture stream: pass the one that
+    ran the forward when ``fn`` runs an autograd backward (the backward runs on the forward's
+    stream, which must be the capturing one).
     """
-    stream = torch.cuda.Stream()
+    stream = stream or torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for i in range(3):  # warm-up: compilation, allocator, workspace set-up
@@ -57,7 +59,7 @@ def graph_time_us(fn: Callable[[int], object], calls_per_graph: int = 20, repeat
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream):
         for i in range(calls_per_graph):
             fn(i)
     graph.replay()
@@ -85,6 +87,8 @@ def copy_bandwidth_gbps(nbytes: int = 1 << 30) -> float:
     that bandwidth-bound kernels are reported against."""
     src = torch.randn(nbytes // 4, device="cuda")
     dst = torch.empty_like(src)
+    for _ in range(50):  # let the clocks ramp up: the first copies after idle run slow
+        dst.copy_(src)
     us = graph_time_us(lambda i: dst.copy_(src), calls_per_graph=5)
     return 2 * nbytes / (us * 1e-6) / 1e9
 

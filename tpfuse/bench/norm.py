@@ -82,10 +82,13 @@ def _time_shape(impls, op, m, n, dtype):
         else:
             xg = [x.clone().requires_grad_(True) for x in xs]
             wg = w.clone().requires_grad_(True)
-            ys = [fwd(x, wg) for x in xg]
             dy = torch.randn(m, n, device="cuda", dtype=dtype)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                ys = [fwd(x, wg) for x in xg]
             times[name] = graph_time_us(
-                lambda i: torch.autograd.grad(ys[i % sets], (xg[i % sets], wg), dy, retain_graph=True))
+                lambda i: torch.autograd.grad(ys[i % sets], (xg[i % sets], wg), dy, retain_graph=True), stream=stream)
             del xg, ys
     return times
 

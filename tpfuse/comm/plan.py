@@ -21,8 +21,9 @@ KiB = 1024
 
 # Largest message auto sends to one-shot, by world size (provisional; other sizes: W=8's).
 ONESHOT_MAX_BYTES = {2: 512 * KiB, 4: 256 * KiB, 8: 128 * KiB}
-# Elements of a tile: 8 KiB = 256 threads x two 16-byte vectors (provisional).
-TILE_BYTES = 8 * KiB
+# Bytes of a tile: on GPUs 8 KiB = 256 threads x two 16-byte vectors (provisional); the
+# interpreter pays per operation, not per element, so it takes large tiles.
+TILE_BYTES = 8 * KiB if not INTERPRETER else 64 * KiB
 NUM_WARPS = 8
 # CTAs per call (provisional). Capped far below the H200's 132 SMs so a whole grid is
 # resident even beside other work; under the interpreter, blocks run one after another and

@@ -22,3 +22,11 @@ def round_to(x, DTYPE: tl.constexpr):
         rounded = tl.where(x != x, (bits >> 16) | 0x40, rounded)  # NaN stays a (quiet) NaN
         return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     return x.to(DTYPE)
+
+
+# Launch options of every tpfuse kernel. LLVM contracts a*b + c into an FMA depending on the
+# code around it (seen on H200: the same row reduction compiled inside the rms_norm and the
+# add_rms_norm kernels fused different multiply-adds and gave different bits). With
+# contraction off, each + and * rounds once, as written, in every kernel, so a device
+# function gives the same bits wherever it is inlined; write tl.fma where an FMA is meant.
+EXACT_FP = {"enable_fp_fusion": False}

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from tpfuse._runtime import INTERPRETER
-from tpfuse.kernels.common import round_to
+from tpfuse.kernels.common import EXACT_FP, round_to
 
 # A row of up to 32 KiB is held in registers and read from memory once; longer rows are
 # processed in 8 KiB chunks and read twice (the second read mostly hits L2).
@@ -117,7 +117,7 @@ def rms_norm_fwd_kernel(
             ccols = c * BLOCK_N + cols
             mask = row_mask[:, None] & (ccols < N)
             x = _load_norm_input(X, RES, RES_OUT, row_offs + ccols, mask, HAS_RESIDUAL, True)
-            sq += x * x
+            sq = tl.fma(x, x, sq)
         inv = row_inv_rms(sq, N, eps)
         for c in range(NUM_CHUNKS):
             ccols = c * BLOCK_N + cols
@@ -151,7 +151,7 @@ def rms_norm_fwd(
         n_rows=n_rows, N=n, eps=eps, weight_offset=weight_offset,
         BLOCK_N=cfg.block_n, NUM_CHUNKS=cfg.num_chunks, ROWS=cfg.rows,
         HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
-        num_warps=cfg.num_warps,
+        num_warps=cfg.num_warps, **EXACT_FP,
     )
 
 
@@ -310,8 +310,8 @@ def rms_norm_bwd_kernel(
                 g = tl.load(DY + row_off + ccols, mask=mask, other=0.0).to(tl.float32)
                 if HAS_WEIGHT:
                     g = g * (tl.load(W + ccols, mask=mask, other=0.0).to(tl.float32) + weight_offset)
-                sq += x * x
-                gx += g * x
+                sq = tl.fma(x, x, sq)
+                gx = tl.fma(g, x, gx)
             inv = row_inv_rms(sq, N, eps)[:, None]
             c_row = (tl.sum(gx, axis=1) / N)[:, None] * inv
             for c in range(NUM_CHUNKS):
@@ -392,10 +392,10 @@ def rms_norm_bwd(
         eps=eps, weight_offset=weight_offset,
         BLOCK_N=cfg.block_n, NUM_CHUNKS=cfg.num_chunks, ROWS=cfg.rows if cfg.num_chunks == 1 else 1,
         HAS_WEIGHT=has_weight, HAS_DRES=dresidual_out is not None, FUSED_COMBINE=fused_combine,
-        GROUP_SIZE=plan.group_size, num_warps=cfg.num_warps,
+        GROUP_SIZE=plan.group_size, num_warps=cfg.num_warps, **EXACT_FP,
     )
     if has_weight and not fused_combine:
         dw_combine_kernel[(triton.cdiv(n, _COMBINE_BLOCK),)](
             PARTIAL=partial, DW=dweight, num_partials=plan.num_partials, N=n,
-            GROUP_SIZE=plan.group_size, BLOCK=_COMBINE_BLOCK, num_warps=4,
+            GROUP_SIZE=plan.group_size, BLOCK=_COMBINE_BLOCK, num_warps=4, **EXACT_FP,
         )

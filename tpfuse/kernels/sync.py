@@ -36,7 +36,6 @@ same block on a peer cannot wait on a block that is not yet scheduled.
 
 from __future__ import annotations
 
-import os
 import time
 
 import triton
@@ -55,13 +54,15 @@ def decode_status(words) -> tuple[int, int, int, int] | None:
         return None
     return int(words[2]), int(words[3]), int(words[4]), int(words[5])
 
+POLL_SLEEP_S = 50e-6
+
 if INTERPRETER:
 
     @triton.jit
     def now_ns():
-        """Host monotonic clock in ns. The yield lets a peer process that shares the core
-        make progress while this one polls."""
-        os.sched_yield()
+        """Host monotonic clock in ns, after a short sleep: the interpreter polls between
+        processes that share a few cores, and a sleeping poller leaves them to its peers."""
+        time.sleep(POLL_SLEEP_S)
         return time.monotonic_ns()
 
 else:
@@ -144,7 +145,8 @@ def wait(flags_ptr, ctrl_ptr, status_ptr, epoch, rank, timeout_ns, OP: tl.conste
 def _record_error(status_ptr, op, rank, peer, epoch):
     """Fill the status record once; ``valid`` is written last, so a reader that sees it
     sees the whole record."""
-    if tl.atomic_cas(status_ptr + 0, 0, 1, sem="acq_rel", scope="sys") == 0:
+    unclaimed = tl.zeros([], tl.int64)
+    if tl.atomic_cas(status_ptr + 0, unclaimed, unclaimed + 1, sem="acq_rel", scope="sys") == 0:
         tl.store(status_ptr + 2, op)
         tl.store(status_ptr + 3, rank)
         tl.store(status_ptr + 4, peer)
