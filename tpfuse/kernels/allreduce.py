@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.common import round_to
+from tpfuse.kernels.common import EXACT_FP, round_to
 from tpfuse.kernels.sync import begin_call, end_call, signal, wait
 
 # Operation codes of the status record (``sync.wait``), named for error messages.
@@ -154,7 +154,7 @@ def all_reduce_into(x: torch.Tensor, out: torch.Tensor, *, algo: str, grid: int,
     world = layout.world_size
     common = dict(x_ptr=x, out_ptr=out, numel=x.numel(), table_ptr=table, rank=rank, timeout_ns=timeout_ns,
                   flags_offset=layout.flag_offset(0), data_offset=layout.data_offset(0), data_bytes=layout.data_bytes,
-                  W=world, PEERS=triton.next_power_of_2(world), BLOCK=block, num_warps=num_warps)
+                  W=world, PEERS=triton.next_power_of_2(world), BLOCK=block, num_warps=num_warps, **EXACT_FP)
     if algo == "oneshot":
         oneshot_all_reduce_kernel[(grid,)](slot_elems=layout.oneshot_slot_bytes // x.element_size(), **common)
     elif algo == "twoshot":

@@ -55,15 +55,19 @@ def decode_status(words) -> tuple[int, int, int, int] | None:
     return int(words[2]), int(words[3]), int(words[4]), int(words[5])
 
 POLL_SLEEP_S = 50e-6
+"""Under the interpreter, the pause between polls: ranks are processes sharing a few cores,
+and a sleeping poller leaves the core to the peer it waits for."""
 
 if INTERPRETER:
 
     @triton.jit
     def now_ns():
-        """Host monotonic clock in ns, after a short sleep: the interpreter polls between
-        processes that share a few cores, and a sleeping poller leaves them to its peers."""
-        time.sleep(POLL_SLEEP_S)
+        """The host's monotonic clock in ns."""
         return time.monotonic_ns()
+
+    @triton.jit
+    def backoff():
+        time.sleep(POLL_SLEEP_S)
 
 else:
 
@@ -73,6 +77,11 @@ else:
         return tl.inline_asm_elementwise(
             "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
         )
+
+    @triton.jit
+    def backoff():
+        """GPUs poll flat out: the flags are in local L2 and the wait is short."""
+        pass
 
 
 @triton.jit
@@ -129,6 +138,7 @@ def wait(flags_ptr, ctrl_ptr, status_ptr, epoch, rank, timeout_ns, OP: tl.conste
     start = now_ns()
     elapsed = start - start
     while not ready and not aborted and elapsed < timeout_ns:
+        backoff()
         seen = tl.where(live, tl.atomic_add(flags_ptr + peers, zeros, mask=live, sem="acquire", scope="sys"), epoch)
         aborted = tl.load(ctrl_ptr + 2, volatile=True) != 0
         ready = tl.min(seen, 0) >= epoch
