@@ -47,18 +47,12 @@ def _impls(with_compile: bool):
     if with_compile:
         impls["torch.compile"] = (torch.compile(torch_fwd, dynamic=False), torch.compile(torch_add, dynamic=False))
     try:
-        from liger_kernel.transformers.rms_norm import LigerRMSNorm
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
     except ImportError:
         return impls
-    liger_modules: dict = {}
 
-    def liger_fwd(x, w):
-        key = (x.shape[-1], x.dtype, w.data_ptr())
-        if key not in liger_modules:
-            mod = LigerRMSNorm(x.shape[-1], eps=EPS).to(device=x.device, dtype=x.dtype)
-            mod.weight = torch.nn.Parameter(w, requires_grad=w.requires_grad)
-            liger_modules[key] = mod
-        return liger_modules[key](x)
+    def liger_fwd(x, w):  # Liger's defaults: "llama" casting, backward in place of dy
+        return LigerRMSNormFunction.apply(x, w, EPS, 0.0, "llama", True)
 
     impls["liger"] = (liger_fwd, lambda x, res, w: (liger_fwd(x + res, w), None))
     return impls
