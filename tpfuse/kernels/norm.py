@@ -246,11 +246,11 @@ def dw_combine_kernel(PARTIAL, DW, num_partials, N, GROUP_SIZE: tl.constexpr, BL
 
 
 @triton.jit
-def _bwd_tile(DY, X, W, DX, DRES, row_offs, cols, mask, N, eps, weight_offset,
+def _bwd_tile(x, dy, W, DX, DRES, offs, cols, mask, N, eps, weight_offset,
               HAS_WEIGHT: tl.constexpr, HAS_DRES: tl.constexpr):
-    """dx for a tile whose rows fit in one chunk; returns dy * x_hat for the dW partial."""
-    x = tl.load(X + row_offs + cols, mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(DY + row_offs + cols, mask=mask, other=0.0).to(tl.float32)
+    """dx for a loaded tile (rows that fit in one chunk); returns dy * x_hat for dW."""
+    x = x.to(tl.float32)
+    dy = dy.to(tl.float32)
     inv = row_inv_rms(x * x, N, eps)[:, None]
     g = dy
     if HAS_WEIGHT:
@@ -258,8 +258,8 @@ def _bwd_tile(DY, X, W, DX, DRES, row_offs, cols, mask, N, eps, weight_offset,
     c = (tl.sum(g * x, axis=1) / N)[:, None] * inv
     dx = inv * (g - x * inv * c)
     if HAS_DRES:
-        dx += tl.load(DRES + row_offs + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(DX + row_offs + cols, round_to(dx, DX.dtype.element_ty), mask=mask)
+        dx += tl.load(DRES + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(DX + offs, round_to(dx, DX.dtype.element_ty), mask=mask)
     return dy * x * inv
 
 
@@ -281,12 +281,23 @@ def rms_norm_bwd_kernel(
     cols = tl.arange(0, BLOCK_N)[None, :]
     partial_row = PARTIAL + pid.to(tl.int64) * N
     if NUM_CHUNKS == 1:
+        # Software pipelining by hand: the next tile's loads are issued before this tile's
+        # reductions, so each program keeps two tiles of x and dy in flight.
         dw_acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-        for r0 in range(0, rows_per_partial, ROWS):
-            rows = row_start + r0 + tile_rows
-            mask = (rows < row_end)[:, None] & (cols < N)
-            dw_acc += _bwd_tile(DY, X, W, DX, DRES, rows.to(tl.int64)[:, None] * N, cols, mask, N, eps,
-                                weight_offset, HAS_WEIGHT, HAS_DRES)
+        rows = row_start + tile_rows
+        mask = (rows < row_end)[:, None] & (cols < N)
+        offs = rows.to(tl.int64)[:, None] * N + cols
+        x = tl.load(X + offs, mask=mask, other=0.0)
+        dy = tl.load(DY + offs, mask=mask, other=0.0)
+        for r0 in range(ROWS, rows_per_partial + ROWS, ROWS):
+            next_rows = row_start + r0 + tile_rows
+            next_mask = (next_rows < row_end)[:, None] & (cols < N)
+            next_offs = next_rows.to(tl.int64)[:, None] * N + cols
+            next_x = tl.load(X + next_offs, mask=next_mask, other=0.0)
+            next_dy = tl.load(DY + next_offs, mask=next_mask, other=0.0)
+            dw_acc += _bwd_tile(x, dy, W, DX, DRES, offs, cols, mask, N, eps, weight_offset,
+                                HAS_WEIGHT, HAS_DRES)
+            x, dy, mask, offs = next_x, next_dy, next_mask, next_offs
         if HAS_WEIGHT:
             tl.store(partial_row + tl.arange(0, BLOCK_N), tl.sum(dw_acc, axis=0), mask=tl.arange(0, BLOCK_N) < N)
     else:
