@@ -111,8 +111,18 @@ class RankPool:
 _pools: dict[tuple[int, str], RankPool] = {}
 
 
-def run_ranks(world_size: int, fn, *args, backend: str = "gloo", timeout_s: float = 120.0) -> list:
-    """``fn(*args)`` on every rank of a ``world_size`` group; the list of their results."""
+def run_ranks(world_size: int, fn, *args, backend: str = "gloo", timeout_s: float = 120.0,
+              fresh: bool = False) -> list:
+    """``fn(*args)`` on every rank of a ``world_size`` group; the list of their results.
+
+    ``fresh=True`` runs it in new processes that end afterwards (for functions that change
+    their process for good, such as lowering its priority)."""
+    if fresh:
+        pool = RankPool(world_size, backend)
+        try:
+            return pool.run(fn, *args, timeout_s=timeout_s)
+        finally:
+            pool.close()
     pool = _pools.get((world_size, backend))
     if pool is None or pool.broken:
         pool = _pools[(world_size, backend)] = RankPool(world_size, backend)

@@ -1,0 +1,329 @@
+"""Communicator.all_reduce on CPU ranks (gloo, Triton's interpreter, peer memory in /dev/shm).
+
+Every rank builds all ranks' inputs from shared seeds, so each checks its result bitwise
+against ``tpfuse.reference.all_reduce`` itself, with no collective between calls; output
+digests are compared across ranks in the parent. Rank functions return lists of failures.
+"""
+
+import hashlib
+import logging
+import os
+import random
+import socket
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.multiproc import run_ranks
+from tpfuse import reference
+from tpfuse.comm import CommTimeoutError, Communicator
+from tpfuse.comm.plan import AllReducePlan
+from tpfuse.comm.workspace import ALIGN, WorkspaceLayout
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+ALGOS = ["oneshot", "twoshot", "auto"]
+# Element counts: 1, around 16-byte vectors, odd, around the interpreter's 64 KiB tiles and
+# beyond several tiles per block (300 KB at fp32).
+SIZES = [1, 2, 7, 8, 9, 17, 127, 1000, 4097, 32769, 75001]
+
+
+def _inputs(seed: int, numel: int, dtype: torch.dtype, world: int) -> list[torch.Tensor]:
+    """Every rank's input for one call: normals times powers of two from 2**-8 to 2**8, so
+    that sums cancel and round (never zeros)."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.exp2(torch.randint(-8, 9, (numel,), generator=g).float())
+    return [(torch.randn(numel, generator=g) * scale).to(dtype) for _ in range(world)]
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha1(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _check(comm, xs, what, failures, digests, algo="auto", x=None):
+    """One call with input ``x`` (default: this rank's entry of xs), checked bitwise."""
+    rank = dist.get_rank()
+    src = xs[rank] if x is None else x
+    before = src.clone()
+    out = comm.all_reduce(src, algo=algo)
+    ref = reference.all_reduce(xs)
+    if not _same_bits(out, ref.view(src.shape)):
+        bad = (out.float().flatten() != ref.float()).sum().item()
+        failures.append(f"{what}: {bad} of {ref.numel()} elements differ from the reference")
+    if not _same_bits(src, before):
+        failures.append(f"{what}: the input was modified")
+    digests.append(_digest(out))
+
+
+# ---------------------------------------------------------------- layout and plan (no ranks)
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+@pytest.mark.parametrize("max_bytes", [ALIGN, 1000, 1 << 20, 16 << 20])
+def test_workspace_regions_are_disjoint_aligned_and_inside(world, max_bytes):
+    layout = WorkspaceLayout(world, max_bytes, max_blocks=128)
+    regions = sorted(layout.regions(), key=lambda r: r[1])
+    for name, offset, size in regions:
+        assert offset % ALIGN == 0 and size > 0, name
+    for (n0, o0, s0), (n1, o1, _) in zip(regions, regions[1:]):
+        assert o0 + s0 <= o1, f"{n0} overlaps {n1}"
+    assert regions[-1][1] + regions[-1][2] == layout.total_bytes
+    assert layout.flag_region_bytes >= 128 * world * 8
+    assert layout.twoshot_slot_bytes * world >= max_bytes
+    assert layout.oneshot_slot_bytes * world == layout.data_bytes
+    assert layout.gather_offset == world * layout.twoshot_slot_bytes
+
+
+def test_workspace_layout_does_not_depend_on_messages_and_default_is_tens_of_mib():
+    layout = WorkspaceLayout(4, 16 << 20, max_blocks=128)
+    assert 16 << 20 < layout.total_bytes < 100 << 20
+    assert layout.data_offset(1) - layout.data_offset(0) == layout.data_bytes
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(world_size=1, max_bytes=4096, max_blocks=8), "world_size"),
+    (dict(world_size=2, max_bytes=16, max_blocks=8), "max_bytes"),
+    (dict(world_size=2, max_bytes=4096, max_blocks=0), "max_blocks"),
+])
+def test_workspace_rejects_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        WorkspaceLayout(**kwargs)
+
+
+def test_plan_picks_by_size_and_refuses_what_does_not_fit():
+    layout = WorkspaceLayout(4, 1 << 20, max_blocks=128)
+    bf16 = torch.bfloat16
+    assert AllReducePlan.from_numel(1000, 4, bf16, layout).algo == "oneshot"
+    big = AllReducePlan.from_numel(400_000, 4, bf16, layout)
+    assert big.algo == "twoshot" and big.chunk * 2 <= layout.twoshot_slot_bytes and big.grid >= 1
+    assert AllReducePlan.from_numel(1 << 20, 4, bf16, layout).algo == "nccl"
+    assert AllReducePlan.from_numel(10, 4, bf16, None).reason == "no peer workspace"
+    with pytest.raises(ValueError, match="max_bytes"):
+        AllReducePlan.from_numel(1 << 20, 4, bf16, layout, "oneshot")
+    with pytest.raises(ValueError, match="algo must be"):
+        AllReducePlan.from_numel(10, 4, bf16, layout, "ring")
+    # The same size gives the same grid, whatever came before (nothing but the size counts).
+    assert AllReducePlan.from_numel(12345, 4, bf16, layout) == AllReducePlan.from_numel(12345, 4, bf16, layout)
+
+
+# ---------------------------------------------------------------- rank functions
+
+def _sizes_dtypes_algos(sizes):
+    world, failures, digests = dist.get_world_size(), [], []
+    with Communicator(max_bytes=2 << 20, timeout_s=20) as comm:
+        for i, n in enumerate(sizes):
+            for d, dtype in enumerate(DTYPES):
+                for algo in ALGOS:
+                    xs = _inputs(1000 * i + 10 * d + ALGOS.index(algo), n, dtype, world)
+                    _check(comm, xs, f"n={n} {dtype} {algo}", failures, digests, algo)
+    return failures, digests
+
+
+def _stress(calls, seed):
+    """Sizes, dtypes and algorithms change every call (shrinking and growing), no barrier."""
+    world, failures, digests = dist.get_world_size(), [], []
+    rng = random.Random(seed)  # the same sequence on every rank
+    with Communicator(max_bytes=1 << 20, timeout_s=20) as comm:
+        for call in range(calls):
+            n = rng.randint(40_000, 120_000) if call % 25 == 0 else rng.randint(1, 3000)
+            dtype, algo = rng.choice(DTYPES), rng.choice(ALGOS)
+            xs = _inputs(seed * 100_000 + call, n, dtype, world)
+            _check(comm, xs, f"call {call} n={n} {dtype} {algo}", failures, digests, algo)
+            if len(failures) > 5:
+                break
+    return failures, digests
+
+
+def _slow_rank_mid_kernel(calls, seed):
+    """The last rank runs at the lowest CPU priority while four ranks share the cores, so it
+    is still reading call k's data inside the kernel when its peers already write call k+1:
+    this is what the parity rotation of the data regions is for (removing it fails here)."""
+    world, failures, digests = dist.get_world_size(), [], []
+    if dist.get_rank() == world - 1:
+        os.nice(19)
+    rng = random.Random(seed)
+    with Communicator(max_bytes=2 << 20, timeout_s=60) as comm:
+        for call in range(calls):  # grids change from call to call, so tiles move between blocks
+            n, dtype = rng.randint(1, 80_000), rng.choice([torch.float32, torch.bfloat16])
+            xs = _inputs(seed * 100_000 + call, n, dtype, world)
+            _check(comm, xs, f"call {call} n={n} {dtype}", failures, digests, rng.choice(["oneshot", "twoshot"]))
+    return failures, digests
+
+
+def _late_rank(late):
+    """Rank ``late`` sleeps before every third call, so its peers wait in the kernel."""
+    world, failures, digests = dist.get_world_size(), [], []
+    with Communicator(timeout_s=20) as comm:
+        for call in range(12):
+            if dist.get_rank() == late and call % 3 == 1:
+                time.sleep(0.4)
+            xs = _inputs(7_000 + call, 3000 + 500 * call, torch.bfloat16, world)
+            _check(comm, xs, f"call {call}", failures, digests, ALGOS[call % 3])
+    return failures, digests
+
+
+def _missing_peer(algo):
+    """The last rank never calls: every other rank must fail with a timeout naming it."""
+    rank, world, failures = dist.get_rank(), dist.get_world_size(), []
+    comm = Communicator(timeout_s=1.0)
+    if rank != world - 1:
+        start = time.monotonic()
+        try:
+            comm.all_reduce(torch.ones(100), algo=algo)
+            failures.append("all_reduce returned without the last rank")
+        except CommTimeoutError as e:
+            if (e.rank, e.peer) != (rank, world - 1) or f"rank {world - 1}" not in str(e) or "all_reduce" not in e.op:
+                failures.append(f"unexpected error contents: rank={e.rank} peer={e.peer} op={e.op!r}: {e}")
+        if time.monotonic() - start > 10:
+            failures.append(f"the timeout of 1 s took {time.monotonic() - start:.1f} s")
+        with pytest.raises(CommTimeoutError):
+            comm.all_reduce(torch.ones(100))
+    comm.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        comm.all_reduce(torch.ones(4))
+    return failures
+
+
+def _layouts_and_edges():
+    """Non-contiguous, misaligned, any shape, empty tensors, world size 1, input errors."""
+    world, rank, failures, digests = dist.get_world_size(), dist.get_rank(), [], []
+    with Communicator(timeout_s=20) as comm:
+        assert comm.workspace_bytes == comm.layout.total_bytes > 0
+        for i, dtype in enumerate(DTYPES):
+            full = _inputs(50 + i, 2 * 3001 + 1, dtype, world)
+            xs = [f[::2] for f in full]  # strided views
+            _check(comm, [x.contiguous() for x in xs], f"strided {dtype}", failures, digests, x=xs[rank])
+            xs = [f[1:3002] for f in full]  # 2 or 4 bytes past a 16-byte boundary
+            _check(comm, [x.clone() for x in xs], f"misaligned {dtype}", failures, digests, x=xs[rank])
+            xs = [f[:3000].view(30, 100).t() for f in full]  # 2-D transposed
+            _check(comm, [x.contiguous() for x in xs], f"transposed {dtype}", failures, digests, x=xs[rank])
+            xs = [f[:6000].view(10, 20, 30) for f in full]
+            _check(comm, xs, f"3-D {dtype}", failures, digests)
+            for shape in [(0,), (0, 5)]:
+                out = comm.all_reduce(torch.empty(shape, dtype=dtype))
+                if out.shape != shape or out.dtype != dtype:
+                    failures.append(f"empty {shape}: got {out.shape} {out.dtype}")
+        with pytest.raises(TypeError, match="dtype"):
+            comm.all_reduce(torch.ones(8, dtype=torch.int32))
+        with pytest.raises(TypeError, match="torch.Tensor"):
+            comm.all_reduce([1.0, 2.0])
+        with pytest.raises(ValueError, match="meta"):
+            comm.all_reduce(torch.ones(8, device="meta"))
+        with pytest.raises(ValueError, match="algo must be"):
+            comm.all_reduce(torch.ones(8), algo="ring")
+        with pytest.raises(ValueError, match="max_bytes"):
+            comm.all_reduce(torch.ones(1 << 20), algo="oneshot")
+    # World size 1: every rank joins every new group, then uses its own.
+    solo = [dist.new_group([r]) for r in range(world)][rank]
+    with Communicator(solo) as comm:
+        x = _inputs(9, 1001, torch.float16, 1)[0]
+        out = comm.all_reduce(x)
+        if comm.workspace_bytes != 0 or not _same_bits(out, x) or out.data_ptr() == x.data_ptr():
+            failures.append("world size 1 must return a copy and allocate nothing")
+    with pytest.raises(ValueError, match="timeout_s"):
+        Communicator(timeout_s=0)
+    with pytest.raises(ValueError, match="same max_bytes"):
+        Communicator(max_bytes=4096 * (rank + 1))
+    return failures, digests
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def _fallback_is_logged_once():
+    world, rank, failures = dist.get_world_size(), dist.get_rank(), []
+    records = _Records()
+    log = logging.getLogger("tpfuse.comm")
+    log.addHandler(records)
+    log.setLevel(logging.INFO)
+    try:
+        with Communicator(max_bytes=4096, timeout_s=20) as comm:
+            for call, algo in enumerate(["auto", "auto", "nccl", "nccl"]):
+                xs = _inputs(call, 5000, torch.float32, world)  # 20 KB: past this workspace
+                out = comm.all_reduce(xs[rank], algo=algo)
+                if not torch.allclose(out, reference.all_reduce(xs), rtol=1e-5, atol=1e-5):
+                    failures.append(f"backend result wrong for algo={algo}")
+        if [("workspace" in m, "requested" in m) for m in records.messages] != [(True, False), (False, True)]:
+            failures.append(f"expected one log per reason, got {records.messages}")
+        records.messages.clear()
+        real = socket.gethostname
+        socket.gethostname = lambda: f"{real()}-{rank}"  # pretend each rank is on its own node
+        try:
+            with Communicator(timeout_s=20) as comm:
+                xs = _inputs(3, 100, torch.float32, world)
+                out = comm.all_reduce(xs[rank], algo="auto")
+                if comm.workspace_bytes != 0 or "spans nodes" not in comm.fallback_reason:
+                    failures.append(f"multi-node group must fall back, reason={comm.fallback_reason!r}")
+                if not torch.allclose(out, reference.all_reduce(xs), rtol=1e-5, atol=1e-5):
+                    failures.append("multi-node fallback result wrong")
+                with pytest.raises(ValueError, match="peer workspace"):
+                    comm.all_reduce(xs[rank], algo="twoshot")
+        finally:
+            socket.gethostname = real
+        if not any("spans nodes" in m for m in records.messages):
+            failures.append(f"multi-node fallback not logged: {records.messages}")
+    finally:
+        log.removeHandler(records)
+    return failures
+
+
+# ---------------------------------------------------------------- tests
+
+def _assert_ok(results):
+    failures = [f"rank {r}: {f}" for r, (fs, _) in enumerate(results) for f in fs]
+    assert not failures, "\n".join(failures[:20])
+    digests = [d for _, d in results]
+    assert all(d == digests[0] for d in digests), "ranks hold different bits"
+    assert len(digests[0]) > 0
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_bitwise_equal_to_reference_for_all_sizes_dtypes_algos(world):
+    _assert_ok(run_ranks(world, _sizes_dtypes_algos, SIZES))
+
+
+def test_world_size_3_is_served_too():
+    _assert_ok(run_ranks(3, _sizes_dtypes_algos, [1, 1000, 40001]))
+
+
+@pytest.mark.parametrize("world, calls", [(2, 2000), (4, 250)])
+def test_stress_changing_sizes_without_barriers(world, calls):
+    results = run_ranks(world, _stress, calls, world, timeout_s=300)
+    _assert_ok(results)
+    assert len(results[0][1]) == calls
+
+
+def test_peers_one_call_ahead_never_overwrite_a_slow_ranks_data():
+    _assert_ok(run_ranks(4, _slow_rank_mid_kernel, 20, 1, timeout_s=300, fresh=True))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_late_rank_is_waited_for(world):
+    _assert_ok(run_ranks(world, _late_rank, world - 1))
+
+
+@pytest.mark.parametrize("world, algo", [(2, "oneshot"), (2, "twoshot"), (4, "auto")])
+def test_missing_peer_ends_in_timeout_error_not_a_hang(world, algo):
+    failures = run_ranks(world, _missing_peer, algo, timeout_s=60)
+    assert not [f for fs in failures for f in fs], failures
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_layouts_edges_and_input_errors(world):
+    _assert_ok(run_ranks(world, _layouts_and_edges))
+
+
+def test_fallback_to_backend_is_logged_once_per_reason():
+    failures = run_ranks(2, _fallback_is_logged_once)
+    assert not [f for fs in failures for f in fs], failures
