@@ -44,15 +44,15 @@ import triton.language as tl
 from tpfuse._runtime import INTERPRETER
 
 STATUS_WORDS = 8
-"""Length of the int64 status record: [claim, valid, op, rank, peer, epoch, unused, unused]
+"""Length of the int64 status record: [valid, op, rank, peer, epoch, unused...]
 (``_record_error`` writes it, ``decode_status`` reads it)."""
 
 
 def decode_status(words) -> tuple[int, int, int, int] | None:
     """(op, rank, peer, epoch) of a recorded error, or None while the record is not valid."""
-    if int(words[1]) == 0:
+    if int(words[0]) == 0:
         return None
-    return int(words[2]), int(words[3]), int(words[4]), int(words[5])
+    return int(words[1]), int(words[2]), int(words[3]), int(words[4])
 
 POLL_SLEEP_S = 50e-6
 """Under the interpreter, the pause between polls: ranks are processes sharing a few cores,
@@ -69,6 +69,11 @@ if INTERPRETER:
     def backoff():
         time.sleep(POLL_SLEEP_S)
 
+    @triton.jit
+    def system_fence():
+        """The interpreter's loads and stores are plain x86 accesses, in program order."""
+        pass
+
 else:
 
     @triton.jit
@@ -82,6 +87,13 @@ else:
     def backoff():
         """GPUs poll flat out: the flags are in local L2 and the wait is short."""
         pass
+
+    @triton.jit
+    def system_fence():
+        """``fence.acq_rel.sys``: this thread's earlier stores, host memory included, are
+        seen before its later ones."""
+        tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tfence.acq_rel.sys;", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
 
 
 @triton.jit
@@ -144,21 +156,23 @@ def wait(flags_ptr, ctrl_ptr, status_ptr, epoch, rank, timeout_ns, OP: tl.conste
         ready = tl.min(seen, 0) >= epoch
         elapsed = now_ns() - start
     if not ready and not aborted:
-        late = tl.min(tl.where(seen < epoch, peers, PEERS), 0)
-        _record_error(status_ptr, OP, rank, late, epoch)
-        tl.atomic_xchg(ctrl_ptr + 2, 1, sem="release", scope="gpu")
+        _record_error(ctrl_ptr, status_ptr, OP, rank, tl.min(tl.where(seen < epoch, peers, PEERS), 0), epoch)
     tl.debug_barrier()
     return ready
 
 
 @triton.jit
-def _record_error(status_ptr, op, rank, peer, epoch):
-    """Fill the status record once; ``valid`` is written last, so a reader that sees it
-    sees the whole record."""
-    unclaimed = tl.zeros([], tl.int64)
-    if tl.atomic_cas(status_ptr + 0, unclaimed, unclaimed + 1, sem="acq_rel", scope="sys") == 0:
-        tl.store(status_ptr + 2, op)
-        tl.store(status_ptr + 3, rank)
-        tl.store(status_ptr + 4, peer)
-        tl.store(status_ptr + 5, epoch)
-        tl.atomic_xchg(status_ptr + 1, 1, sem="release", scope="sys")
+def _record_error(ctrl_ptr, status_ptr, op, rank, peer, epoch):
+    """Set the local abort word; the block that sets it first fills the status record.
+
+    The record is in host memory, written with plain stores (atomics on host memory would
+    need PCIe atomics): the fields, a system-scope fence, then ``valid``, so a host that
+    sees ``valid`` sees the fields."""
+    unset = tl.zeros([], tl.int64)
+    if tl.atomic_cas(ctrl_ptr + 2, unset, unset + 1, sem="acq_rel", scope="gpu") == 0:
+        tl.store(status_ptr + 1, op)
+        tl.store(status_ptr + 2, rank)
+        tl.store(status_ptr + 3, peer)
+        tl.store(status_ptr + 4, epoch)
+        system_fence()
+        tl.store(status_ptr + 0, 1)
