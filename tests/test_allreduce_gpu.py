@@ -1,0 +1,228 @@
+"""Communicator.all_reduce on GPUs: one process per GPU, NCCL group, torch symmetric memory.
+
+Run on a machine with >= 2 GPUs:  python -m pytest -m multigpu tests/test_allreduce_gpu.py
+
+Every rank holds all ranks' random pools (same seeds), so it computes the reference of each
+call itself, on the device, and counts mismatching elements on the device: the long runs
+never synchronize with the host until their end.
+"""
+
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.multiproc import run_ranks
+
+pytestmark = pytest.mark.multigpu
+
+NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
+if NGPU < 2:
+    pytest.skip("needs at least 2 CUDA GPUs", allow_module_level=True)
+
+WORLDS = sorted({2, NGPU})
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+POOL = (1 << 23) + 64  # elements per rank and dtype: the largest size at any offset below 64
+
+
+def _pools(world, seed=0):
+    """pools[dtype][rank]: the random data every rank draws its inputs from (never zeros;
+    magnitudes from 2**-8 to 2**8, so sums cancel and round)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    pools = {}
+    for dtype in DTYPES:
+        scale = torch.exp2(torch.randint(-8, 9, (POOL,), device="cuda", generator=g).float())
+        pools[dtype] = [(torch.randn(POOL, device="cuda", generator=g) * scale).to(dtype) for _ in range(world)]
+    return pools
+
+
+class _Checker:
+    """Calls all_reduce on slices of the pools; counts, on the device, the elements that
+    differ from tpfuse.reference.all_reduce (no host sync until ``failures``)."""
+
+    def __init__(self, comm, pools):
+        from tpfuse import reference
+
+        self.comm, self.pools, self.reference = comm, pools, reference
+        self.rank = dist.get_rank()
+        self.bad = torch.zeros((), dtype=torch.int64, device="cuda")
+        self.calls = 0
+        self.first_bad = {}
+
+    def inputs(self, n, dtype, offset):
+        return [p[offset:offset + n] for p in self.pools[dtype]]
+
+    def expect(self, out, xs, what):
+        ref = self.reference.all_reduce(xs)
+        as_int = {2: torch.int16, 4: torch.int32}[out.element_size()]
+        bad = (out.reshape(-1).view(as_int) != ref.view(as_int)).sum()
+        self.bad += bad
+        self.calls += 1
+        if len(self.first_bad) < 5:  # keep a few labels; read only at the end
+            self.first_bad[what] = bad
+
+    def call(self, n, dtype, algo, offset=0, what=""):
+        xs = self.inputs(n, dtype, offset)
+        torch.full((n,), float("nan"), dtype=dtype, device="cuda")  # poison the block out will reuse
+        out = self.comm.all_reduce(xs[self.rank], algo=algo)
+        self.expect(out, xs, what or f"n={n} {dtype} {algo} offset={offset}")
+        return out
+
+    def failures(self):
+        total = self.bad.item()
+        if total == 0:
+            return []
+        return [f"{total} mismatching elements over {self.calls} calls; first labels: "
+                + ", ".join(f"{k}: {v.item()}" for k, v in self.first_bad.items() if v.item())]
+
+
+def _sizes_dtypes_algos(sizes):
+    from tpfuse.comm import Communicator
+    from tpfuse.comm.plan import AllReducePlan
+
+    world = dist.get_world_size()
+    with Communicator(timeout_s=30) as comm:
+        check = _Checker(comm, _pools(world))
+        for n in sizes:
+            for dtype in DTYPES:
+                for algo in ["oneshot", "twoshot", "auto"]:
+                    if AllReducePlan.from_numel(n, world, dtype, comm.layout, "auto").algo == "nccl":
+                        continue  # past the workspace: covered by the fallback test
+                    try:
+                        AllReducePlan.from_numel(n, world, dtype, comm.layout, algo)
+                    except ValueError:
+                        continue  # one-shot does not serve this size
+                    check.call(n, dtype, algo, offset=n % 7)  # odd offsets: misaligned inputs
+        x = check.pools[torch.bfloat16][dist.get_rank()]
+        strided = [p[: 2 * 100_001: 2] for p in check.pools[torch.bfloat16]]
+        check.expect(comm.all_reduce(x[: 2 * 100_001: 2]), [s.contiguous() for s in strided], "strided")
+        out = comm.all_reduce(x[:0])
+        failures = check.failures()
+        if out.numel() != 0:
+            failures.append("empty input gave a non-empty result")
+    return failures
+
+
+def _stress(calls, seed):
+    """Random sizes, dtypes, algorithms and offsets every call; a random rank sleeps on the
+    device before some calls; no host sync until the end."""
+    from tpfuse.comm import Communicator
+    from tpfuse.comm.plan import AllReducePlan
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    rng = random.Random(seed)  # the same sequence on every rank
+    with Communicator(timeout_s=60) as comm:
+        check = _Checker(comm, _pools(world, seed))
+        for call in range(calls):
+            dtype = rng.choice(DTYPES)
+            n = int(2 ** rng.uniform(0, 21))
+            algo = rng.choice(["auto", "auto", "oneshot", "twoshot"])
+            if algo == "oneshot" and n * dtype.itemsize > comm.layout.oneshot_slot_bytes:
+                algo = "twoshot"
+            offset = rng.randrange(0, POOL - n)
+            late, cycles = rng.randrange(world) if rng.random() < 0.01 else -1, rng.randrange(1_000, 2_000_000)
+            if rank == late:
+                torch.cuda._sleep(cycles)  # this rank's kernel starts up to ~1 ms late
+            assert AllReducePlan.from_numel(n, world, dtype, comm.layout, algo).algo != "nccl"
+            check.call(n, dtype, algo, offset, what=f"call {call}")
+        return check.failures()
+
+
+def _graph_replays(replays):
+    """A captured sequence of differently sized all-reduces, replayed with new data each
+    time, with eager calls in between; every output checked on the device."""
+    from tpfuse.comm import Communicator
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    plan = [(1, torch.float32, "auto"), (4096, torch.bfloat16, "oneshot"), (100_003, torch.float16, "twoshot"),
+            (1 << 20, torch.bfloat16, "auto"), (777, torch.bfloat16, "twoshot"), (3 << 20, torch.float32, "auto")]
+    with Communicator(timeout_s=60) as comm:
+        check = _Checker(comm, _pools(world, seed=5))
+        static_in = [torch.empty(n, dtype=dtype, device="cuda") for n, dtype, _ in plan]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up: compile every specialisation eagerly
+            outs = [comm.all_reduce(x, algo=algo) for x, (_, _, algo) in zip(static_in, plan)]
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = [comm.all_reduce(x, algo=algo) for x, (_, _, algo) in zip(static_in, plan)]
+        rng = random.Random(5)
+        for i in range(replays):
+            offsets = [rng.randrange(0, POOL - n) for n, _, _ in plan]
+            for x, (n, dtype, _), off in zip(static_in, plan, offsets):
+                x.copy_(check.pools[dtype][rank][off:off + n])
+            graph.replay()
+            for out, (n, dtype, algo), off in zip(outs, plan, offsets):
+                check.expect(out, check.inputs(n, dtype, off), f"replay {i} n={n} {algo}")
+            if i % 10 == 0:
+                check.call(rng.randrange(1, 300_000), torch.bfloat16, "auto", rng.randrange(0, POOL // 2),
+                           what=f"eager after replay {i}")
+        del graph
+        return check.failures()
+
+
+def _missing_peer():
+    from tpfuse.comm import CommTimeoutError, Communicator
+
+    world, rank, failures = dist.get_world_size(), dist.get_rank(), []
+    comm = Communicator(timeout_s=2.0)
+    if rank != world - 1:
+        comm.all_reduce(torch.ones(1000, device="cuda"))  # the kernel cannot raise: it times out
+        try:
+            comm.check()
+            failures.append("check() did not report the missing rank")
+        except CommTimeoutError as e:
+            if (e.rank, e.peer) != (rank, world - 1):
+                failures.append(f"wrong error record: rank={e.rank} peer={e.peer}: {e}")
+        try:
+            comm.all_reduce(torch.ones(10, device="cuda"))
+            failures.append("a failed communicator accepted another call")
+        except CommTimeoutError:
+            pass
+    comm.close()
+    dist.barrier()
+    return failures
+
+
+def _fallback():
+    from tpfuse.comm import Communicator
+
+    world, rank, failures = dist.get_world_size(), dist.get_rank(), []
+    with Communicator(max_bytes=1 << 20, timeout_s=30) as comm:
+        pools = _pools(world, seed=9)
+        for n, algo in [(1 << 20, "auto"), (1000, "nccl")]:  # 4 MB fp32 > max_bytes; forced backend
+            xs = [p[:n] for p in pools[torch.float32]]
+            out = comm.all_reduce(xs[rank], algo=algo)
+            ref = sum(x.double() for x in xs)
+            if not torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-4):
+                failures.append(f"backend result wrong for n={n} algo={algo}")
+    return failures
+
+
+def _no_failures(results):
+    failures = [f"rank {r}: {f}" for r, fs in enumerate(results) for f in fs]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_gpu_bitwise_equal_to_reference_at_real_sizes(world):
+    sizes = [1, 7, 8, 1000, 4097, 65536, 100_003, 1 << 20, 3_000_001, 1 << 23]
+    _no_failures(run_ranks(world, _sizes_dtypes_algos, sizes, backend="nccl", timeout_s=600))
+
+
+def test_gpu_stress_50000_calls_without_host_sync():
+    _no_failures(run_ranks(NGPU, _stress, 50_000, 11, backend="nccl", timeout_s=900))
+
+
+def test_gpu_graph_capture_replayed_1000_times_with_new_data():
+    _no_failures(run_ranks(NGPU, _graph_replays, 1000, backend="nccl", timeout_s=600))
+
+
+def test_gpu_backend_fallback():
+    _no_failures(run_ranks(NGPU, _fallback, backend="nccl", timeout_s=300))
+
+
+def test_gpu_missing_peer_ends_in_timeout_error():
+    _no_failures(run_ranks(NGPU, _missing_peer, backend="nccl", timeout_s=300))
