@@ -146,7 +146,7 @@ def _graph_replays(replays):
             outs = [comm.all_reduce(x, algo=algo) for x, (_, _, algo) in zip(static_in, plan)]
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # NCCL's watchdog keeps running
             outs = [comm.all_reduce(x, algo=algo) for x, (_, _, algo) in zip(static_in, plan)]
         rng = random.Random(5)
         for i in range(replays):

@@ -1,0 +1,288 @@
+"""``tpfuse bench allreduce``: tpfuse all-reduce (auto, one-shot, two-shot) side by side with
+NCCL and torch symmetric memory (one_shot_all_reduce, two_shot_all_reduce_), in the same run
+and the same processes: one process per visible GPU (spawned here, or started by torchrun).
+
+Per message size: CUDA-graph replay latency (20 calls per graph, median of 5 timed samples,
+every rank replaying the same number of times; the slowest rank's median is reported; tpfuse
+and NCCL rotate input buffers so small messages are not served from L2, torch symm-mem runs
+on its one registered buffer), bus bandwidth 2(W-1)/W * bytes / time, and whether the result
+is bitwise equal to tpfuse.reference.all_reduce. torch symm-mem is timed on data already in
+its buffer (no copy-in), tpfuse and NCCL on ordinary tensors.
+
+On a machine without two GPUs it runs two CPU ranks under Triton's interpreter, checks
+correctness on a few sizes and prints a short table (timings need GPUs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import tpfuse.comm  # noqa: F401  (sets the no-multicast environment before ranks are spawned)
+from tpfuse import reference
+from tpfuse.bench.common import header_markdown, rotation, run_header, write_results
+
+KiB, MiB = 1024, 1024 * 1024
+SIZES = [4 * KiB << i for i in range(17)]  # 4 KiB .. 256 MiB
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+METHODS = ["nccl", "symm_oneshot", "symm_twoshot", "tpfuse_auto", "tpfuse_oneshot", "tpfuse_twoshot"]
+CALLS_PER_GRAPH, REPEATS, MIN_SAMPLE_MS = 20, 5, 20.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _inputs(numel: int, dtype: torch.dtype, world: int, device: str, seed: int = 0) -> list[torch.Tensor]:
+    """Every rank's input (the same on every rank, from the seed), never zeros."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    return [torch.randn(numel, generator=g, device=device).to(dtype) for _ in range(world)]
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def _agreed_max(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _graph_us(fn, rot: int) -> float:
+    """Microseconds per call of ``fn(i)``, 20 calls captured in one graph; every rank replays
+    the same number of times (a collective must), starting together; slowest rank's median."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(3):  # warm-up: compilation, allocator, NCCL/symm-mem set-up
+            fn(i % rot)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # NCCL's watchdog thread keeps running
+        for i in range(CALLS_PER_GRAPH):
+            fn(i % rot)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    replays = int(_agreed_max(max(1.0, MIN_SAMPLE_MS / max(start.elapsed_time(end), 1e-3))))
+    samples = []
+    for _ in range(REPEATS):
+        _agreed_max(0.0)  # line the ranks up
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / (replays * CALLS_PER_GRAPH))
+    del graph
+    return _agreed_max(statistics.median(samples))
+
+
+class _SymmMem:
+    """torch's own symmetric-memory all-reduce ops on one registered buffer (the peer we
+    compare with; tpfuse itself reaches symmetric memory only through tpfuse.comm)."""
+
+    def __init__(self, nbytes: int, dtype: torch.dtype):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        group = dist.group.WORLD
+        self.group_name = group.group_name
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):
+            symm_mem.enable_symm_mem_for_group(self.group_name)
+        self.buf = symm_mem.empty(nbytes // dtype.itemsize, dtype=dtype, device="cuda")
+        symm_mem.rendezvous(self.buf, group)
+
+    def oneshot(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.symm_mem.one_shot_all_reduce(x, "sum", self.group_name)
+
+    def twoshot(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.symm_mem.two_shot_all_reduce_(x, "sum", self.group_name)
+
+
+def _measure_size(nbytes, dtype, comm, symm, world, rank):
+    """Records for one message size: every method's bits against the reference, then its time."""
+    from tpfuse.comm.plan import AllReducePlan
+
+    n = nbytes // dtype.itemsize
+    xs = _inputs(n, dtype, world, "cuda", seed=nbytes)
+    ref = reference.all_reduce(xs)
+    rot = rotation(nbytes)
+    pool = [xs[rank].clone() for _ in range(rot)]
+    sym = symm.buf[:n] if symm is not None else None
+    runs = {"nccl": (lambda x: dist.all_reduce(x), pool)}
+    if sym is not None:
+        runs["symm_oneshot"] = (symm.oneshot, [sym])
+        runs["symm_twoshot"] = (symm.twoshot, [sym])
+    for algo in ("auto", "oneshot", "twoshot"):
+        try:
+            AllReducePlan.from_numel(n, world, dtype, comm.layout, algo)
+        except ValueError:
+            continue  # this algorithm does not serve this size with this workspace
+        runs[f"tpfuse_{algo}"] = ((lambda a: lambda x: comm.all_reduce(x, algo=a))(algo), pool)
+    records = []
+    for method, (fn, inputs) in runs.items():
+        inputs[0].copy_(xs[rank])
+        out = fn(inputs[0])
+        bitwise = _same_bits(inputs[0] if out is None else out, ref)  # nccl and two-shot work in place
+        us = _graph_us(lambda i: fn(inputs[i]), len(inputs))
+        rec = dict(size_bytes=nbytes, method=method, us=round(us, 2), bitwise=bool(bitwise),
+                   busbw_gbps=round(2 * (world - 1) / world * nbytes / (us * 1e-6) / 1e9, 1))
+        if method == "tpfuse_auto":
+            rec["algo"] = AllReducePlan.from_numel(n, world, dtype, comm.layout).algo
+        records.append(rec)
+    return records
+
+
+def _fmt_size(nbytes: int) -> str:
+    return f"{nbytes // MiB} MiB" if nbytes >= MiB else f"{nbytes // KiB} KiB"
+
+
+def _markdown(records, header, world, dtype_name, max_bytes) -> str:
+    by = {(r["size_bytes"], r["method"]): r for r in records}
+    sizes = sorted({r["size_bytes"] for r in records})
+    md = header_markdown(f"all-reduce, {world} ranks, {dtype_name}", header)
+    md += (f"CUDA-graph replay, us per call (bus bandwidth GB/s); tpfuse workspace max_bytes={max_bytes}. "
+           "`x` marks results that are not bitwise equal to tpfuse.reference.all_reduce.\n\n")
+    md += "| size | " + " | ".join(METHODS) + " | auto / best(NCCL, symm) |\n"
+    md += "|---" * (len(METHODS) + 2) + "|\n"
+    for s in sizes:
+        cells = []
+        for m in METHODS:
+            r = by.get((s, m))
+            cells.append("-" if r is None else f"{r['us']:.1f} ({r['busbw_gbps']:.0f}){'' if r['bitwise'] else ' x'}"
+                         + (f" [{r['algo']}]" if "algo" in r else ""))
+        peers = [by[(s, m)]["us"] for m in ("nccl", "symm_oneshot", "symm_twoshot") if (s, m) in by]
+        auto = by.get((s, "tpfuse_auto"))
+        ratio = f"{auto['us'] / min(peers):.2f}" if auto and peers else "-"
+        md += f"| {_fmt_size(s)} | " + " | ".join(cells) + f" | {ratio} |\n"
+    return md
+
+
+def _plot(records, path, title):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot needs matplotlib (pip install matplotlib); no plot written")
+        return
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for m in METHODS:
+        pts = sorted((r["size_bytes"], r["us"]) for r in records if r["method"] == m)
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
+    ax.set(xscale="log", yscale="log", xlabel="message bytes", ylabel="us per call (graph replay)", title=title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    print(f"wrote {path}")
+
+
+def _gpu_worker(rank: int, world: int, port: int | None, opts: dict) -> None:
+    from tpfuse.comm import Communicator
+
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    torch.cuda.set_device(local)
+    init = "env://" if port is None else f"tcp://127.0.0.1:{port}"
+    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world,
+                            device_id=torch.device("cuda", local))
+    dtype = DTYPES[opts["dtype"]]
+    sizes = [s for s in SIZES if opts["min_bytes"] <= s <= opts["max_bytes"]]
+    max_bytes = max(sizes)
+    try:
+        try:
+            symm = _SymmMem(max_bytes, dtype)
+        except Exception as e:  # noqa: BLE001  torch builds without symmetric memory: measure the rest
+            symm = None
+            if rank == 0:
+                print(f"torch symmetric memory unavailable ({type(e).__name__}: {e}); its columns stay empty")
+        records = []
+        with Communicator(max_bytes=max_bytes) as comm:
+            for nbytes in sizes:
+                records += _measure_size(nbytes, dtype, comm, symm, world, rank)
+                if rank == 0:
+                    print(f"{_fmt_size(nbytes):>8}: " + "  ".join(f"{r['method']} {r['us']:.1f}us" for r in records
+                                                             if r["size_bytes"] == nbytes), flush=True)
+        wrong = [f"{_fmt_size(r['size_bytes'])} {r['method']}" for r in records
+                 if r["method"].startswith("tpfuse") and not r["bitwise"]]
+        if rank == 0:
+            header = run_header() | {"world_size": world, "dtype": opts["dtype"], "tpfuse_max_bytes": max_bytes}
+            md = _markdown(records, header, world, opts["dtype"], max_bytes)
+            print(md)
+            name = f"allreduce_w{world}_{opts['dtype']}"
+            paths = write_results(opts["out"], name, header, records, md)
+            print("wrote " + ", ".join(paths))
+            if opts["plot"]:
+                _plot(records, os.path.join(opts["out"], f"{name}.png"), f"all-reduce, {world}x {header.get('gpu')}")
+        if wrong:
+            raise RuntimeError(f"rank {rank}: tpfuse results not bitwise equal to the reference: {wrong}")
+    finally:
+        dist.destroy_process_group()
+
+
+def _cpu_worker(rank: int, world: int, port: int, opts: dict) -> None:
+    import time
+
+    from tpfuse.comm import Communicator
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    rows = []
+    with Communicator(timeout_s=60) as comm:
+        for nbytes in (4 * KiB, 64 * KiB, 256 * KiB):
+            xs = _inputs(nbytes // 2, torch.bfloat16, world, "cpu", seed=nbytes)
+            ref = reference.all_reduce(xs)
+            for algo in ("oneshot", "twoshot", "auto"):
+                start = time.perf_counter()
+                out = comm.all_reduce(xs[rank], algo=algo)
+                rows.append((nbytes, algo, _same_bits(out, ref), (time.perf_counter() - start) * 1e3))
+    dist.destroy_process_group()
+    if rank == 0:
+        print(f"CPU emulation: {world} ranks under Triton's interpreter, bf16. Timings need GPUs; "
+              "the milliseconds below are the interpreter's, not a measurement.\n")
+        print("| size | algo | bitwise equal to reference | interpreter ms |\n|---|---|---|---|")
+        for nbytes, algo, ok, ms in rows:
+            print(f"| {_fmt_size(nbytes)} | {algo} | {'yes' if ok else 'NO'} | {ms:.0f} |")
+    if not all(ok for _, _, ok, _ in rows):
+        raise RuntimeError(f"rank {rank}: a result differs from tpfuse.reference.all_reduce")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="tpfuse bench allreduce", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="bench_out", help="directory for allreduce_*.json / .md / .png")
+    p.add_argument("--dtype", default="bf16", choices=list(DTYPES))
+    p.add_argument("--min-bytes", type=int, default=SIZES[0])
+    p.add_argument("--max-bytes", type=int, default=SIZES[-1], help="largest message (and tpfuse's max_bytes)")
+    p.add_argument("--plot", action="store_true", help="write a latency-vs-size PNG (needs matplotlib)")
+    opts = vars(p.parse_args(argv))
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
+        _gpu_worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, opts)
+        return 0
+    ngpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    try:
+        if ngpu >= 2:
+            mp.spawn(_gpu_worker, args=(ngpu, _free_port(), opts), nprocs=ngpu, join=True)
+        else:
+            print(f"{ngpu} CUDA GPU(s): running the CPU emulation instead")
+            os.environ["TRITON_INTERPRET"] = "1"  # the spawned ranks run the kernels on CPU
+            mp.spawn(_cpu_worker, args=(2, _free_port(), opts), nprocs=2, join=True)
+    except mp.ProcessException as e:
+        print(e, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
