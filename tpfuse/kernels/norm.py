@@ -28,29 +28,44 @@ from tpfuse.kernels.common import EXACT_FP, round_to
 # processed in 8 KiB chunks and read twice (the second read mostly hits L2).
 _MAX_REGISTER_ROW_BYTES = 32 * 1024
 _CHUNK_BYTES = 8 * 1024
-# Tiles of at least this many bytes give each program enough loads in flight: short rows
-# are stacked ROWS high (up to 32 rows).
-_MIN_TILE_BYTES = 8 * 1024
+# Short rows are stacked into tiles of at least 2 KiB (H200, M=32768 bf16: N=512 reached 91%
+# of copy bandwidth with 2-row tiles on 2 warps, 85% with 8-row tiles on 8 warps).
+_MIN_TILE_BYTES = 2 * 1024
 _MAX_TILE_ROWS = 32
-# Each thread holds about this many 16-byte vectors of a tile.
-_VECTORS_PER_THREAD = 2
+# Backward tiles of up to this many elements prefetch the next tile (two tiles in flight);
+# larger ones run out of registers (H200 bf16 M=32768: N=4096 311 -> 219 us with prefetch,
+# N=16384 1151 -> 2005 us).
+_MAX_PREFETCH_TILE = 8192
 
 # Backward dW: at most this many per-program partial rows, combined in a fixed two-level
 # tree (groups of DW_GROUP_SIZE summed in order, then the group sums in order). Constants,
-# never the SM count, so dW has the same bits on every GPU of the arch.
+# never the SM count, so dW has the same bits on every GPU of the arch. 256 beat 1024 at
+# every swept shape on H200.
 _MAX_DW_PARTIALS = 256
 _DW_GROUP_SIZE = 16
 _MIN_ROWS_PER_PARTIAL = 4
 
 
+def _pow2_warps(threads: int, cap: int) -> int:
+    return min(max(triton.next_power_of_2(max(threads // 32, 1)), 1), cap)
+
+
 @dataclass(frozen=True)
 class NormConfig:
-    """Tile shape and launch parameters for one (N, dtype); shared by every norm kernel."""
+    """Tile shape and launch parameters for one (N, dtype); shared by every norm kernel.
+
+    Warp counts come from a sweep on H200 (scripts/tune_norm.py, benchmarks/NOTES.md): the
+    forward is fastest with 2 16-byte vectors per thread on small tiles and 4 on tiles of
+    4096+ elements, at most 8 warps; the backward (more live values per element) with one
+    vector per thread, at most 16 warps.
+    """
 
     block_n: int  # columns per tile (a power of two)
     num_chunks: int  # column chunks per row; 1 = the row stays in registers
     rows: int  # rows per tile
-    num_warps: int
+    num_warps: int  # forward
+    bwd_num_warps: int
+    bwd_prefetch: bool  # backward keeps the next tile's loads in flight
 
     @staticmethod
     @functools.lru_cache(maxsize=None)
@@ -64,10 +79,14 @@ class NormConfig:
         rows = 1
         while rows < _MAX_TILE_ROWS and rows * block_n * esize < _MIN_TILE_BYTES:
             rows *= 2
-        vec = 16 // esize
-        threads = rows * block_n // (vec * _VECTORS_PER_THREAD)
-        num_warps = min(max(triton.next_power_of_2(max(threads // 32, 1)), 1), 16)
-        return NormConfig(block_n=block_n, num_chunks=num_chunks, rows=rows, num_warps=num_warps)
+        vectors = rows * block_n // (16 // esize)
+        fwd_vectors_per_thread = 2 if rows * block_n < 4096 else 4
+        return NormConfig(
+            block_n=block_n, num_chunks=num_chunks, rows=rows,
+            num_warps=_pow2_warps(vectors // fwd_vectors_per_thread, 8),
+            bwd_num_warps=_pow2_warps(vectors, 16),
+            bwd_prefetch=num_chunks == 1 and rows * block_n <= _MAX_PREFETCH_TILE,
+        )
 
 
 @triton.jit
@@ -189,12 +208,14 @@ class DwPlan:
 
 @triton.jit
 def _group_sum(PARTIAL, group, num_partials, N, cols, mask, GROUP_SIZE: tl.constexpr):
-    """Sum of the partial rows of one group at cols, in index order (fp32, starting from 0)."""
-    acc = tl.zeros(cols.shape, dtype=tl.float32)
-    for s in range(GROUP_SIZE):
-        p = group * GROUP_SIZE + s
-        # .cg: other programs wrote these rows; read them from L2, never a stale L1 line.
-        acc += tl.load(PARTIAL + p * N + cols, mask=mask & (p < num_partials), other=0.0, cache_modifier=".cg")
+    """Sum of the partial rows of one group at cols, in index order, starting from the
+    group's first row. Every dW combine goes through this, in both launch modes."""
+    first = group * GROUP_SIZE
+    # .cg: other programs wrote these rows; read them from L2, never a stale L1 line.
+    acc = tl.load(PARTIAL + first * N + cols, mask=mask, other=0.0, cache_modifier=".cg")
+    for s in range(1, GROUP_SIZE):
+        acc += tl.load(PARTIAL + (first + s) * N + cols, mask=mask & (first + s < num_partials), other=0.0,
+                       cache_modifier=".cg")
     return acc
 
 
@@ -202,7 +223,8 @@ def _group_sum(PARTIAL, group, num_partials, N, cols, mask, GROUP_SIZE: tl.const
 def _finish_dw(PARTIAL, GROUP_SUM, COUNTERS, DW, pid, num_partials, N,
                GROUP_SIZE: tl.constexpr, BLOCK: tl.constexpr):
     """Called by every program after storing its partial row: the last program of each group
-    writes the group's sum, and the last group finisher writes dW = sum of the group sums.
+    sums the group, and the last group finisher sums the group sums into dW (a group's sum
+    is dW itself when there is one group).
 
     Arrival is counted with integer atomics: a CTA barrier, then an acq_rel add by one
     thread, publishes this program's stores before the count (the CUTLASS generic-barrier
@@ -216,31 +238,37 @@ def _finish_dw(PARTIAL, GROUP_SUM, COUNTERS, DW, pid, num_partials, N,
     tl.debug_barrier()
     if tl.atomic_add(COUNTERS + 1 + group, 1, sem="acq_rel", scope="gpu") == group_len - 1:
         tl.atomic_xchg(COUNTERS + 1 + group, 0, sem="relaxed", scope="gpu")
-        for start in range(0, N, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            mask = cols < N
-            acc = _group_sum(PARTIAL, group, num_partials, N, cols, mask, GROUP_SIZE)
-            tl.store(GROUP_SUM + group.to(tl.int64) * N + cols, acc, mask=mask)
-        tl.debug_barrier()
-        if tl.atomic_add(COUNTERS, 1, sem="acq_rel", scope="gpu") == num_groups - 1:
-            tl.atomic_xchg(COUNTERS, 0, sem="relaxed", scope="gpu")
+        if num_groups == 1:
             for start in range(0, N, BLOCK):
                 cols = start + tl.arange(0, BLOCK)
-                mask = cols < N
-                total = tl.zeros([BLOCK], dtype=tl.float32)
-                for g in range(num_groups):
-                    total += tl.load(GROUP_SUM + g * N + cols, mask=mask, other=0.0, cache_modifier=".cg")
-                tl.store(DW + cols, round_to(total, DW.dtype.element_ty), mask=mask)
+                acc = _group_sum(PARTIAL, group, num_partials, N, cols, cols < N, GROUP_SIZE)
+                tl.store(DW + cols, round_to(acc, DW.dtype.element_ty), mask=cols < N)
+        else:
+            for start in range(0, N, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                acc = _group_sum(PARTIAL, group, num_partials, N, cols, cols < N, GROUP_SIZE)
+                tl.store(GROUP_SUM + group * N + cols, acc, mask=cols < N)
+            tl.debug_barrier()
+            if tl.atomic_add(COUNTERS, 1, sem="acq_rel", scope="gpu") == num_groups - 1:
+                tl.atomic_xchg(COUNTERS, 0, sem="relaxed", scope="gpu")
+                for start in range(0, N, BLOCK):
+                    cols = start + tl.arange(0, BLOCK)
+                    mask = cols < N
+                    total = tl.load(GROUP_SUM + cols, mask=mask, other=0.0, cache_modifier=".cg")
+                    for g in range(1, num_groups):
+                        total += tl.load(GROUP_SUM + g * N + cols, mask=mask, other=0.0, cache_modifier=".cg")
+                    tl.store(DW + cols, round_to(total, DW.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def dw_combine_kernel(PARTIAL, DW, num_partials, N, GROUP_SIZE: tl.constexpr, BLOCK: tl.constexpr):
-    """The separate-launch combine: the same two-level order as _finish_dw, so the same bits,
-    with the columns spread over programs instead of done by the last finisher."""
+    """The separate-launch combine: the same order as _finish_dw (group sums from the first
+    row, then the group sums from the first group), so the same bits, with the columns
+    spread over programs instead of done by the last finisher."""
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
-    total = tl.zeros([BLOCK], dtype=tl.float32)
-    for g in range(tl.cdiv(num_partials, GROUP_SIZE)):
+    total = _group_sum(PARTIAL, 0, num_partials, N, cols, mask, GROUP_SIZE)
+    for g in range(1, tl.cdiv(num_partials, GROUP_SIZE)):
         total += _group_sum(PARTIAL, g, num_partials, N, cols, mask, GROUP_SIZE)
     tl.store(DW + cols, round_to(total, DW.dtype.element_ty), mask=mask)
 
@@ -269,7 +297,7 @@ def rms_norm_bwd_kernel(
     n_rows, N, rows_per_partial, num_partials, eps, weight_offset,
     BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_DRES: tl.constexpr, FUSED_COMBINE: tl.constexpr,
-    GROUP_SIZE: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """DX = d rms_norm(X) / dX applied to DY (+ DRES, the gradient arriving on residual_out).
     With HAS_WEIGHT, program p also writes PARTIAL[p] = sum over its rows of DY * x_hat, and
@@ -281,25 +309,37 @@ def rms_norm_bwd_kernel(
     cols = tl.arange(0, BLOCK_N)[None, :]
     partial_row = PARTIAL + pid.to(tl.int64) * N
     if NUM_CHUNKS == 1:
-        # Software pipelining by hand: the next tile's loads are issued before this tile's
-        # reductions, so each program keeps two tiles of x and dy in flight.
         dw_acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
         rows = row_start + tile_rows
         mask = (rows < row_end)[:, None] & (cols < N)
         offs = rows.to(tl.int64)[:, None] * N + cols
-        x = tl.load(X + offs, mask=mask, other=0.0)
-        dy = tl.load(DY + offs, mask=mask, other=0.0)
-        for r0 in range(ROWS, rows_per_partial + ROWS, ROWS):
-            next_rows = row_start + r0 + tile_rows
-            next_mask = (next_rows < row_end)[:, None] & (cols < N)
-            next_offs = next_rows.to(tl.int64)[:, None] * N + cols
-            next_x = tl.load(X + next_offs, mask=next_mask, other=0.0)
-            next_dy = tl.load(DY + next_offs, mask=next_mask, other=0.0)
-            dw_acc += _bwd_tile(x, dy, W, DX, DRES, offs, cols, mask, N, eps, weight_offset,
-                                HAS_WEIGHT, HAS_DRES)
-            x, dy, mask, offs = next_x, next_dy, next_mask, next_offs
+        if PREFETCH:
+            # Software pipelining by hand: the next tile's loads are issued before this
+            # tile's reductions, so each program keeps two tiles of x and dy in flight.
+            x = tl.load(X + offs, mask=mask, other=0.0)
+            dy = tl.load(DY + offs, mask=mask, other=0.0)
+            for r0 in range(ROWS, rows_per_partial + ROWS, ROWS):
+                next_rows = row_start + r0 + tile_rows
+                next_mask = (next_rows < row_end)[:, None] & (cols < N)
+                next_offs = next_rows.to(tl.int64)[:, None] * N + cols
+                next_x = tl.load(X + next_offs, mask=next_mask, other=0.0)
+                next_dy = tl.load(DY + next_offs, mask=next_mask, other=0.0)
+                dw_acc += _bwd_tile(x, dy, W, DX, DRES, offs, cols, mask, N, eps, weight_offset,
+                                    HAS_WEIGHT, HAS_DRES)
+                x, dy, mask, offs = next_x, next_dy, next_mask, next_offs
+        else:
+            for r0 in range(0, rows_per_partial, ROWS):
+                x = tl.load(X + offs + r0 * N, mask=mask & (rows + r0 < row_end)[:, None], other=0.0)
+                dy = tl.load(DY + offs + r0 * N, mask=mask & (rows + r0 < row_end)[:, None], other=0.0)
+                dw_acc += _bwd_tile(x, dy, W, DX, DRES, offs + r0 * N, cols,
+                                    mask & (rows + r0 < row_end)[:, None], N, eps, weight_offset,
+                                    HAS_WEIGHT, HAS_DRES)
         if HAS_WEIGHT:
-            tl.store(partial_row + tl.arange(0, BLOCK_N), tl.sum(dw_acc, axis=0), mask=tl.arange(0, BLOCK_N) < N)
+            w_cols = tl.arange(0, BLOCK_N)
+            if FUSED_COMBINE and num_partials == 1:  # dW is this program's partial
+                tl.store(DW + w_cols, round_to(tl.sum(dw_acc, axis=0), DW.dtype.element_ty), mask=w_cols < N)
+            else:
+                tl.store(partial_row + w_cols, tl.sum(dw_acc, axis=0), mask=w_cols < N)
     else:
         # Long rows, one at a time: pass one reduces x^2 and g*x over the chunks, pass two
         # writes dx; the partial row is accumulated in place in PARTIAL[pid] (each element
@@ -340,7 +380,7 @@ def rms_norm_bwd_kernel(
                 if HAS_WEIGHT:
                     p_ptr = partial_row + ccols
                     tl.store(p_ptr, tl.load(p_ptr, mask=mask, other=0.0) + dy * x * inv, mask=mask)
-    if HAS_WEIGHT and FUSED_COMBINE:
+    if HAS_WEIGHT and FUSED_COMBINE and (NUM_CHUNKS > 1 or num_partials > 1):
         _finish_dw(PARTIAL, GROUP_SUM, COUNTERS, DW, pid, num_partials, N, GROUP_SIZE, BLOCK_N)
 
 
@@ -401,9 +441,9 @@ def rms_norm_bwd(
         COUNTERS=counters if counters is not None else dx, DW=dweight if dweight is not None else dx,
         n_rows=n_rows, N=n, rows_per_partial=plan.rows_per_partial, num_partials=plan.num_partials,
         eps=eps, weight_offset=weight_offset,
-        BLOCK_N=cfg.block_n, NUM_CHUNKS=cfg.num_chunks, ROWS=cfg.rows if cfg.num_chunks == 1 else 1,
+        BLOCK_N=cfg.block_n, NUM_CHUNKS=cfg.num_chunks, ROWS=cfg.rows,
         HAS_WEIGHT=has_weight, HAS_DRES=dresidual_out is not None, FUSED_COMBINE=fused_combine,
-        GROUP_SIZE=plan.group_size, num_warps=cfg.num_warps, **EXACT_FP,
+        GROUP_SIZE=plan.group_size, PREFETCH=cfg.bwd_prefetch, num_warps=cfg.bwd_num_warps, **EXACT_FP,
     )
     if has_weight and not fused_combine:
         dw_combine_kernel[(triton.cdiv(n, _COMBINE_BLOCK),)](
