@@ -73,7 +73,7 @@ class AllReducePlan:
             if algo == "auto":
                 return cls("nccl", reason="no peer workspace")
             raise ValueError(f"algo={algo!r} needs a peer workspace, and this communicator has none")
-        esize = torch.empty((), dtype=dtype).element_size()
+        esize = dtype.itemsize
         nbytes = numel * esize
         block = TILE_BYTES // esize
         align = ALIGN // esize
