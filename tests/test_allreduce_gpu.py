@@ -168,6 +168,7 @@ def _missing_peer():
 
     world, rank, failures = dist.get_world_size(), dist.get_rank(), []
     comm = Communicator(timeout_s=2.0)
+    dist.barrier()  # the live ranks enter the call together: the only late one is the last
     if rank != world - 1:
         comm.all_reduce(torch.ones(1000, device="cuda"))  # the kernel cannot raise: it times out
         try:
