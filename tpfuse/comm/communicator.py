@@ -56,9 +56,15 @@ class Communicator:
     once per reason on the ``tpfuse.comm`` logger, when the message exceeds the workspace,
     the ranks cannot map each other's memory, the group spans nodes or has more than 8 ranks.
 
-    One stream at a time: every call of a communicator must be issued on one stream (or
-    graph-captured on one stream); two streams using one communicator concurrently corrupt
-    its protocol. Use one communicator per stream.
+    One stream at a time: a communicator's calls must be ordered one after another on the
+    device. Issue them on one stream (a captured graph runs on the stream it is replayed on);
+    two calls that may run concurrently on different streams corrupt the protocol. Use one
+    communicator per stream.
+
+    CUDA graphs: a captured ``all_reduce`` replays correctly any number of times, interleaved
+    with eager calls and other graphs, because the call counter lives in device memory and is
+    advanced by the kernels. Run each (dtype, algorithm) once eagerly before capturing, so
+    that Triton compiles outside the capture.
 
     Errors in the kernels: a wait for a peer that does not arrive within ``timeout_s`` ends
     the kernel and records the rank, the peer and the operation. Under the interpreter the
