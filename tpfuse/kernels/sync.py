@@ -54,6 +54,7 @@ def decode_status(words) -> tuple[int, int, int, int] | None:
         return None
     return int(words[1]), int(words[2]), int(words[3]), int(words[4])
 
+
 POLL_SLEEP_S = 50e-6
 """Under the interpreter, the pause between polls: ranks are processes sharing a few cores,
 and a sleeping poller leaves the core to the peer it waits for."""
