@@ -125,8 +125,7 @@ class Communicator:
         # into the device's address space on CUDA), so the host reads it without a sync.
         self._status = torch.zeros(STATUS_WORDS, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         self._status_view = self._status.numpy()  # reading it costs ~100 ns, not a tensor op
-        self._table = torch.tensor(self._peer.buffer_ptrs + [self._status.data_ptr()], dtype=torch.int64,
-                                   device=self.device)
+        self._table = torch.tensor(self._peer.buffer_ptrs, dtype=torch.int64, device=self.device)
 
     @property
     def workspace_bytes(self) -> int:
@@ -174,7 +173,8 @@ class Communicator:
         src = _runtime.aligned_contiguous(x)
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         all_reduce_into(src, out, algo=plan.algo, grid=plan.grid, block=plan.block, num_warps=plan.num_warps,
-                        chunk=plan.chunk, table=self._table, rank=self.rank, layout=self.layout,
+                        chunk=plan.chunk, table=self._table, table_addrs=self._peer.buffer_ptrs,
+                        status_addr=self._status.data_ptr(), rank=self.rank, layout=self.layout,
                         timeout_ns=int(self.timeout_s * 1e9))
         if _runtime.INTERPRETER:
             self._check_usable()

@@ -15,9 +15,10 @@ every poll is of local memory and every remote access is a posted store.
   into gather slot c of every rank; every rank then copies the W gather slots to its output.
   Each rank moves 2(W-1)/W of the message over the links.
 
-Addresses come from the workspace layout (``tpfuse.comm.workspace``) and a table of W+1
-int64 addresses: the W ranks' workspace bases as mapped in this process, then the host-visible
-status record. Block b of every rank handles the same tiles and synchronises only with block
+Addresses come from the workspace layout (``tpfuse.comm.workspace``), a table of the W ranks'
+workspace bases as mapped in this process (int64), and two integer arguments: this rank's own
+base (also in the table, but an argument saves a dependent load on the latency path) and the
+host-visible status record. Block b of every rank handles the same tiles and synchronises only with block
 b of its peers, so blocks never wait on each other within a rank (and Triton's interpreter,
 which runs blocks one after another, runs the protocol too). The kernels know nothing of
 torch.distributed.
@@ -70,14 +71,14 @@ def _flag_row(local, flags_offset, W: tl.constexpr):
 
 
 @triton.jit
-def oneshot_all_reduce_kernel(x_ptr, out_ptr, numel, table_ptr, rank, timeout_ns, flags_offset, data_offset,
-                              data_bytes, slot_elems, W: tl.constexpr, PEERS: tl.constexpr, BLOCK: tl.constexpr):
+def oneshot_all_reduce_kernel(x_ptr, out_ptr, numel, table_ptr, local, status_addr, rank, timeout_ns, flags_offset,
+                              data_offset, data_bytes, slot_elems, W: tl.constexpr, PEERS: tl.constexpr,
+                              BLOCK: tl.constexpr):
     ELEM: tl.constexpr = x_ptr.dtype.element_ty
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
-    local = tl.load(table_ptr + rank)
     ctrl = local.to(tl.pointer_type(tl.int64))
-    status = tl.load(table_ptr + W).to(tl.pointer_type(tl.int64))
+    status = status_addr.to(tl.pointer_type(tl.int64))
     epoch = begin_call(ctrl)
     data = data_offset + (epoch % 2) * data_bytes
     n_tiles = tl.cdiv(numel, BLOCK)
@@ -98,15 +99,14 @@ def oneshot_all_reduce_kernel(x_ptr, out_ptr, numel, table_ptr, rank, timeout_ns
 
 
 @triton.jit
-def twoshot_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, rank, timeout_ns, flags_offset,
-                              flags_bytes, data_offset, data_bytes, gather_offset, slot_elems,
+def twoshot_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, status_addr, rank, timeout_ns,
+                              flags_offset, flags_bytes, data_offset, data_bytes, gather_offset, slot_elems,
                               W: tl.constexpr, PEERS: tl.constexpr, BLOCK: tl.constexpr):
     ELEM: tl.constexpr = x_ptr.dtype.element_ty
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
-    local = tl.load(table_ptr + rank)
     ctrl = local.to(tl.pointer_type(tl.int64))
-    status = tl.load(table_ptr + W).to(tl.pointer_type(tl.int64))
+    status = status_addr.to(tl.pointer_type(tl.int64))
     epoch = begin_call(ctrl)
     data = data_offset + (epoch % 2) * data_bytes
     n_tiles = tl.cdiv(chunk, BLOCK)
@@ -143,16 +143,20 @@ def twoshot_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, rank, tim
 
 
 def all_reduce_into(x: torch.Tensor, out: torch.Tensor, *, algo: str, grid: int, block: int, num_warps: int,
-                    chunk: int, table: torch.Tensor, rank: int, layout, timeout_ns: int) -> None:
+                    chunk: int, table: torch.Tensor, table_addrs: list[int], status_addr: int, rank: int, layout,
+                    timeout_ns: int) -> None:
     """Launch one all-reduce of contiguous, 16-byte aligned ``x`` into ``out`` (same shape
     and dtype, not aliasing x). Every rank must launch the same algo, grid, block and chunk
     (the caller derives them from the message size only) on one stream at a time.
 
-    table: int64 tensor of W+1 addresses on x's device (W workspace bases, status record);
-    layout: the ``WorkspaceLayout`` of those workspaces; chunk: elements per rank (two-shot).
+    table: int64 tensor of the W workspace bases on x's device; table_addrs: the same as ints;
+    status_addr: address of the int64 status record (``sync.STATUS_WORDS``), which the device
+    can write and the host read; layout: the ``WorkspaceLayout`` of the workspaces; chunk:
+    elements per rank (two-shot).
     """
     world = layout.world_size
-    common = dict(x_ptr=x, out_ptr=out, numel=x.numel(), table_ptr=table, rank=rank, timeout_ns=timeout_ns,
+    common = dict(x_ptr=x, out_ptr=out, numel=x.numel(), table_ptr=table, local=table_addrs[rank],
+                  status_addr=status_addr, rank=rank, timeout_ns=timeout_ns,
                   flags_offset=layout.flag_offset(0), data_offset=layout.data_offset(0), data_bytes=layout.data_bytes,
                   W=world, PEERS=triton.next_power_of_2(world), BLOCK=block, num_warps=num_warps, **EXACT_FP)
     if algo == "oneshot":
