@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from tpfuse import _runtime
 from tpfuse.comm.peer_memory import PeerMemory, PeerMemoryUnavailable
-from tpfuse.comm.plan import MAX_BLOCKS, AllReducePlan
+from tpfuse.comm.plan import MAX_BLOCKS, AllReducePlan, check_algo
 from tpfuse.comm.workspace import WorkspaceLayout
 from tpfuse.kernels.allreduce import OP_NAMES, all_reduce_into
 from tpfuse.kernels.sync import STATUS_WORDS, decode_status
@@ -160,8 +160,7 @@ class Communicator:
         _runtime.check_float_tensor(x, "x")
         if x.device != self.device and self.world_size > 1:
             raise ValueError(f"x is on {x.device}, but this communicator serves {self.device}")
-        if algo not in ("auto", "oneshot", "twoshot", "nccl"):
-            raise ValueError(f"algo must be one of 'auto', 'oneshot', 'twoshot', 'nccl', got {algo!r}")
+        check_algo(algo)  # also where the call returns before planning
         if x.numel() == 0 or self.world_size == 1:
             return x.clone(memory_format=torch.contiguous_format)
         plan = AllReducePlan.from_numel(x.numel(), self.world_size, x.dtype, self.layout, algo)

@@ -35,6 +35,14 @@ MAX_ELEMENTS = 2**31 - 1
 """Kernels index elements with int32."""
 
 
+ALGOS = ("auto", "oneshot", "twoshot", "nccl")
+
+
+def check_algo(algo: str) -> None:
+    if algo not in ALGOS:
+        raise ValueError(f"algo must be one of {', '.join(map(repr, ALGOS))}, got {algo!r}")
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -65,8 +73,7 @@ class AllReducePlan:
         backend when the message does not fit the workspace. An explicit "oneshot" or
         "twoshot" that the workspace cannot serve raises ValueError.
         """
-        if algo not in ("auto", "oneshot", "twoshot", "nccl"):
-            raise ValueError(f"algo must be one of 'auto', 'oneshot', 'twoshot', 'nccl', got {algo!r}")
+        check_algo(algo)
         if algo == "nccl":
             return cls("nccl", reason="algo='nccl' was requested")
         if layout is None:
