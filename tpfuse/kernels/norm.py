@@ -98,25 +98,28 @@ def row_inv_rms(sq, N, eps):
 
 
 @triton.jit
-def _load_norm_input(X, RES, RES_OUT, offs, mask, HAS_RESIDUAL: tl.constexpr, STORE_RES: tl.constexpr):
+def _load_norm_input(X, RES, RES_OUT, offs, mask, has_residual, STORE_RES: tl.constexpr):
     """The fp32 values to normalise at offs: x, or round(x + residual) (stored when STORE_RES)."""
     x = tl.load(X + offs, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        r = round_to(x.to(tl.float32) + tl.load(RES + offs, mask=mask, other=0.0).to(tl.float32), x.dtype)
+    if has_residual:
+        x = round_to(x.to(tl.float32) + tl.load(RES + offs, mask=mask, other=0.0).to(tl.float32), x.dtype)
         if STORE_RES:
-            tl.store(RES_OUT + offs, r, mask=mask)
-        x = r
+            tl.store(RES_OUT + offs, x, mask=mask)
     return x.to(tl.float32)
 
 
-@triton.jit
+# has_residual is a runtime flag, not a constexpr, so rms_norm and add_rms_norm run the SAME
+# compiled kernel: Triton picks register layouts per kernel, and the layout fixes the order
+# of the row reduction (seen on H200: at N=1000 the two variants compiled as separate
+# kernels reduced in different layouts and y differed by an ulp). One kernel makes
+# y == rms_norm(residual_out) hold by construction.
+@triton.jit(do_not_specialize=["has_residual"])
 def rms_norm_fwd_kernel(
     X, RES, W, Y, RES_OUT,
-    n_rows, N, eps, weight_offset,
-    BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    n_rows, N, eps, weight_offset, has_residual,
+    BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
 ):
-    """Y = rms_norm(X) or, with HAS_RESIDUAL, RES_OUT = round(X + RES), Y = rms_norm(RES_OUT).
+    """Y = rms_norm(X) or, with has_residual, RES_OUT = round(X + RES), Y = rms_norm(RES_OUT).
     All operands are [n_rows, N] contiguous; one program per tile of ROWS rows."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < n_rows
@@ -124,7 +127,7 @@ def rms_norm_fwd_kernel(
     cols = tl.arange(0, BLOCK_N)[None, :]
     if NUM_CHUNKS == 1:
         mask = row_mask[:, None] & (cols < N)
-        x = _load_norm_input(X, RES, RES_OUT, row_offs + cols, mask, HAS_RESIDUAL, True)
+        x = _load_norm_input(X, RES, RES_OUT, row_offs + cols, mask, has_residual, True)
         inv = row_inv_rms(x * x, N, eps)
         y = x * inv[:, None]
         if HAS_WEIGHT:
@@ -135,7 +138,7 @@ def rms_norm_fwd_kernel(
         for c in range(NUM_CHUNKS):
             ccols = c * BLOCK_N + cols
             mask = row_mask[:, None] & (ccols < N)
-            x = _load_norm_input(X, RES, RES_OUT, row_offs + ccols, mask, HAS_RESIDUAL, True)
+            x = _load_norm_input(X, RES, RES_OUT, row_offs + ccols, mask, has_residual, True)
             sq = tl.fma(x, x, sq)
         inv = row_inv_rms(sq, N, eps)
         for c in range(NUM_CHUNKS):
@@ -143,7 +146,7 @@ def rms_norm_fwd_kernel(
             mask = row_mask[:, None] & (ccols < N)
             # Recomputing round(x + res) gives the bits stored in pass one, without reading
             # back memory this program wrote.
-            x = _load_norm_input(X, RES, RES_OUT, row_offs + ccols, mask, HAS_RESIDUAL, False)
+            x = _load_norm_input(X, RES, RES_OUT, row_offs + ccols, mask, has_residual, False)
             y = x * inv[:, None]
             if HAS_WEIGHT:
                 y = y * (tl.load(W + ccols, mask=ccols < N, other=0.0).to(tl.float32) + weight_offset)
@@ -167,9 +170,8 @@ def rms_norm_fwd(
     rms_norm_fwd_kernel[(triton.cdiv(n_rows, cfg.rows),)](
         X=x, RES=residual if residual is not None else x, W=weight if weight is not None else x, Y=y,
         RES_OUT=residual_out if residual_out is not None else y,
-        n_rows=n_rows, N=n, eps=eps, weight_offset=weight_offset,
-        BLOCK_N=cfg.block_n, NUM_CHUNKS=cfg.num_chunks, ROWS=cfg.rows,
-        HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
+        n_rows=n_rows, N=n, eps=eps, weight_offset=weight_offset, has_residual=int(residual is not None),
+        BLOCK_N=cfg.block_n, NUM_CHUNKS=cfg.num_chunks, ROWS=cfg.rows, HAS_WEIGHT=weight is not None,
         num_warps=cfg.num_warps, **EXACT_FP,
     )
 
