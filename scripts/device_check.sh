@@ -26,11 +26,11 @@ run() {  # run NAME TIMEOUT CMD...: log to $OUT/NAME.log, remember failures
   echo "== $name exit $rc"; [ $rc -eq 0 ] || status=1
 }
 if [ "$what" = norm ] || [ "$what" = all ]; then
-  run test_norm 300 python3 -m pytest -q -x tests/test_rms_norm.py tests/test_rms_norm_module.py
-  run bench_norm 540 python3 -m tpfuse.cli bench norm --out "$OUT" --plot "$@"
+  run test_norm 240 python3 -m pytest -q -x tests/test_rms_norm.py tests/test_rms_norm_module.py
+  run bench_norm 330 python3 -m tpfuse.cli bench norm --out "$OUT" --plot "$@"
 fi
 if { [ "$what" = allreduce ] || [ "$what" = all ]; } && [ "$ngpu" -ge 2 ]; then
-  run test_allreduce 400 python3 -m pytest -q -x -m multigpu tests/test_allreduce_gpu.py
-  run bench_allreduce 400 python3 -m tpfuse.cli bench allreduce --out "$OUT" --plot "$@"
+  run test_allreduce 270 python3 -m pytest -q -x -m multigpu tests/test_allreduce_gpu.py
+  run bench_allreduce 290 python3 -m tpfuse.cli bench allreduce --out "$OUT" --plot "$@"
 fi
 exit $status

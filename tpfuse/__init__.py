@@ -2,8 +2,9 @@
 
 from tpfuse import _runtime  # noqa: F401  (first: selects Triton's interpreter when CUDA is absent)
 from tpfuse import reference
+from tpfuse.comm import CommTimeoutError, Communicator
 from tpfuse.nn import RMSNorm
 from tpfuse.ops import add_rms_norm, rms_norm
 
-__all__ = ["rms_norm", "add_rms_norm", "RMSNorm", "reference"]
+__all__ = ["rms_norm", "add_rms_norm", "RMSNorm", "Communicator", "CommTimeoutError", "reference"]
 __version__ = "0.1.0"

@@ -9,6 +9,7 @@ import sys
 # bench name -> module with main(argv) -> exit code
 BENCHES = {
     "norm": "tpfuse.bench.norm",
+    "allreduce": "tpfuse.bench.allreduce",
 }
 
 
