@@ -106,7 +106,7 @@ def test_fused_and_separate_dw_combine_give_the_same_bits(m, n):
     x, w, _ = _inputs(m, n, torch.bfloat16, "plain", seed=m + n)
     dy = torch.randn(m, n).to(torch.bfloat16).to(DEVICE)
     outs = []
-    for fused in (True, False):
+    for fused in (True, False):  # forced both ways; the plan picks one
         dx = torch.full_like(x, float("nan"))
         dw = torch.full_like(w, float("nan"))
         K.rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0, fused_combine=fused)
