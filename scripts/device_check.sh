@@ -13,7 +13,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
-export TPFUSE_COMMIT=$(git rev-parse HEAD 2>/dev/null || echo unknown)
+# A commit passed in wins (the device copy of the tree may have no usable git history);
+# --verify prints nothing when HEAD is unborn (plain rev-parse prints "HEAD" and fails).
+export TPFUSE_COMMIT=${TPFUSE_COMMIT:-$(git rev-parse --verify -q HEAD 2>/dev/null || echo unknown)}
 nvidia-smi -L | tee "$OUT/gpus.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'nccl', torch.cuda.nccl.version())" | tee -a "$OUT/gpus.txt"
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import statistics
 import subprocess
 from typing import Callable
@@ -17,14 +18,18 @@ def run_header() -> dict:
     import triton
 
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+        commit = subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"], capture_output=True, text=True,
                                 cwd=os.path.dirname(__file__), check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "tpfuse"], capture_output=True, text=True,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", ":/tpfuse"], capture_output=True, text=True,
                                cwd=os.path.dirname(__file__), check=True).stdout.strip()
         if dirty:
             commit += "+dirty"
     except (OSError, subprocess.CalledProcessError):
-        commit = os.environ.get("TPFUSE_COMMIT", "unknown")
+        # Only a commit id (optionally "+dirty"): a failed `git rev-parse HEAD` in a shell
+        # once passed "HEAD\nunknown" through this variable into a results file.
+        commit = os.environ.get("TPFUSE_COMMIT", "").strip()
+        if not re.fullmatch(r"[0-9a-f]{7,40}(\+dirty)?", commit):
+            commit = "unknown"
     header = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": commit,
