@@ -111,6 +111,29 @@ def test_plan_picks_by_size_and_refuses_what_does_not_fit():
     assert AllReducePlan.from_numel(12345, 4, bf16, layout) == AllReducePlan.from_numel(12345, 4, bf16, layout)
 
 
+def test_plan_follows_the_knobs_in_plan_py(monkeypatch):
+    from tpfuse.comm import plan as P
+    layout = WorkspaceLayout(4, 16 << 20, max_blocks=128)
+    bf16 = torch.bfloat16
+    monkeypatch.setattr(P, "TILE_BYTES", {"oneshot": 16384, "twoshot": 32768})
+    monkeypatch.setattr(P, "NUM_WARPS", {"oneshot": 4, "twoshot": 16})
+    monkeypatch.setattr(P, "MAX_CTAS", {"oneshot": 8, "twoshot": 96})
+    monkeypatch.setattr(P, "GATHER", "pull")
+    one = AllReducePlan.from_numel(1 << 20, 4, bf16, layout, "oneshot")
+    assert (one.block, one.grid, one.num_warps) == (8192, 8, 4)
+    two = AllReducePlan.from_numel(8 << 20, 4, bf16, layout, "twoshot")
+    assert (two.block, two.grid, two.num_warps, two.gather) == (16384, 96, 16, "pull")  # 128 tiles, 96 CTAs
+    assert AllReducePlan.from_numel(8 << 20, 4, bf16, layout).algo == "twoshot"  # auto stays exact by default
+    monkeypatch.setattr(P, "NCCL_MIN_BYTES", {2: None, 4: 4 << 20, 8: None})  # bytes; numel below is bf16
+    assert AllReducePlan.from_numel((4 << 20) // 2 - 1, 4, bf16, layout).algo == "twoshot"
+    assert AllReducePlan.from_numel((4 << 20) // 2, 4, bf16, layout).algo == "nccl"
+    assert AllReducePlan.from_numel((4 << 20) // 2, 4, bf16, layout, "twoshot").algo == "twoshot"
+    assert AllReducePlan.from_numel((4 << 20) // 2, 2, bf16, layout).algo == "twoshot"
+    monkeypatch.setattr(P, "GATHER", "ring")
+    with pytest.raises(ValueError, match="GATHER"):
+        AllReducePlan.from_numel(8 << 20, 4, bf16, layout, "twoshot")
+
+
 # ---------------------------------------------------------------- rank functions
 
 def _sizes_dtypes_algos(sizes):
@@ -137,6 +160,17 @@ def _stress(calls, seed):
             if len(failures) > 5:
                 break
     return failures, digests
+
+
+def _with_gather(mode, fn, *args):
+    """``fn(*args)`` with two-shot's all-gather in ``mode`` (plan.GATHER), restored after:
+    rank processes are reused by later tests."""
+    from tpfuse.comm import plan
+    saved, plan.GATHER = plan.GATHER, mode
+    try:
+        return fn(*args)
+    finally:
+        plan.GATHER = saved
 
 
 def _slow_rank_mid_kernel(calls, seed):
@@ -305,8 +339,14 @@ def test_stress_changing_sizes_without_barriers(world, calls):
     assert len(results[0][1]) == calls
 
 
-def test_peers_one_call_ahead_never_overwrite_a_slow_ranks_data():
-    _assert_ok(run_ranks(4, _slow_rank_mid_kernel, 20, 1, timeout_s=300, fresh=True))
+@pytest.mark.parametrize("gather", ["push", "pull"])
+def test_peers_one_call_ahead_never_overwrite_a_slow_ranks_data(gather):
+    _assert_ok(run_ranks(4, _with_gather, gather, _slow_rank_mid_kernel, 20, 1, timeout_s=300, fresh=True))
+
+
+def test_twoshot_pull_gather_is_bitwise_equal_too():
+    _assert_ok(run_ranks(4, _with_gather, "pull", _sizes_dtypes_algos, [1, 9, 4097, 75001]))
+    _assert_ok(run_ranks(2, _with_gather, "pull", _stress, 300, 5))
 
 
 @pytest.mark.parametrize("world", [2, 4])

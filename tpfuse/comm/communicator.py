@@ -172,7 +172,7 @@ class Communicator:
         src = _runtime.aligned_contiguous(x)
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         all_reduce_into(src, out, algo=plan.algo, grid=plan.grid, block=plan.block, num_warps=plan.num_warps,
-                        chunk=plan.chunk, table=self._table, table_addrs=self._peer.buffer_ptrs,
+                        chunk=plan.chunk, gather=plan.gather, table=self._table, table_addrs=self._peer.buffer_ptrs,
                         status_addr=self._status.data_ptr(), rank=self.rank, layout=self.layout,
                         timeout_ns=int(self.timeout_s * 1e9))
         if _runtime.INTERPRETER:

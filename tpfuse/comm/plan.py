@@ -19,16 +19,36 @@ from tpfuse.comm.workspace import ALIGN, WorkspaceLayout
 
 KiB = 1024
 
-# Largest message auto sends to one-shot, by world size (provisional; other sizes: W=8's).
+# ---- Tunable knobs, all in one place (PROVISIONAL until scripts/tune_allreduce.py has run
+# on 4x/8x H200; that script patches these module constants, the library only reads them).
+#
+# ONESHOT_MAX_BYTES: largest message "auto" sends to one-shot, by world size (other sizes:
+#   W=8's). Above it, two-shot.
+# NCCL_MIN_BYTES: smallest message "auto" hands to the group's backend (NCCL), by world size;
+#   None = never (auto stays exact, bitwise equal to tpfuse.reference, at every size the
+#   workspace holds). Set it only where the sweep shows two-shot losing to NCCL by more than
+#   5%: NCCL's results are not bitwise reproducible, so this trades the exactness contract
+#   of "auto" for speed on large messages.
+# TILE_BYTES: bytes of a tile; on GPUs 8 KiB = 256 threads x two 16-byte vectors. The
+#   interpreter pays per operation, not per element, so it takes large tiles.
+# NUM_WARPS: warps per CTA, per algorithm.
+# MAX_CTAS: CTAs per call, per algorithm. Every CTA of a grid must be resident at once
+#   (block b waits for block b of every peer, see tpfuse.kernels.sync), so a grid must stay
+#   at or below the SM count (132 on H200) with one CTA per SM; MAX_BLOCKS (flag slots) caps
+#   it too. Under the interpreter blocks run one after another and each costs a flag round,
+#   so few large blocks are fastest.
+# GATHER: two-shot's all-gather phase. "push": the owner of chunk c stores its reduced chunk
+#   into gather slot c of every peer, which then copies the W-1 gather slots to its output
+#   (posted remote stores, local polls, one extra local copy). "pull": the owner stores it
+#   into its own gather slot only, and every peer loads it from there straight into its
+#   output (remote loads, no local copy).
 ONESHOT_MAX_BYTES = {2: 512 * KiB, 4: 256 * KiB, 8: 128 * KiB}
-# Bytes of a tile: on GPUs 8 KiB = 256 threads x two 16-byte vectors (provisional); the
-# interpreter pays per operation, not per element, so it takes large tiles.
-TILE_BYTES = 8 * KiB if not INTERPRETER else 64 * KiB
-NUM_WARPS = 8
-# CTAs per call (provisional). Capped far below the H200's 132 SMs so a whole grid is
-# resident even beside other work; under the interpreter, blocks run one after another and
-# each costs a flag round, so few large blocks are fastest.
+NCCL_MIN_BYTES: dict[int, int | None] = {2: None, 4: None, 8: None}
+TILE_BYTES = {"oneshot": 8 * KiB, "twoshot": 8 * KiB} if not INTERPRETER else {"oneshot": 64 * KiB, "twoshot": 64 * KiB}
+NUM_WARPS = {"oneshot": 8, "twoshot": 8}
 MAX_CTAS = {"oneshot": 32, "twoshot": 64} if not INTERPRETER else {"oneshot": 4, "twoshot": 4}
+GATHER = "push"
+GATHER_MODES = ("push", "pull")
 MAX_BLOCKS = 128
 """Flag slots per phase in the workspace: every grid above must fit."""
 MAX_ELEMENTS = 2**31 - 1
@@ -53,14 +73,16 @@ class AllReducePlan:
 
     algo: "oneshot", "twoshot" or "nccl" (the group's backend: NCCL on GPUs, gloo on CPU);
     reason: why "nccl" was chosen (empty otherwise); block: elements per tile; grid: CTAs;
-    chunk: elements of each rank's share (two-shot; a multiple of ALIGN bytes).
+    chunk: elements of each rank's share (two-shot; a multiple of ALIGN bytes); gather:
+    two-shot's all-gather mode (see GATHER).
     """
 
     algo: str
     block: int = 0
     grid: int = 0
-    num_warps: int = NUM_WARPS
+    num_warps: int = 8
     chunk: int = 0
+    gather: str = "push"
     reason: str = ""
 
     @classmethod
@@ -70,7 +92,8 @@ class AllReducePlan:
         ranks whose workspaces have ``layout`` (None: no peer workspace).
 
         ``algo="auto"`` picks one-shot up to ONESHOT_MAX_BYTES, else two-shot, else the
-        backend when the message does not fit the workspace. An explicit "oneshot" or
+        backend from NCCL_MIN_BYTES on (never, by default) or when the message does not fit
+        the workspace. An explicit "oneshot" or
         "twoshot" that the workspace cannot serve raises ValueError.
         """
         check_algo(algo)
@@ -82,7 +105,6 @@ class AllReducePlan:
             raise ValueError(f"algo={algo!r} needs a peer workspace, and this communicator has none")
         esize = dtype.itemsize
         nbytes = numel * esize
-        block = TILE_BYTES // esize
         align = ALIGN // esize
         chunk = _cdiv(_cdiv(numel, world_size), align) * align
         fits = {
@@ -91,6 +113,9 @@ class AllReducePlan:
         }
         if algo == "auto":
             small = nbytes <= ONESHOT_MAX_BYTES.get(world_size, ONESHOT_MAX_BYTES[8])
+            nccl_min = NCCL_MIN_BYTES.get(world_size, NCCL_MIN_BYTES[8])
+            if nccl_min is not None and nbytes >= nccl_min:
+                return cls("nccl", reason=f"messages of {nccl_min} bytes and more go to the backend (NCCL_MIN_BYTES)")
             algo = "oneshot" if small and fits["oneshot"] else "twoshot"
             if not fits[algo] or numel > MAX_ELEMENTS:
                 return cls("nccl", reason=f"messages too large for the workspace (max_bytes={layout.max_bytes})")
@@ -99,6 +124,11 @@ class AllReducePlan:
             raise ValueError(f"algo={algo!r} serves messages up to about {cap} bytes with this workspace "
                              f"(max_bytes={layout.max_bytes}); got {nbytes} bytes. Create the Communicator "
                              "with a larger max_bytes, or use algo='auto'")
+        block = TILE_BYTES[algo] // esize
         tiles = _cdiv(numel if algo == "oneshot" else chunk, block)
         grid = max(1, min(tiles, MAX_CTAS[algo], layout.max_blocks))
-        return cls(algo, block=block, grid=grid, chunk=chunk if algo == "twoshot" else 0)
+        if algo == "oneshot":
+            return cls(algo, block=block, grid=grid, num_warps=NUM_WARPS[algo])
+        if GATHER not in GATHER_MODES:
+            raise ValueError(f"GATHER must be one of {GATHER_MODES}, got {GATHER!r}")
+        return cls(algo, block=block, grid=grid, num_warps=NUM_WARPS[algo], chunk=chunk, gather=GATHER)

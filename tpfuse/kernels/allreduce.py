@@ -12,8 +12,12 @@ every poll is of local memory and every remote access is a posted store.
   its flag there, waits for all W flags, and sums the W local slots. One flag round trip.
 - two-shot: each rank writes chunk c of its input into scatter slot ``rank`` of rank c; rank
   c sums its W scatter slots (its chunk, in rank order), rounds once, and writes the result
-  into gather slot c of every rank; every rank then copies the W gather slots to its output.
-  Each rank moves 2(W-1)/W of the message over the links.
+  straight into its own output and, in the all-gather, to the other ranks: "push" stores it
+  into gather slot c of every peer, which copies its W-1 gather slots to its output after
+  the gather flags; "pull" stores it into its own gather slot c only, and every peer, after
+  the gather flags, loads the W-1 other ranks' gather slots over the links straight into its
+  output (the one exception to "read only your own workspace"). Each rank moves 2(W-1)/W of
+  the message over the links either way.
 
 Addresses come from the workspace layout (``tpfuse.comm.workspace``), a table of the W ranks'
 workspace bases as mapped in this process (int64), and two integer arguments: this rank's own
@@ -65,6 +69,14 @@ def _push_to_all(table_ptr, byte_offset, vals, offs, mask, W: tl.constexpr):
 
 
 @triton.jit
+def _push_to_peers(table_ptr, byte_offset, vals, offs, mask, rank, W: tl.constexpr):
+    """Store ``vals`` at ``byte_offset`` + offs (elements) in every other rank's workspace."""
+    for dst in tl.static_range(W):
+        if dst != rank:
+            tl.store(_typed(tl.load(table_ptr + dst), byte_offset, vals.dtype) + offs, vals, mask=mask)
+
+
+@triton.jit
 def _flag_row(local, flags_offset, W: tl.constexpr):
     """This block's W local flag words (one per source rank) in a phase's flag region."""
     return (local + flags_offset + tl.program_id(0) * W * 8).to(tl.pointer_type(tl.int64))
@@ -101,7 +113,7 @@ def oneshot_all_reduce_kernel(x_ptr, out_ptr, numel, table_ptr, local, status_ad
 @triton.jit
 def twoshot_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, status_addr, rank, timeout_ns,
                               flags_offset, flags_bytes, data_offset, data_bytes, gather_offset, slot_elems,
-                              W: tl.constexpr, PEERS: tl.constexpr, BLOCK: tl.constexpr):
+                              W: tl.constexpr, PEERS: tl.constexpr, BLOCK: tl.constexpr, GATHER_PULL: tl.constexpr):
     ELEM: tl.constexpr = x_ptr.dtype.element_ty
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
@@ -119,32 +131,42 @@ def twoshot_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, st
             dst = _typed(tl.load(table_ptr + c), data, ELEM) + rank * slot_elems
             tl.store(dst + offs, vals, mask=mask)
     signal(table_ptr, flags_offset + (pid * W + rank) * 8, epoch, W, PEERS)
-    # Part 2: sum my chunk's W contributions, round once, write the result into gather slot
-    # `rank` of every rank.
+    # Part 2: sum my chunk's W contributions, round once, store the result into my output
+    # and (push) into gather slot `rank` of every peer, or (pull) into my own gather slot.
     if wait(_flag_row(local, flags_offset, W), ctrl, status, epoch, rank, timeout_ns, OP_TWOSHOT_SCATTER, W, PEERS):
         slot0 = _typed(local, data, ELEM)
         for tile in range(pid, n_tiles, grid):
             offs = tile * BLOCK + tl.arange(0, BLOCK)
             mask = (offs < chunk) & (rank * chunk + offs < numel)
             y = round_to(sum_in_rank_order(slot0, slot_elems, offs, mask, W), ELEM)
-            _push_to_all(table_ptr, data + gather_offset, y, rank * slot_elems + offs, mask, W)
+            tl.store(out_ptr + rank * chunk + offs, y, mask=mask)
+            if GATHER_PULL:
+                tl.store(_typed(local, data + gather_offset, ELEM) + rank * slot_elems + offs, y, mask=mask)
+            else:
+                _push_to_peers(table_ptr, data + gather_offset, y, rank * slot_elems + offs, mask, rank, W)
     # All-gather: after a failed first wait the abort word makes this wait return at once.
+    # Pull: a peer reads my gather slot of call k until it has finished call k; I rewrite it
+    # in call k + 2 only after every peer has signalled call k + 2's scatter (parity rotation).
     signal(table_ptr, flags_offset + flags_bytes + (pid * W + rank) * 8, epoch, W, PEERS)
     gather_flags = _flag_row(local, flags_offset + flags_bytes, W)
     if wait(gather_flags, ctrl, status, epoch, rank, timeout_ns, OP_TWOSHOT_GATHER, W, PEERS):
-        gather0 = _typed(local, data + gather_offset, ELEM)
         for tile in range(pid, n_tiles, grid):
             offs = tile * BLOCK + tl.arange(0, BLOCK)
             for c in tl.static_range(W):
-                mask = (offs < chunk) & (c * chunk + offs < numel)
-                vals = tl.load(gather0 + c * slot_elems + offs, mask=mask, cache_modifier=".cg")
-                tl.store(out_ptr + c * chunk + offs, vals, mask=mask)
+                if c != rank:
+                    mask = (offs < chunk) & (c * chunk + offs < numel)
+                    if GATHER_PULL:
+                        src = _typed(tl.load(table_ptr + c), data + gather_offset, ELEM) + c * slot_elems
+                    else:
+                        src = _typed(local, data + gather_offset, ELEM) + c * slot_elems
+                    vals = tl.load(src + offs, mask=mask, cache_modifier=".cg")
+                    tl.store(out_ptr + c * chunk + offs, vals, mask=mask)
     end_call(ctrl, epoch)
 
 
 def all_reduce_into(x: torch.Tensor, out: torch.Tensor, *, algo: str, grid: int, block: int, num_warps: int,
                     chunk: int, table: torch.Tensor, table_addrs: list[int], status_addr: int, rank: int, layout,
-                    timeout_ns: int) -> None:
+                    timeout_ns: int, gather: str = "push") -> None:
     """Launch one all-reduce of contiguous, 16-byte aligned ``x`` into ``out`` (same shape
     and dtype, not aliasing x). Every rank must launch the same algo, grid, block and chunk
     (the caller derives them from the message size only) on one stream at a time.
@@ -152,7 +174,8 @@ def all_reduce_into(x: torch.Tensor, out: torch.Tensor, *, algo: str, grid: int,
     table: int64 tensor of the W workspace bases on x's device; table_addrs: the same as ints;
     status_addr: address of the int64 status record (``sync.STATUS_WORDS``), which the device
     can write and the host read; layout: the ``WorkspaceLayout`` of the workspaces; chunk:
-    elements per rank (two-shot).
+    elements per rank (two-shot); gather: two-shot's all-gather mode, "push" or "pull"
+    (``tpfuse.comm.plan.GATHER``).
     """
     world = layout.world_size
     common = dict(x_ptr=x, out_ptr=out, numel=x.numel(), table_ptr=table, local=table_addrs[rank],
@@ -163,7 +186,7 @@ def all_reduce_into(x: torch.Tensor, out: torch.Tensor, *, algo: str, grid: int,
         oneshot_all_reduce_kernel[(grid,)](slot_elems=layout.oneshot_slot_bytes // x.element_size(), **common)
     elif algo == "twoshot":
         twoshot_all_reduce_kernel[(grid,)](chunk=chunk, flags_bytes=layout.flag_region_bytes,
-                                           gather_offset=layout.gather_offset,
+                                           gather_offset=layout.gather_offset, GATHER_PULL=gather == "pull",
                                            slot_elems=layout.twoshot_slot_bytes // x.element_size(), **common)
     else:
         raise ValueError(f"algo must be 'oneshot' or 'twoshot', got {algo!r}")
