@@ -36,6 +36,10 @@ _MAX_TILE_ROWS = 32
 # larger ones run out of registers (H200 bf16 M=32768: N=4096 311 -> 219 us with prefetch,
 # N=16384 1151 -> 2005 us).
 _MAX_PREFETCH_TILE = 8192
+# Backward tiles (elements) where two separate row reductions beat one tuple reduction (H200
+# bf16 M=32768, % of copy: N=4096 85 vs 71, N=2880 68 vs 56, N=16384 63 vs 59; at 8192-element
+# tiles the tuple wins, N=8192 90 vs 73, N=5120 73 vs 52, and at small tiles, N=256 38 vs 31).
+_BWD_TWO_REDUCTION_TILES = (4096, 16384)
 
 # Backward dW: at most this many per-program partial rows, combined in a fixed two-level
 # tree (groups of DW_GROUP_SIZE summed in order, then the group sums in order). Constants,
@@ -66,6 +70,7 @@ class NormConfig:
     num_warps: int  # forward
     bwd_num_warps: int
     bwd_prefetch: bool  # backward keeps the next tile's loads in flight
+    bwd_joint_reduce: bool  # backward reduces x^2 and g*x in one tuple reduction
 
     @staticmethod
     @functools.lru_cache(maxsize=None)
@@ -86,6 +91,7 @@ class NormConfig:
             num_warps=_pow2_warps(vectors // fwd_vectors_per_thread, 8),
             bwd_num_warps=_pow2_warps(vectors, 16),
             bwd_prefetch=num_chunks == 1 and rows * block_n <= _MAX_PREFETCH_TILE,
+            bwd_joint_reduce=rows * block_n not in _BWD_TWO_REDUCTION_TILES,
         )
 
 
@@ -209,10 +215,12 @@ class DwPlan:
         rows_per_partial = triton.cdiv(triton.cdiv(m, num_partials), cfg.rows) * cfg.rows
         num_partials = triton.cdiv(m, rows_per_partial)
         # In-kernel combine measured on H200 (bf16): 1.35-1.6x faster than the separate
-        # launch with one partial, 1.3-6.4x with 256 partials (16 group finishers share the
-        # work), but 4-27% slower with 4-32 partials at N > 2048, where one finisher reads
-        # every partial row alone, and 16-30% slower for chunked rows (N=65536).
-        fused = cfg.num_chunks == 1 and (num_partials == 1 or num_partials >= 64 or n <= 2048)
+        # launch with one partial and 1.3-6.4x with 256 partials (16 group finishers share
+        # the work); with few partials one finisher reads every partial row alone: at M=16
+        # (4 partials) it wins to N=1024 and loses 5-20% beyond, at M=128 (32 partials) it
+        # wins to N=4096 and loses 13-27% beyond; chunked rows (N=65536) lose 16-30%.
+        fused = cfg.num_chunks == 1 and (num_partials == 1 or num_partials >= 64 or n <= 1024
+                                         or (num_partials >= 32 and n <= 4096))
         return DwPlan(num_partials, rows_per_partial, _DW_GROUP_SIZE, fused)
 
 
@@ -289,14 +297,18 @@ def _add_pair(a0, a1, b0, b1):
 
 
 @triton.jit
-def _bwd_tile(x, dy, w, DX, DRES, offs, mask, N, eps, HAS_DRES: tl.constexpr):
+def _bwd_tile(x, dy, w, DX, DRES, offs, mask, N, eps, HAS_DRES: tl.constexpr, JOINT_REDUCE: tl.constexpr):
     """dx for a loaded tile (rows that fit in one chunk), with w = weight + offset in fp32
-    (or 1); returns dy * x_hat for dW. Both row sums (x^2 and g*x) share one reduction, so
-    a row pays for one round of cross-warp synchronisation."""
+    (or 1); returns dy * x_hat for dW. With JOINT_REDUCE both row sums (x^2 and g*x) share
+    one reduction: one round of cross-warp synchronisation per row instead of two."""
     x = x.to(tl.float32)
     dy = dy.to(tl.float32)
     g = dy * w
-    sq, gx = tl.reduce((x * x, g * x), 1, _add_pair)
+    if JOINT_REDUCE:
+        sq, gx = tl.reduce((x * x, g * x), 1, _add_pair)
+    else:
+        sq = tl.sum(x * x, axis=1)
+        gx = tl.sum(g * x, axis=1)
     inv = (1.0 / tl.sqrt(sq / N + eps))[:, None]
     c = (gx / N)[:, None] * inv
     dx = inv * (g - x * inv * c)
@@ -312,7 +324,7 @@ def rms_norm_bwd_kernel(
     n_rows, N, rows_per_partial, num_partials, eps, weight_offset,
     BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_DRES: tl.constexpr, FUSED_COMBINE: tl.constexpr,
-    GROUP_SIZE: tl.constexpr, PREFETCH: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, PREFETCH: tl.constexpr, JOINT_REDUCE: tl.constexpr,
 ):
     """DX = d rms_norm(X) / dX applied to DY (+ DRES, the gradient arriving on residual_out).
     With HAS_WEIGHT, program p also writes PARTIAL[p] = sum over its rows of DY * x_hat, and
@@ -342,14 +354,14 @@ def rms_norm_bwd_kernel(
                 next_offs = next_rows.to(tl.int64)[:, None] * N + cols
                 next_x = tl.load(X + next_offs, mask=next_mask, other=0.0)
                 next_dy = tl.load(DY + next_offs, mask=next_mask, other=0.0)
-                dw_acc += _bwd_tile(x, dy, w, DX, DRES, offs, mask, N, eps, HAS_DRES)
+                dw_acc += _bwd_tile(x, dy, w, DX, DRES, offs, mask, N, eps, HAS_DRES, JOINT_REDUCE)
                 x, dy, mask, offs = next_x, next_dy, next_mask, next_offs
         else:
             for r0 in range(0, rows_per_partial, ROWS):
                 x = tl.load(X + offs + r0 * N, mask=mask & (rows + r0 < row_end)[:, None], other=0.0)
                 dy = tl.load(DY + offs + r0 * N, mask=mask & (rows + r0 < row_end)[:, None], other=0.0)
                 dw_acc += _bwd_tile(x, dy, w, DX, DRES, offs + r0 * N,
-                                    mask & (rows + r0 < row_end)[:, None], N, eps, HAS_DRES)
+                                    mask & (rows + r0 < row_end)[:, None], N, eps, HAS_DRES, JOINT_REDUCE)
         if HAS_WEIGHT:
             w_cols = tl.arange(0, BLOCK_N)
             if FUSED_COMBINE and num_partials == 1:  # dW is this program's partial
@@ -461,7 +473,8 @@ def rms_norm_bwd(
         eps=eps, weight_offset=weight_offset,
         BLOCK_N=cfg.block_n, NUM_CHUNKS=cfg.num_chunks, ROWS=cfg.rows,
         HAS_WEIGHT=has_weight, HAS_DRES=dresidual_out is not None, FUSED_COMBINE=fused_combine,
-        GROUP_SIZE=plan.group_size, PREFETCH=cfg.bwd_prefetch, num_warps=cfg.bwd_num_warps, **EXACT_FP,
+        GROUP_SIZE=plan.group_size, PREFETCH=cfg.bwd_prefetch, JOINT_REDUCE=cfg.bwd_joint_reduce,
+        num_warps=cfg.bwd_num_warps, **EXACT_FP,
     )
     if has_weight and not fused_combine:
         dw_combine_kernel[(triton.cdiv(n, _COMBINE_BLOCK),)](
