@@ -19,8 +19,12 @@ from tpfuse.comm.workspace import ALIGN, WorkspaceLayout
 
 KiB = 1024
 
-# ---- Tunable knobs, all in one place (PROVISIONAL until scripts/tune_allreduce.py has run
-# on 4x/8x H200; that script patches these module constants, the library only reads them).
+# ---- Tunable knobs, all in one place. Set from scripts/tune_allreduce.py on 4x H200
+# (2026-11-20, W=4 bf16, benchmarks/NOTES.md): 16 warps beat 8 at every size for both
+# algorithms (3-12%); one-shot is flat for 32-128 CTAs and beats two-shot to 512 KiB
+# (256 KiB: 8.6 vs 10.7 us; 1 MiB: 16.6 vs 15.8); two-shot with 128 CTAs was within 0-4% of
+# the per-size best from 256 KiB to 128 MiB (32 MiB: 168.9 us, 298 GB/s, NCCL 177.3; 128 MiB
+# 647 us, NCCL 615). W=2 and W=8 keep the W=4 values until measured there.
 #
 # ONESHOT_MAX_BYTES: largest message "auto" sends to one-shot, by world size (other sizes:
 #   W=8's). Above it, two-shot.
@@ -42,11 +46,11 @@ KiB = 1024
 #   (posted remote stores, local polls, one extra local copy). "pull": the owner stores it
 #   into its own gather slot only, and every peer loads it from there straight into its
 #   output (remote loads, no local copy).
-ONESHOT_MAX_BYTES = {2: 512 * KiB, 4: 256 * KiB, 8: 128 * KiB}
+ONESHOT_MAX_BYTES = {2: 512 * KiB, 4: 512 * KiB, 8: 128 * KiB}
 NCCL_MIN_BYTES: dict[int, int | None] = {2: None, 4: None, 8: None}
 TILE_BYTES = {"oneshot": 8 * KiB, "twoshot": 8 * KiB} if not INTERPRETER else {"oneshot": 64 * KiB, "twoshot": 64 * KiB}
-NUM_WARPS = {"oneshot": 8, "twoshot": 8}
-MAX_CTAS = {"oneshot": 32, "twoshot": 64} if not INTERPRETER else {"oneshot": 4, "twoshot": 4}
+NUM_WARPS = {"oneshot": 16, "twoshot": 16}
+MAX_CTAS = {"oneshot": 32, "twoshot": 128} if not INTERPRETER else {"oneshot": 4, "twoshot": 4}
 GATHER = "push"
 GATHER_MODES = ("push", "pull")
 MAX_BLOCKS = 128
