@@ -297,13 +297,18 @@ def _add_pair(a0, a1, b0, b1):
 
 
 @triton.jit
-def _bwd_tile(x, dy, w, DX, DRES, offs, mask, N, eps, HAS_DRES: tl.constexpr, JOINT_REDUCE: tl.constexpr):
-    """dx for a loaded tile (rows that fit in one chunk), with w = weight + offset in fp32
-    (or 1); returns dy * x_hat for dW. With JOINT_REDUCE both row sums (x^2 and g*x) share
-    one reduction: one round of cross-warp synchronisation per row instead of two."""
+def _bwd_tile(x, dy, W, DX, DRES, offs, cols, mask, N, eps, weight_offset,
+              HAS_WEIGHT: tl.constexpr, HAS_DRES: tl.constexpr, JOINT_REDUCE: tl.constexpr):
+    """dx for a loaded tile (rows that fit in one chunk); returns dy * x_hat for dW. With
+    JOINT_REDUCE both row sums (x^2 and g*x) share one reduction: one round of cross-warp
+    synchronisation per row instead of two. The weight is re-read per tile (an L1 hit) in
+    the tile's own layout: hoisted out of the row loop it cost N=4096 85% -> 71% of copy
+    bandwidth on H200."""
     x = x.to(tl.float32)
     dy = dy.to(tl.float32)
-    g = dy * w
+    g = dy
+    if HAS_WEIGHT:
+        g = dy * (tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32) + weight_offset)
     if JOINT_REDUCE:
         sq, gx = tl.reduce((x * x, g * x), 1, _add_pair)
     else:
@@ -336,9 +341,6 @@ def rms_norm_bwd_kernel(
     cols = tl.arange(0, BLOCK_N)[None, :]
     partial_row = PARTIAL + pid.to(tl.int64) * N
     if NUM_CHUNKS == 1:
-        w = 1.0
-        if HAS_WEIGHT:
-            w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32) + weight_offset
         dw_acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
         rows = row_start + tile_rows
         mask = (rows < row_end)[:, None] & (cols < N)
@@ -354,14 +356,16 @@ def rms_norm_bwd_kernel(
                 next_offs = next_rows.to(tl.int64)[:, None] * N + cols
                 next_x = tl.load(X + next_offs, mask=next_mask, other=0.0)
                 next_dy = tl.load(DY + next_offs, mask=next_mask, other=0.0)
-                dw_acc += _bwd_tile(x, dy, w, DX, DRES, offs, mask, N, eps, HAS_DRES, JOINT_REDUCE)
+                dw_acc += _bwd_tile(x, dy, W, DX, DRES, offs, cols, mask, N, eps, weight_offset,
+                                    HAS_WEIGHT, HAS_DRES, JOINT_REDUCE)
                 x, dy, mask, offs = next_x, next_dy, next_mask, next_offs
         else:
             for r0 in range(0, rows_per_partial, ROWS):
                 x = tl.load(X + offs + r0 * N, mask=mask & (rows + r0 < row_end)[:, None], other=0.0)
                 dy = tl.load(DY + offs + r0 * N, mask=mask & (rows + r0 < row_end)[:, None], other=0.0)
-                dw_acc += _bwd_tile(x, dy, w, DX, DRES, offs + r0 * N,
-                                    mask & (rows + r0 < row_end)[:, None], N, eps, HAS_DRES, JOINT_REDUCE)
+                dw_acc += _bwd_tile(x, dy, W, DX, DRES, offs + r0 * N, cols,
+                                    mask & (rows + r0 < row_end)[:, None], N, eps, weight_offset,
+                                    HAS_WEIGHT, HAS_DRES, JOINT_REDUCE)
         if HAS_WEIGHT:
             w_cols = tl.arange(0, BLOCK_N)
             if FUSED_COMBINE and num_partials == 1:  # dW is this program's partial
