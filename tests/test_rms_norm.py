@@ -8,7 +8,8 @@ import torch
 import tpfuse
 from tpfuse import reference
 from tpfuse.kernels import norm as K
-from tests.conftest import DEVICE, ON_GPU, rel_err, rel_err_budget
+from tests.conftest import DEVICE, ON_GPU
+from tpfuse.reference import rel_err, rel_err_budget
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 if ON_GPU:
@@ -84,6 +85,11 @@ def test_batch_invariance(n, dtype):
     yb, rb = tpfuse.add_rms_norm(x, residual, w)
     ya, ra = tpfuse.add_rms_norm(x[pos : pos + 1].clone(), residual[pos : pos + 1].clone(), w)
     assert torch.equal(yb[pos : pos + 1], ya) and torch.equal(rb[pos : pos + 1], ra)
+    # Row counts divisible by 16 (Triton specialises such integers unless told not to).
+    m16 = 1024 if (ON_GPU or n <= 2880) else 32
+    x16 = torch.randn(m16, n).to(dtype).to(DEVICE)
+    x16[pos % m16] = x[pos]
+    assert torch.equal(tpfuse.rms_norm(x16, w)[pos % m16 : pos % m16 + 1], y_alone)
 
 
 @pytest.mark.parametrize("n", [64, 1000, 20000])
@@ -149,8 +155,9 @@ def test_add_rms_norm_backward_with_gradients_on_both_outputs():
     assert torch.equal(xg2.grad, dr)
 
 
-def test_inplace_add_rms_norm_writes_residual():
-    m, n = 5, 1000
+@pytest.mark.parametrize("n", [1000, 20000])  # 20000: chunked rows, read in two passes
+def test_inplace_add_rms_norm_writes_residual(n):
+    m = 5
     x, w, _ = _inputs(m, n, torch.bfloat16, "plain", seed=5)
     residual = torch.randn(m, n).to(torch.bfloat16).to(DEVICE)
     y_ref, r_ref = tpfuse.add_rms_norm(x, residual, w)
@@ -200,6 +207,15 @@ def test_fp32_weight_with_bf16_input():
     y = tpfuse.rms_norm(x, w)
     assert y.dtype == torch.bfloat16
     assert rel_err(y, reference.rms_norm(x, w)) <= rel_err_budget(torch.bfloat16)
+
+
+def test_launchers_reject_inconsistent_outputs():
+    x = torch.randn(3, 64, device=DEVICE)
+    w = torch.randn(64, device=DEVICE)
+    with pytest.raises(ValueError, match="residual and residual_out"):
+        K.rms_norm_fwd(x, w, torch.empty_like(x), 1e-6, 0.0, residual=x.clone())
+    with pytest.raises(ValueError, match="weight and dweight"):
+        K.rms_norm_bwd(x, x, w, torch.empty_like(x), None, 1e-6, 0.0)
 
 
 def test_bad_inputs_raise_clear_errors():

@@ -5,7 +5,9 @@ import pytest
 import torch
 
 import tpfuse
-from tests.conftest import DEVICE, rel_err, rel_err_budget
+from tpfuse.kernels import norm as K
+from tests.conftest import DEVICE
+from tpfuse.reference import rel_err, rel_err_budget
 
 
 def test_module_matches_torch_rmsnorm_and_shares_state_dict():
@@ -32,6 +34,15 @@ def test_module_multi_dim_shape_and_no_affine():
     assert plain.weight is None and list(plain.state_dict()) == []
     with pytest.raises(ValueError, match="normalized_shape"):
         ours(torch.randn(4, 10, device=DEVICE))
+
+
+def test_module_with_weight_in_another_dtype_than_input():
+    ours = tpfuse.RMSNorm(64, device=DEVICE, dtype=torch.bfloat16)
+    ref = torch.nn.RMSNorm(64, eps=1e-6, device=DEVICE, dtype=torch.bfloat16)
+    x = torch.randn(8, 64, device=DEVICE)
+    y = ours(x)
+    assert y.dtype == torch.float32
+    assert rel_err(y, ref(x)) <= rel_err_budget(torch.float32)
 
 
 def test_module_gradients_flow_to_weight():
@@ -89,33 +100,39 @@ def test_torch_compile_inductor_fullgraph():
 
 
 @pytest.mark.gpu
-def test_cuda_graph_capture_and_replay():
-    n = 4096
-    x = torch.randn(16, n, device="cuda", dtype=torch.bfloat16)
+@pytest.mark.parametrize("m", [16, 300])  # 300 rows: 75 dW partials, combined inside the kernel
+def test_cuda_graph_capture_and_replay(m):
+    n = 1000 if m == 300 else 4096
+    assert K.DwPlan.from_shape(m, n, torch.bfloat16).fused == (m == 300)
+    x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     residual = torch.randn_like(x)
     w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
     xg = x.clone().requires_grad_(True)
     wg = w.clone().requires_grad_(True)
-    # Warm up (compiles kernels, allocates the dW counters) on a side stream.
+    # Warm up eagerly (compiles kernels, allocates the dW counters) on a side stream.
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         for _ in range(2):
-            y, r = tpfuse.add_rms_norm(x, residual, w)
+            tpfuse.add_rms_norm(x, residual, w)
             tpfuse.rms_norm(xg, wg).backward(dy)
     torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    xg.grad = wg.grad = None
-    with torch.cuda.graph(graph):
-        y, r = tpfuse.add_rms_norm(x, residual, w)
-        dx, dw = torch.autograd.grad(tpfuse.rms_norm(xg, wg), (xg, wg), dy)
-    for _ in range(5):
+    graphs, outs = [], []
+    for _ in range(2):  # two graphs sharing the counters, replayed alternately
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y, r = tpfuse.add_rms_norm(x, residual, w)
+            dx, dw = torch.autograd.grad(tpfuse.rms_norm(xg, wg), (xg, wg), dy)
+        graphs.append(graph)
+        outs.append((y, r, dx, dw))
+    for i in range(6):
         for t in (x, residual, dy):
             t.copy_(torch.randn_like(t))
         xg.data.copy_(torch.randn_like(xg))
-        graph.replay()
+        graphs[i % 2].replay()
         torch.cuda.synchronize()
+        y, r, dx, dw = outs[i % 2]
         y_e, r_e = tpfuse.add_rms_norm(x, residual, w)
         dx_e, dw_e = torch.autograd.grad(tpfuse.rms_norm(xg, wg), (xg, wg), dy)
         assert torch.equal(y, y_e) and torch.equal(r, r_e)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 
@@ -12,22 +11,27 @@ BENCHES = {
     "allreduce": "tpfuse.bench.allreduce",
 }
 
+USAGE = f"""usage: tpfuse bench [NAME [options]]
+
+Runs the benchmarks: {", ".join(BENCHES)}; all of them when no NAME is given.
+On a machine without a GPU each runs a CPU correctness check (emulated ranks for
+collectives) instead of timings. `tpfuse bench NAME --help` lists NAME's options."""
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="tpfuse", description="tpfuse benchmarks")
-    sub = parser.add_subparsers(dest="command", required=True)
-    bench = sub.add_parser("bench", help="run benchmarks: " + ", ".join(BENCHES) + " (all when none is named)",
-                           add_help=False)
-    bench.add_argument("name", nargs="?", choices=list(BENCHES))
-    args, rest = parser.parse_known_args(argv)
-    names = [args.name] if args.name else list(BENCHES)
-    if rest and not args.name:
-        parser.error("options after `tpfuse bench` need a benchmark name, e.g. `tpfuse bench norm --plot`")
+    if not argv or argv[0] != "bench" or argv[1:2] in (["-h"], ["--help"]):
+        print(USAGE)
+        return 0 if argv[1:2] in (["-h"], ["--help"]) else 2
+    rest = argv[1:]
+    if rest and rest[0] not in BENCHES:
+        print(f"tpfuse bench: unknown benchmark {rest[0]!r}; choose from {', '.join(BENCHES)}\n\n{USAGE}")
+        return 2
+    names = [rest[0]] if rest else list(BENCHES)
     status = 0
     for name in names:
         print(f"== tpfuse bench {name}", flush=True)
-        status |= importlib.import_module(BENCHES[name]).main(rest)
+        status |= importlib.import_module(BENCHES[name]).main(rest[1:])
     return status
 
 

@@ -49,6 +49,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
         w = None if self.weight is None else self.weight.reshape(-1)
+        if w is not None and w.dtype not in (x.dtype, torch.float32):
+            w = w.to(x.dtype)  # as torch.nn.RMSNorm accepts, e.g. a bf16 module on fp32 input
         if residual is None:
             return rms_norm(self._flat(x), w, eps).view(x.shape)
         y, r = add_rms_norm(self._flat(x), self._flat(residual), w, eps)

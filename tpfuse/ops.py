@@ -101,12 +101,15 @@ def _add_rms_norm_inplace_op(
     if x.numel():
         n = x.shape[-1]
         res = _rows(residual)
-        # The kernel reads each residual element before writing the same element, so the
-        # output may alias the input.
+        # A row held in registers reads each residual element before writing it, so the
+        # output may alias the input; chunked rows read the residual again in a second
+        # pass and need a separate output.
+        single_pass = _k.NormConfig.from_shape(n, x.dtype).num_chunks == 1
+        res_out = res if single_pass else torch.empty_like(res)
         _k.rms_norm_fwd(_rows(x), _opt_rows(weight), y.view(-1, n), eps, weight_offset,
-                        residual=res, residual_out=res)
-        if res.data_ptr() != residual.data_ptr():
-            residual.copy_(res.view(residual.shape))
+                        residual=res, residual_out=res_out)
+        if res_out.data_ptr() != residual.data_ptr():
+            residual.copy_(res_out.view(residual.shape))
     return y
 
 
@@ -202,8 +205,9 @@ def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, *, w
 
     The row reduction order depends only on N and dtype, so a row's result never depends on
     the batch it is in (batch invariance) or the GPU's SM count. Differentiable in x and
-    weight; the backward's dweight is reduced inside the kernel in a fixed order
-    (deterministic). Raises TypeError/ValueError for unsupported dtypes, wrong weight
+    weight; the backward reduces dweight in a fixed order (deterministic, no float
+    atomics): inside the backward kernel, or by a second launch with the same order where
+    that measured faster. Raises TypeError/ValueError for unsupported dtypes, wrong weight
     shape, or tensors on different devices.
     """
     _check_norm_args(x, weight, weight_offset)

@@ -68,6 +68,21 @@ def rms_norm_backward(
     return grads[0], (grads[1] if wd is not None else None)
 
 
+UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
+
+
+def rel_err_budget(dtype: torch.dtype) -> float:
+    """Relative error allowed for a result rounded once to dtype and compared normwise with
+    the float64 reference: the dtype's unit roundoff plus room for fp32 accumulation."""
+    return UNIT_ROUNDOFF[dtype] + 2e-6
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Normwise relative error ||out - ref|| / ||ref||, computed in float64."""
+    ref = ref.double()
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
 def all_reduce(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """The all-reduce contract: the fp32 sum over ``tensors`` in list (rank) order, starting
     from rank 0's value, rounded once to the inputs' dtype."""

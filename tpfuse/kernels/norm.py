@@ -2,10 +2,12 @@
 
 Every kernel works on tiles of ``ROWS x BLOCK_N`` (a row is split into ``NUM_CHUNKS`` column
 chunks of ``BLOCK_N`` when it is too long to keep in registers). ``NormConfig.from_shape``
-derives all of it from (N, dtype) alone, and the row reduction is one device function,
-``row_inv_rms``, so a row's bits depend only on N and dtype: not on the number of rows, the
-row's position, the grid, or the GPU's SM count. The fused all-reduce kernels call the same
-device function with the same config, which is how they match these kernels bit for bit.
+derives all of it from (N, dtype) alone, and rms_norm and add_rms_norm run one compiled
+kernel whose row counts are not specialised, so a row's bits depend only on N and dtype:
+not on the number of rows, the row's position, the grid, or the GPU's SM count. Kernels
+that must match these bit for bit (the fused all-reduce + norm of a later issue) have to
+reduce in the same compiled code, not merely call the same device function: Triton picks
+register layouts, and so summation orders, per compiled kernel (benchmarks/NOTES.md).
 
 Launchers here write into caller-provided outputs and take 2-D contiguous, 16-byte-aligned
 operands (``tpfuse._runtime.aligned_contiguous``); allocation, validation and autograd live
@@ -51,7 +53,7 @@ _MIN_ROWS_PER_PARTIAL = 4
 
 
 def _pow2_warps(threads: int, cap: int) -> int:
-    return min(max(triton.next_power_of_2(max(threads // 32, 1)), 1), cap)
+    return min(triton.next_power_of_2(max(threads // 32, 1)), cap)
 
 
 @dataclass(frozen=True)
@@ -96,11 +98,18 @@ class NormConfig:
 
 
 @triton.jit
+def inv_rms(sum_sq, N, eps):
+    """1 / sqrt(mean(x^2) + eps) from a row's sum of squares."""
+    return 1.0 / tl.sqrt(sum_sq / N + eps)
+
+
+@triton.jit
 def row_inv_rms(sq, N, eps):
-    """1 / sqrt(mean(x^2) + eps) per row, from sq: [ROWS, BLOCK_N] fp32 per-lane sums of x^2
-    (zero in padding lanes). The one row reduction of tpfuse: every kernel that normalises
-    calls it on a tile of the config's shape, so rows reduce in the same order everywhere."""
-    return 1.0 / tl.sqrt(tl.sum(sq, axis=1) / N + eps)
+    """inv_rms per row, from sq: [ROWS, BLOCK_N] fp32 per-lane sums of x^2 (zero in padding
+    lanes). The forward's row reduction. Its bits depend on the layout Triton gives the tile,
+    which it picks per compiled kernel, so bitwise equality between two ops needs them to run
+    one compiled kernel (see rms_norm_fwd_kernel), not just this function."""
+    return inv_rms(tl.sum(sq, axis=1), N, eps)
 
 
 @triton.jit
@@ -115,11 +124,12 @@ def _load_norm_input(X, RES, RES_OUT, offs, mask, has_residual, STORE_RES: tl.co
 
 
 # has_residual is a runtime flag, not a constexpr, so rms_norm and add_rms_norm run the SAME
-# compiled kernel: Triton picks register layouts per kernel, and the layout fixes the order
+# compiled kernel, and n_rows is never specialised (Triton would compile other variants for
+# n_rows == 1 and n_rows % 16 == 0), so every batch size runs it too: Triton picks register layouts per kernel, and the layout fixes the order
 # of the row reduction (seen on H200: at N=1000 the two variants compiled as separate
 # kernels reduced in different layouts and y differed by an ulp). One kernel makes
 # y == rms_norm(residual_out) hold by construction.
-@triton.jit(do_not_specialize=["has_residual"])
+@triton.jit(do_not_specialize=["n_rows", "has_residual"])
 def rms_norm_fwd_kernel(
     X, RES, W, Y, RES_OUT,
     n_rows, N, eps, weight_offset, has_residual,
@@ -168,7 +178,12 @@ def rms_norm_fwd(
     residual: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
 ) -> None:
-    """Launch the forward on 2-D contiguous aligned operands; writes y (and residual_out)."""
+    """Launch the forward on 2-D contiguous aligned operands; writes y (and residual_out).
+
+    residual_out may alias residual only when the row fits one chunk (``NormConfig.
+    num_chunks == 1``): chunked rows re-read the residual in a second pass."""
+    if (residual is None) != (residual_out is None):
+        raise ValueError("rms_norm_fwd: residual and residual_out go together")
     n_rows, n = x.shape
     if n_rows == 0:
         return
@@ -314,7 +329,7 @@ def _bwd_tile(x, dy, W, DX, DRES, offs, cols, mask, N, eps, weight_offset,
     else:
         sq = tl.sum(x * x, axis=1)
         gx = tl.sum(g * x, axis=1)
-    inv = (1.0 / tl.sqrt(sq / N + eps))[:, None]
+    inv = inv_rms(sq, N, eps)[:, None]
     c = (gx / N)[:, None] * inv
     dx = inv * (g - x * inv * c)
     if HAS_DRES:
@@ -323,7 +338,8 @@ def _bwd_tile(x, dy, W, DX, DRES, offs, cols, mask, N, eps, weight_offset,
     return dy * x * inv
 
 
-@triton.jit
+# Row counts are not specialised: one compiled kernel per (N, dtype) serves every M.
+@triton.jit(do_not_specialize=["n_rows", "rows_per_partial", "num_partials"])
 def rms_norm_bwd_kernel(
     DY, X, W, DX, DRES, PARTIAL, GROUP_SUM, COUNTERS, DW,
     n_rows, N, rows_per_partial, num_partials, eps, weight_offset,
@@ -417,22 +433,28 @@ def rms_norm_bwd_kernel(
 
 
 _COMBINE_BLOCK = 1024
-_dw_counters: dict[tuple, torch.Tensor] = {}
+_dw_counters: dict[torch.device, torch.Tensor] = {}
 
 
 def _dw_counters_for(device: torch.device, max_groups: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters for the in-kernel dW tree, one set per (device, stream).
+    """Zeroed int32 arrival counters for the in-kernel dW tree, one set per device.
 
-    The kernels leave them at zero, so they are allocated once and reused by every call on
-    that stream (also inside CUDA graphs). Calls on one stream are ordered, so they never
-    share counters concurrently.
+    The kernels leave them at zero, so they are allocated once and reused by every later
+    call, eager or inside CUDA graphs. Consequences: backward calls that combine dW in the
+    kernel must not run concurrently on two streams of one device (two graphs replayed at
+    once included), and the first such call on a device must not be under graph capture
+    (memory allocated there would belong to the graph and be zeroed only by its replays).
     """
-    stream = 0 if INTERPRETER else torch.cuda.current_stream(device).stream_id
-    key = (device, stream)
-    counters = _dw_counters.get(key)
+    counters = _dw_counters.get(device)
     if counters is None or counters.numel() < max_groups + 1:
+        if not INTERPRETER and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "tpfuse.rms_norm backward: the first in-kernel dW reduction on "
+                f"{device} ran under CUDA graph capture; run one backward eagerly (e.g. the "
+                "usual warm-up iteration) before capturing, so its counters are allocated outside "
+                "the graph")
         counters = torch.zeros(max_groups + 1, dtype=torch.int32, device=device)
-        _dw_counters[key] = counters
+        _dw_counters[device] = counters
     return counters
 
 
@@ -452,6 +474,8 @@ def rms_norm_bwd(
     ``fused_combine`` overrides the plan's choice of where dW is combined (same bits either
     way); the benchmark uses it to compare the two.
     """
+    if (weight is None) != (dweight is None):
+        raise ValueError("rms_norm_bwd: weight and dweight go together")
     n_rows, n = x.shape
     if dweight is not None and n_rows == 0:
         dweight.zero_()
