@@ -3,9 +3,9 @@
 Everything here is derived from (numel, world size, dtype, workspace layout), which every
 rank has identically, so every rank launches the identical grid (DESIGN.md 2.5).
 
-The GPU thresholds and CTA counts are PROVISIONAL: chosen from the anchors in
-/work/shared/ANCHORS.md (torch symm-mem one-shot beats two-shot up to ~128-512 KiB at W=4)
-and H200 limits (132 SMs), to be set from `tpfuse bench allreduce` on 4x/8x H200.
+The GPU thresholds, CTA counts, tile size and warps were set from the 4x H200 sweep
+(scripts/tune_allreduce.py, W=4 bf16; the knob notes below and benchmarks/NOTES.md), within
+H200's limits (132 SMs). W=2 and W=8 keep the W=4 values until measured there.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ KiB = 1024
 #   workspace holds). Set it only where the sweep shows two-shot losing to NCCL by more than
 #   5%: NCCL's results are not bitwise reproducible, so this trades the exactness contract
 #   of "auto" for speed on large messages.
-# TILE_BYTES: bytes of a tile; on GPUs 8 KiB = 256 threads x two 16-byte vectors. The
-#   interpreter pays per operation, not per element, so it takes large tiles.
+# TILE_BYTES: bytes of a tile; on GPUs 8 KiB = 512 threads (NUM_WARPS 16) x one 16-byte
+#   vector. The interpreter pays per operation, not per element, so it takes large tiles.
 # NUM_WARPS: warps per CTA, per algorithm.
 # MAX_CTAS: CTAs per call, per algorithm. Every CTA of a grid must be resident at once
 #   (block b waits for block b of every peer, see tpfuse.kernels.sync), so a grid must stay

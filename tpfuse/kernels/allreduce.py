@@ -83,17 +83,27 @@ def _flag_row(local, flags_offset, W: tl.constexpr):
 
 
 @triton.jit
-def oneshot_all_reduce_kernel(x_ptr, out_ptr, numel, table_ptr, local, status_addr, rank, timeout_ns, flags_offset,
-                              data_offset, data_bytes, slot_elems, W: tl.constexpr, PEERS: tl.constexpr,
-                              BLOCK: tl.constexpr):
-    ELEM: tl.constexpr = x_ptr.dtype.element_ty
+def _begin(local, status_addr, data_offset, data_bytes, n, BLOCK: tl.constexpr):
+    """Both kernels' prologue: this block's index and the grid size, the control and status
+    words as pointers, this call's epoch (``sync.begin_call``), the byte offset of this
+    epoch's data region (parity rotation) and the number of BLOCK-element tiles in ``n``
+    elements."""
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
     ctrl = local.to(tl.pointer_type(tl.int64))
     status = status_addr.to(tl.pointer_type(tl.int64))
     epoch = begin_call(ctrl)
     data = data_offset + (epoch % 2) * data_bytes
-    n_tiles = tl.cdiv(numel, BLOCK)
+    n_tiles = tl.cdiv(n, BLOCK)
+    return pid, grid, ctrl, status, epoch, data, n_tiles
+
+
+@triton.jit
+def oneshot_all_reduce_kernel(x_ptr, out_ptr, numel, table_ptr, local, status_addr, rank, timeout_ns, flags_offset,
+                              data_offset, data_bytes, slot_elems, W: tl.constexpr, PEERS: tl.constexpr,
+                              BLOCK: tl.constexpr):
+    ELEM: tl.constexpr = x_ptr.dtype.element_ty
+    pid, grid, ctrl, status, epoch, data, n_tiles = _begin(local, status_addr, data_offset, data_bytes, numel, BLOCK)
     for tile in range(pid, n_tiles, grid):
         offs = tile * BLOCK + tl.arange(0, BLOCK)
         mask = offs < numel
@@ -115,13 +125,7 @@ def twoshot_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, st
                               flags_offset, flags_bytes, data_offset, data_bytes, gather_offset, slot_elems,
                               W: tl.constexpr, PEERS: tl.constexpr, BLOCK: tl.constexpr, GATHER_PULL: tl.constexpr):
     ELEM: tl.constexpr = x_ptr.dtype.element_ty
-    pid = tl.program_id(0)
-    grid = tl.num_programs(0)
-    ctrl = local.to(tl.pointer_type(tl.int64))
-    status = status_addr.to(tl.pointer_type(tl.int64))
-    epoch = begin_call(ctrl)
-    data = data_offset + (epoch % 2) * data_bytes
-    n_tiles = tl.cdiv(chunk, BLOCK)
+    pid, grid, ctrl, status, epoch, data, n_tiles = _begin(local, status_addr, data_offset, data_bytes, chunk, BLOCK)
     # Reduce-scatter, part 1: chunk c of my input into scatter slot `rank` of rank c.
     for tile in range(pid, n_tiles, grid):
         offs = tile * BLOCK + tl.arange(0, BLOCK)

@@ -30,8 +30,9 @@ cannot raise: the host reads the status record (``Communicator`` documents when)
 
 Capacity limits the kernels rely on, checked on the host: a call launches at most
 ``WorkspaceLayout.max_blocks`` blocks (one flag slot per block), and every block of a grid
-is resident at once (grids are capped well below the SM count), so a block's wait for the
-same block on a peer cannot wait on a block that is not yet scheduled.
+is resident at once (a grid stays at or below the SM count, so it fits even at one CTA per
+SM: two-shot uses up to 128 CTAs on H200's 132 SMs), so a block's wait for the same block on
+a peer cannot wait on a block that is not yet scheduled.
 """
 
 from __future__ import annotations
