@@ -1,4 +1,4 @@
-"""Sweep the provisional all-reduce knobs of tpfuse/comm/plan.py on one GPU node, to choose
+"""Sweep the all-reduce knobs of tpfuse/comm/plan.py on one GPU node, to choose
 their values. Not part of the library: it patches plan's module constants between calls.
 
     python3 scripts/tune_allreduce.py --out $OUT            # one process per visible GPU
@@ -8,7 +8,8 @@ already timed there is not timed again):
   ctas   MAX_CTAS[algo]: CTAs per call (the grid is min(tiles, ctas)); <= 128 = MAX_BLOCKS,
          below the H200's 132 SMs, because every CTA of a grid must be resident at once
          (block b waits for block b of every peer).
-  tile   TILE_BYTES[algo]: bytes of a tile (8 KiB = 256 threads x 2 x 16-byte vectors).
+  tile   TILE_BYTES[algo]: bytes of a tile (8 KiB = 512 16-byte vectors: one per thread at
+         16 warps, two at 8).
   warps  NUM_WARPS[algo].
   gather GATHER (two-shot only): "push" (store the reduced chunk into every peer's gather
          slot, peers copy it out) or "pull" (peers load it from the owner's gather slot
@@ -39,7 +40,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -267,18 +267,12 @@ def main(argv=None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"  # the spawned ranks run the kernels on CPU
         knobs = {a: k | dict(ctas=[1, 4], tile=[8 * KiB, 64 * KiB], warps=[4]) for a, k in KNOBS.items()}
         opts.update(sizes=[8 * KiB, 64 * KiB], oneshot_sizes=[8 * KiB, 64 * KiB], knobs=knobs, max_size=64 * KiB)
-        mp.spawn(_worker, args=(2, B._free_port(), opts), nprocs=2, join=True)
-        return 0
+        return B.spawn_ranks(_worker, 2, opts)
     world = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if world < 2:
         print(f"{world} CUDA GPU(s): this sweep needs 2 or more")
         return 1
-    try:
-        mp.spawn(_worker, args=(world, B._free_port(), opts), nprocs=world, join=True)
-    except mp.ProcessException as e:
-        print(e, file=sys.stderr)
-        return 1
-    return 0
+    return B.spawn_ranks(_worker, world, opts)
 
 
 if __name__ == "__main__":

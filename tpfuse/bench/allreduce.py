@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import statistics
 import sys
 
 import torch
@@ -27,7 +26,7 @@ import torch.multiprocessing as mp
 
 import tpfuse.comm  # noqa: F401  (sets the no-multicast environment before ranks are spawned)
 from tpfuse import reference
-from tpfuse.bench.common import header_markdown, rotation, run_header, write_results
+from tpfuse.bench.common import graph_time_us, header_markdown, rotation, run_header, write_results
 
 KiB, MiB = 1024, 1024 * 1024
 SIZES = [4 * KiB << i for i in range(17)]  # 4 KiB .. 256 MiB
@@ -61,34 +60,22 @@ def _agreed_max(value: float) -> float:
 def _graph_us(fn, rot: int) -> float:
     """Microseconds per call of ``fn(i)``, 20 calls captured in one graph; every rank replays
     the same number of times (a collective must), starting together; slowest rank's median."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(3):  # warm-up: compilation, allocator, NCCL/symm-mem set-up
-            fn(i % rot)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # NCCL's watchdog thread keeps running
-        for i in range(CALLS_PER_GRAPH):
-            fn(i % rot)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    graph.replay()
-    end.record()
-    end.synchronize()
-    replays = int(_agreed_max(max(1.0, MIN_SAMPLE_MS / max(start.elapsed_time(end), 1e-3))))
-    samples = []
-    for _ in range(REPEATS):
-        _agreed_max(0.0)  # line the ranks up
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / (replays * CALLS_PER_GRAPH))
-    del graph
-    return _agreed_max(statistics.median(samples))
+    # _agreed_max, REPEATS and MIN_SAMPLE_MS are looked up per call: scripts/tune_allreduce.py
+    # replaces them.
+    return graph_time_us(lambda i: fn(i % rot), CALLS_PER_GRAPH, REPEATS, MIN_SAMPLE_MS, agree=_agreed_max,
+                         capture_error_mode="thread_local")  # NCCL's watchdog thread keeps running
+
+
+def spawn_ranks(worker, world: int, opts: dict) -> int:
+    """Run ``worker(rank, world, port, opts)`` in ``world`` spawned processes (a free local
+    port for the process group); 0 when every rank returns, else 1 after printing the failure."""
+    try:
+        mp.spawn(worker, args=(world, _free_port(), opts), nprocs=world, join=True)
+    # The two kinds of ProcessException: torch.multiprocessing does not export the base class.
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        print(e, file=sys.stderr)
+        return 1
+    return 0
 
 
 class _SymmMem:
@@ -276,17 +263,11 @@ def main(argv: list[str] | None = None) -> int:
         _gpu_worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, opts)
         return 0
     ngpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    try:
-        if ngpu >= 2:
-            mp.spawn(_gpu_worker, args=(ngpu, _free_port(), opts), nprocs=ngpu, join=True)
-        else:
-            print(f"{ngpu} CUDA GPU(s): running the CPU emulation instead")
-            os.environ["TRITON_INTERPRET"] = "1"  # the spawned ranks run the kernels on CPU
-            mp.spawn(_cpu_worker, args=(2, _free_port(), opts), nprocs=2, join=True)
-    except mp.ProcessException as e:
-        print(e, file=sys.stderr)
-        return 1
-    return 0
+    if ngpu >= 2:
+        return spawn_ranks(_gpu_worker, ngpu, opts)
+    print(f"{ngpu} CUDA GPU(s): running the CPU emulation instead")
+    os.environ["TRITON_INTERPRET"] = "1"  # the spawned ranks run the kernels on CPU
+    return spawn_ranks(_cpu_worker, 2, opts)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,8 @@ def run_header() -> dict:
 
 
 def graph_time_us(fn: Callable[[int], object], calls_per_graph: int = 20, repeats: int = 5,
-                  min_replay_ms: float = 20.0, stream: torch.cuda.Stream | None = None) -> float:
+                  min_replay_ms: float = 20.0, stream: torch.cuda.Stream | None = None, *,
+                  agree: Callable[[float], float] | None = None, capture_error_mode: str = "global") -> float:
     """Median microseconds per call of ``fn(i)`` (i = call index, for rotating inputs),
     captured ``calls_per_graph`` times in one CUDA graph and replayed.
 
@@ -55,6 +56,12 @@ def graph_time_us(fn: Callable[[int], object], calls_per_graph: int = 20, repeat
     least ``min_replay_ms``. ``stream`` is the warm-up and capture stream: pass the one that
     ran the forward when ``fn`` runs an autograd backward (the backward runs on the forward's
     stream, which must be the capturing one).
+
+    For collectives, ``agree`` is a maximum over the ranks (every rank calls it alike): the
+    ranks then replay the same number of times (the largest any rank wants), line up before
+    each timed sample, and the slowest rank's median is returned. ``capture_error_mode`` is
+    ``torch.cuda.graph``'s ("thread_local" lets another thread, e.g. NCCL's watchdog, keep
+    running during capture).
     """
     stream = stream or torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -64,7 +71,7 @@ def graph_time_us(fn: Callable[[int], object], calls_per_graph: int = 20, repeat
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
+    with torch.cuda.graph(graph, stream=stream, capture_error_mode=capture_error_mode):
         for i in range(calls_per_graph):
             fn(i)
     graph.replay()
@@ -74,9 +81,12 @@ def graph_time_us(fn: Callable[[int], object], calls_per_graph: int = 20, repeat
     graph.replay()
     end.record()
     end.synchronize()
-    replays = max(1, int(min_replay_ms / max(start.elapsed_time(end), 1e-3)))
+    replays = max(1.0, min_replay_ms / max(start.elapsed_time(end), 1e-3))
+    replays = int(replays if agree is None else agree(replays))
     samples = []
     for _ in range(repeats):
+        if agree is not None:
+            agree(0.0)  # line the ranks up
         start.record()
         for _ in range(replays):
             graph.replay()
@@ -84,7 +94,8 @@ def graph_time_us(fn: Callable[[int], object], calls_per_graph: int = 20, repeat
         end.synchronize()
         samples.append(start.elapsed_time(end) * 1e3 / (replays * calls_per_graph))
     del graph
-    return statistics.median(samples)
+    median = statistics.median(samples)
+    return median if agree is None else agree(median)
 
 
 def copy_bandwidth_gbps(nbytes: int = 1 << 30, repeats: int = 10) -> float:
