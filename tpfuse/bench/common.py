@@ -13,23 +13,34 @@ from typing import Callable
 import torch
 
 
+def _commit() -> str:
+    """The tpfuse commit under test: TPFUSE_COMMIT when it holds a commit id (the GPU
+    machine gets a copy of the tree without git history, so scripts/device_check.sh passes
+    it in), else the git checkout that holds this package (with "+dirty" for local changes
+    under tpfuse/), else "unknown"."""
+    env = os.environ.get("TPFUSE_COMMIT", "").strip()
+    if re.fullmatch(r"[0-9a-f]{7,40}(\+dirty)?", env):
+        return env
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
+                             cwd=package_root, check=True).stdout.strip()
+        if os.path.realpath(top) != os.path.realpath(package_root):
+            return "unknown"  # installed inside some other repository
+        commit = subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"], capture_output=True, text=True,
+                                cwd=package_root, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "tpfuse"], capture_output=True, text=True,
+                               cwd=package_root, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return commit + ("+dirty" if dirty else "")
+
+
 def run_header() -> dict:
     """What a result file must carry to be reproducible: machine, versions, commit, date."""
     import triton
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(__file__), check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", ":/tpfuse"], capture_output=True, text=True,
-                               cwd=os.path.dirname(__file__), check=True).stdout.strip()
-        if dirty:
-            commit += "+dirty"
-    except (OSError, subprocess.CalledProcessError):
-        # Only a commit id (optionally "+dirty"): a failed `git rev-parse HEAD` in a shell
-        # once passed "HEAD\nunknown" through this variable into a results file.
-        commit = os.environ.get("TPFUSE_COMMIT", "").strip()
-        if not re.fullmatch(r"[0-9a-f]{7,40}(\+dirty)?", commit):
-            commit = "unknown"
+    commit = _commit()
     header = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": commit,
