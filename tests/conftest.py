@@ -6,7 +6,6 @@ large shapes, and tests marked ``gpu`` run too.
 """
 
 import pytest
-import torch
 
 from tpfuse._runtime import INTERPRETER
 
