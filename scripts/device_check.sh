@@ -1,10 +1,18 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests and benchmarks, results under $OUT.
-#   scripts/device_check.sh [norm|allreduce|all] [extra args for the benchmark]
+#   scripts/device_check.sh [STEP|GROUP ...]   (default: all)
+# Steps: test_norm bench_norm test_allreduce bench_allreduce test_quant bench_quant;
+#        groups: norm, allreduce, quant (its test and bench
+#        steps), all. A device call may run 600 s, so "all" needs the largest machines' patience:
+#        pick steps per call. BENCH_ARGS passes extra arguments to every benchmark.
 # Run from the repository root (the device tool does). Wheels missing on the machine
 # (liger-kernel) travel in .whl/ (carry it) and are installed to /tmp/site.
 set -uo pipefail
-what=${1:-all}; shift || true
+steps=" ${*:-all} "
+for group in norm allreduce quant; do
+  steps=${steps/ $group / test_$group bench_$group }
+done
+steps=${steps/ all / test_norm bench_norm test_allreduce bench_allreduce test_quant bench_quant }
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 # NVLink multicast stays off everywhere (it can take a shared host's GPUs down).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -27,12 +35,12 @@ run() {  # run NAME TIMEOUT CMD...: log to $OUT/NAME.log, remember failures
   tail -n 25 "$OUT/$name.log"
   echo "== $name exit $rc"; [ $rc -eq 0 ] || status=1
 }
-if [ "$what" = norm ] || [ "$what" = all ]; then
-  run test_norm 240 python3 -m pytest -q -x tests/test_rms_norm.py tests/test_rms_norm_module.py
-  run bench_norm 330 python3 -m tpfuse.cli bench norm --out "$OUT" --plot "$@"
-fi
-if { [ "$what" = allreduce ] || [ "$what" = all ]; } && [ "$ngpu" -ge 2 ]; then
-  run test_allreduce 270 python3 -m pytest -q -x -m multigpu tests/test_allreduce_gpu.py
-  run bench_allreduce 290 python3 -m tpfuse.cli bench allreduce --out "$OUT" --plot "$@"
-fi
+want() { [[ "$steps" == *" $1 "* ]]; }
+multi() { [ "$ngpu" -ge 2 ] || { echo "== $1: needs 2+ GPUs, skipped"; return 1; }; }
+want test_norm && run test_norm 240 python3 -m pytest -q -x tests/test_rms_norm.py tests/test_rms_norm_module.py
+want bench_norm && run bench_norm 330 python3 -m tpfuse.cli bench norm --out "$OUT" --plot ${BENCH_ARGS:-}
+want test_allreduce && multi test_allreduce && run test_allreduce 270 python3 -m pytest -q -x -m multigpu tests/test_allreduce_gpu.py
+want bench_allreduce && multi bench_allreduce && run bench_allreduce 290 python3 -m tpfuse.cli bench allreduce --out "$OUT" --plot ${BENCH_ARGS:-}
+want test_quant && multi test_quant && run test_quant 240 python3 -m pytest -q -x -m "gpu or multigpu" tests/test_quant_gpu.py
+want bench_quant && multi bench_quant && run bench_quant 270 python3 -m tpfuse.cli bench allreduce --quant --out "$OUT" ${BENCH_ARGS:-}
 exit $status

@@ -105,3 +105,234 @@ def all_reduce_add_rms_norm(
     """``add_rms_norm(all_reduce(tensors), residual, ...)``: the all-reduce result is rounded
     to the dtype before the residual add."""
     return add_rms_norm(all_reduce(tensors), residual, weight, eps, weight_offset=weight_offset)
+
+
+# ---------------------------------------------------------------- quantized all-reduce
+#
+# The codecs below are the bit-exact specification of ``tpfuse.quantize``/``dequantize`` and
+# of ``Communicator.all_reduce(x, quant=...)``. Every step is an integer operation or an IEEE
+# fp32/fp64 operation that is exact or rounds once, written the way the kernels write it.
+
+QUANT_CODECS = ("fp8", "int8", "int6", "int4")
+QUANT_GROUP = 32
+"""Consecutive values of the flattened tensor that share one scale."""
+
+QUANT_PLANES = {"fp8": (8,), "int8": (8,), "int6": (4, 2), "int4": (4,)}
+"""Bit planes of each codec's payload, in storage order: int6 keeps each value's low 4 bits
+in one plane and its high 2 bits in another, so every plane packs a power-of-two number of
+values into a 32-bit word."""
+
+QUANT_ERROR_BUDGET = {"int8": 0.010, "int6": 0.035, "fp8": 0.040, "int4": 0.13}
+"""Published bound on the relative RMS error of the quantized all-reduce (Gaussian inputs,
+W=2..8) against the float64 sum."""
+
+_PACK_ALIGN = 16
+_SCALE_MIN_EXP = -117
+"""Scales never go below 2**-117, so every decoded non-zero value (at least 2**-9 * 2**-117
+for fp8) is a normal fp32: the kernels never produce a subnormal, whose handling could differ
+between the GPU and the CPU. Only groups whose largest magnitude is below about 1e-33 (fp8)
+or 2**-117 * 2**(bits-1) (int codecs) are quantized more coarsely than their magnitude
+allows."""
+_SCALE_MIN_BITS = (127 + _SCALE_MIN_EXP) << 23
+_SCALE_MIN_BF16 = _SCALE_MIN_BITS >> 16
+_SCALE_NAN = 0x7FC0
+_FP32_INF_BITS = 0x7F800000
+_E4M3_MAX = 0x7E
+"""448, the largest finite e4m3 value."""
+_RINT_MAGIC = 6755399441055744.0
+"""1.5 * 2**52: (v + M) - M rounds a float64 |v| < 2**51 to an integer, half to even."""
+
+
+def _check_codec(codec: str) -> None:
+    if codec not in QUANT_CODECS:
+        raise ValueError(f"codec must be one of {', '.join(map(repr, QUANT_CODECS))}, got {codec!r}")
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def packed_layout(numel: int, codec: str, groups: int | None = None) -> tuple[tuple[int, ...], int, int]:
+    """(byte offset of each payload plane, byte offset of the scales, total bytes) of the
+    packed form of ``numel`` values, or of room for ``groups`` groups when given.
+
+    The format (little-endian): each plane holds, for group g = 0, 1, ..., ``4 * bits`` bytes
+    (the group's 32 values at ``bits`` bits each, value j of the group at bits
+    ``bits * (j % (32 // bits))`` of 32-bit word ``j // (32 // bits)``; int8 and fp8 thus
+    store one byte per value in order, int4 two values per byte, low nibble first); then one
+    bf16 scale per group. Every region starts at a multiple of 16 bytes.
+    """
+    _check_codec(codec)
+    if groups is None:
+        groups = -(-numel // QUANT_GROUP)
+    offsets, pos = [], 0
+    for bits in QUANT_PLANES[codec]:
+        offsets.append(pos)
+        pos = _round_up(pos + groups * 4 * bits, _PACK_ALIGN)
+    return tuple(offsets), pos, _round_up(pos + 2 * groups, _PACK_ALIGN)
+
+
+def _groups_f32(x: torch.Tensor) -> torch.Tensor:
+    """x flattened to fp32, zero-padded to whole groups, as (groups, 32)."""
+    flat = x.reshape(-1).float()
+    pad = (-flat.numel()) % QUANT_GROUP
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    return flat.view(-1, QUANT_GROUP)
+
+
+def _encode(xg: torch.Tensor, codec: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scale) of fp32 groups (G, 32): codes int64 (G, 32) (an int codec's value q in
+    [-2**(b-1), 2**(b-1) - 1], or an e4m3 byte), scale the int64 bf16 bits (G,).
+
+    - A group holding NaN or Inf gets a NaN scale and zero codes: it decodes to NaN.
+    - int codecs: with m the group's value of largest magnitude (the negative one on a tie),
+      ``s = -m / 2**(b-1)`` truncated to bf16 (at least 2**-117 in magnitude), so m maps to
+      the extra negative level and no decoded value exceeds the group's largest magnitude;
+      ``q = clamp(rint(f64(x) * f64(1 / s)), -2**(b-1), 2**(b-1) - 1)``, rint half to even.
+    - fp8: ``s = max|x| / 448`` truncated to bf16 (at least 2**-117), computed exactly
+      with an integer division of the 24-bit significand by 7 (448 = 7 * 2**6); the code is
+      ``fp32(f64(x) * f64(1 / s))`` rounded to e4m3 to nearest even, at most 448 in magnitude.
+    Truncating the scale keeps every decoded magnitude at or below the group's largest one
+    (finite inputs never decode to Inf).
+    """
+    bits = xg.view(torch.int32).to(torch.int64)
+    mag = bits & 0x7FFFFFFF
+    amax = mag.amax(1)
+    bad = amax >= _FP32_INF_BITS
+    if codec == "fp8":
+        e = amax >> 23
+        quot = ((amax & 0x7FFFFF) | 0x800000) // 7
+        low = (quot < (1 << 21)).long()
+        scale = ((e - 8 - low) << 7) | ((quot >> (14 - low)) - 128)
+        scale = scale.clamp_min(_SCALE_MIN_BF16)
+    else:
+        k = QUANT_PLANES_BITS[codec] - 1
+        pos = torch.where(bits >= 0, mag, 0).amax(1)
+        neg = torch.where(bits < 0, mag, 0).amax(1)
+        s_mag = ((amax - (k << 23)).clamp_min(_SCALE_MIN_BITS) & 0x7FFF0000) >> 16
+        scale = s_mag | torch.where(neg >= pos, 0, 0x8000)
+    scale = torch.where(bad, _SCALE_NAN, scale)
+    recip = 1.0 / _bf16_bits_to_f32(scale).double()
+    v = xg.double() * recip[:, None]
+    v = torch.where(bad[:, None], 0.0, v)
+    if codec == "fp8":
+        codes = _e4m3_rne(v)
+    else:
+        q = (v + _RINT_MAGIC) - _RINT_MAGIC
+        codes = q.long().clamp(-(1 << k), (1 << k) - 1)
+    return codes, scale
+
+
+QUANT_PLANES_BITS = {c: sum(p) for c, p in QUANT_PLANES.items()}
+
+
+def _bf16_bits_to_f32(b: torch.Tensor) -> torch.Tensor:
+    return (b.to(torch.int64) << 16).to(torch.int32).view(torch.float32)
+
+
+def _e4m3_rne(v: torch.Tensor) -> torch.Tensor:
+    """float64 v (|v| < 452) -> e4m3 byte: rounded to fp32, then to e4m3 to nearest even on
+    the bits, at most 448 in magnitude. Values below 2**-11 round to zero either way; zeroing
+    them first keeps subnormal fp32 values out."""
+    v32 = torch.where(v.abs() < 2.0**-11, 0.0, v).float()
+    b = v32.view(torch.int32).to(torch.int64)
+    a = b & 0x7FFFFFFF
+    e = a >> 23
+    shift = 20 + (121 - e).clamp(0, 11)
+    sig = (a & 0x7FFFFF) | 0x800000
+    r = (sig + (1 << (shift - 1)) - 1 + ((sig >> shift) & 1)) >> shift
+    code = torch.where(e >= 121, ((e - 120) << 3) + r - 8, r)
+    code = torch.where(a == 0, 0, code.clamp_max(_E4M3_MAX))
+    return code | torch.where((b < 0) & (code != 0), 0x80, 0)
+
+
+def _decode(codes: torch.Tensor, scale: torch.Tensor, codec: str) -> torch.Tensor:
+    """fp32 values (G, 32) of codes and bf16 scale bits: ``value(code) * s``, an exact product.
+    A zero code decodes to +0.0 whatever the scale's sign (NaN for a NaN scale)."""
+    s = _bf16_bits_to_f32(scale & 0x7FFF)[:, None]
+    if codec == "fp8":
+        mag = codes & 0x7F
+        e4 = mag >> 3
+        sig = (mag & 7) + torch.where(e4 > 0, 8, 0)
+        p = e4.clamp_min(1) - 10
+        v = sig.float() * ((p + 127) << 23).to(torch.int32).view(torch.float32)
+        v = torch.where((codes & 0x80) != 0, -v, v)
+    else:
+        v = torch.where((scale & 0x8000)[:, None] != 0, -codes, codes).float()
+    return v * s
+
+
+def _pack(codes: torch.Tensor, scale: torch.Tensor, codec: str, numel: int) -> torch.Tensor:
+    groups = codes.shape[0]
+    offsets, scale_offset, total = packed_layout(numel, codec)
+    out = torch.zeros(total, dtype=torch.uint8, device=codes.device)
+    shift = 0
+    for bits, off in zip(QUANT_PLANES[codec], offsets):
+        per_word = 32 // bits
+        field = (codes >> shift) & ((1 << bits) - 1)
+        words = (field.view(groups, -1, per_word) << (bits * torch.arange(per_word, device=codes.device))).sum(-1)
+        out[off:off + groups * 4 * bits] = words.to(torch.int32).reshape(-1).view(torch.uint8)
+        shift += bits
+    out[scale_offset:scale_offset + 2 * groups] = scale.to(torch.int16).view(torch.uint8)
+    return out
+
+
+def _unpack(packed: torch.Tensor, codec: str, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    groups = -(-numel // QUANT_GROUP)
+    offsets, scale_offset, total = packed_layout(numel, codec)
+    if packed.dtype != torch.uint8 or packed.numel() < total:
+        raise ValueError(f"packed must be a uint8 tensor of at least {total} bytes for {numel} values of "
+                         f"codec {codec!r}, got {packed.dtype} with {packed.numel()} elements")
+    packed = packed.reshape(-1)
+    if packed.storage_offset() % 4:  # the planes are read as int32 words
+        packed = packed.clone()
+    codes = torch.zeros(groups, QUANT_GROUP, dtype=torch.int64, device=packed.device)
+    shift = 0
+    for bits, off in zip(QUANT_PLANES[codec], offsets):
+        per_word = 32 // bits
+        words = packed[off:off + groups * 4 * bits].view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        field = (words.view(groups, -1, 1) >> (bits * torch.arange(per_word, device=packed.device))) & ((1 << bits) - 1)
+        codes |= field.reshape(groups, QUANT_GROUP) << shift
+        shift += bits
+    if codec != "fp8":
+        sign = 1 << (QUANT_PLANES_BITS[codec] - 1)
+        codes = (codes ^ sign) - sign
+    scale = packed[scale_offset:scale_offset + 2 * groups].view(torch.int16).to(torch.int64) & 0xFFFF
+    return codes, scale
+
+
+def quantize(x: torch.Tensor, codec: str) -> torch.Tensor:
+    """The packed form (uint8, on x's device) of x's values in flattened order; see
+    ``packed_layout`` for the format and ``_encode`` for the codec."""
+    _check_codec(codec)
+    codes, scale = _encode(_groups_f32(x.detach()), codec)
+    return _pack(codes, scale, codec, x.numel())
+
+
+def dequantize(packed: torch.Tensor, codec: str, shape, dtype: torch.dtype) -> torch.Tensor:
+    """The values ``packed`` holds, decoded in fp32 and rounded once to dtype, as ``shape``."""
+    _check_codec(codec)
+    numel = 1
+    for d in shape:
+        numel *= int(d)
+    codes, scale = _unpack(packed, codec, numel)
+    return _decode(codes, scale, codec).reshape(-1)[:numel].to(dtype).reshape(shape)
+
+
+def quantized_all_reduce(tensors: Sequence[torch.Tensor], quant: str) -> torch.Tensor:
+    """The quantized all-reduce contract: each rank's values are encoded and decoded
+    (``quantize``), the decoded fp32 values summed in rank order 0..W-1, the sum encoded and
+    decoded again, and rounded once to the inputs' dtype. Every rank holds these bits."""
+    _check_codec(quant)
+    if len(tensors) == 0:
+        raise ValueError("quantized_all_reduce needs at least one tensor")
+    shape, dtype, numel = tensors[0].shape, tensors[0].dtype, tensors[0].numel()
+    acc = None
+    for t in tensors:
+        codes, scale = _encode(_groups_f32(t.detach()), quant)
+        dec = _decode(codes, scale, quant)
+        acc = dec if acc is None else acc + dec
+    codes, scale = _encode(acc, quant)
+    out = _decode(codes, scale, quant).reshape(-1)[:numel]
+    return out.to(dtype).reshape(shape)

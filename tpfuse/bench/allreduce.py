@@ -255,19 +255,34 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tpfuse bench allreduce", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench_out", help="directory for allreduce_*.json / .md / .png")
     p.add_argument("--dtype", default="bf16", choices=list(DTYPES))
-    p.add_argument("--min-bytes", type=int, default=SIZES[0])
-    p.add_argument("--max-bytes", type=int, default=SIZES[-1], help="largest message (and tpfuse's max_bytes)")
+    p.add_argument("--min-bytes", type=int, default=None, help="smallest message (default 4 KiB; --quant: 1 MiB)")
+    p.add_argument("--max-bytes", type=int, default=None,
+                   help="largest message, and tpfuse's max_bytes (default 256 MiB; --quant: 512 MiB)")
+    p.add_argument("--quant", action="store_true",
+                   help="the quantized all-reduce (fp8, int8, int6, int4) next to the exact path and NCCL "
+                        "(tpfuse.bench.quant); writes allreduce_quant_*")
+    p.add_argument("--quant-max-bytes", type=int, default=None,
+                   help="with --quant: max_bytes of the codecs' communicator (default: --max-bytes; "
+                        "smaller ones run large messages in segments)")
     p.add_argument("--plot", action="store_true", help="write a latency-vs-size PNG (needs matplotlib)")
     opts = vars(p.parse_args(argv))
+    gpu_worker, cpu_worker = _gpu_worker, _cpu_worker
+    if opts["quant"]:
+        from tpfuse.bench import quant
+
+        gpu_worker, cpu_worker = quant.gpu_worker, quant.cpu_worker
+    else:
+        opts["min_bytes"] = opts["min_bytes"] or SIZES[0]
+        opts["max_bytes"] = opts["max_bytes"] or SIZES[-1]
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
-        _gpu_worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, opts)
+        gpu_worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, opts)
         return 0
     ngpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if ngpu >= 2:
-        return spawn_ranks(_gpu_worker, ngpu, opts)
+        return spawn_ranks(gpu_worker, ngpu, opts)
     print(f"{ngpu} CUDA GPU(s): running the CPU emulation instead")
     os.environ["TRITON_INTERPRET"] = "1"  # the spawned ranks run the kernels on CPU
-    return spawn_ranks(_cpu_worker, 2, opts)
+    return spawn_ranks(cpu_worker, 2, opts)
 
 
 if __name__ == "__main__":

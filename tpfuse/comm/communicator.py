@@ -11,9 +11,13 @@ import torch.distributed as dist
 from tpfuse import _runtime
 from tpfuse.comm.peer_memory import PeerMemory, PeerMemoryUnavailable
 from tpfuse.comm.plan import MAX_BLOCKS, AllReducePlan, check_algo
+from tpfuse.comm.quant_plan import QuantPlan, check_quant, default_quant_min_bytes
 from tpfuse.comm.workspace import WorkspaceLayout
 from tpfuse.kernels.allreduce import OP_NAMES, all_reduce_into
+from tpfuse.kernels.quant_allreduce import quant_all_reduce_into
 from tpfuse.kernels.sync import STATUS_WORDS, decode_status
+
+MAX_WORLD_SIZE = 8
 
 logger = logging.getLogger("tpfuse.comm")
 
@@ -23,7 +27,6 @@ DEFAULT_MAX_BYTES = {"cuda": 16 * MiB, "cpu": 1 * MiB}
 GPUs). On CPU the interpreter moves a few MB/s, and /dev/shm is often small in containers."""
 MAX_MAX_BYTES = 512 * MiB
 """Keeps every element offset inside a data region below 2**31 (the kernels use int32)."""
-MAX_WORLD_SIZE = 8
 
 
 class CommTimeoutError(RuntimeError):
@@ -132,7 +135,8 @@ class Communicator:
         """Bytes of peer memory this rank allocated (0 without a peer workspace)."""
         return self.layout.total_bytes if self._peer is not None else 0
 
-    def all_reduce(self, x: torch.Tensor, *, algo: str = "auto") -> torch.Tensor:
+    def all_reduce(self, x: torch.Tensor, *, quant: str | None = None, algo: str = "auto",
+                   quant_min_bytes: int | None = None) -> torch.Tensor:
         """Sum of ``x`` over the ranks of the group, as a new contiguous tensor.
 
         Every rank must call it, in the same order, with the same shape, dtype and algo.
@@ -142,17 +146,34 @@ class Communicator:
         fallback to the group's backend) does not carry this contract: the backend's
         summation order is its own.
 
+        With ``quant`` ("fp8", "int8", "int6" or "int4"), messages of at least
+        ``quant_min_bytes`` bytes (default: the per-codec, per-world-size table
+        ``tpfuse.comm.quant_plan.QUANT_MIN_BYTES``) take the quantized two-shot path: each rank
+        sends its contribution group-quantized (32 values per scale), the owner of each chunk
+        sums the decoded contributions in fp32 in rank order and sends the re-quantized sum,
+        and every rank decodes the same bytes. The result is
+        ``tpfuse.reference.quantized_all_reduce`` bit for bit, identical on every rank and
+        deterministic, but not the exact sum: its error is within
+        ``tpfuse.reference.QUANT_ERROR_BUDGET`` (relative RMS on Gaussian inputs). A group of
+        32 values holding a NaN or Inf comes out NaN. Smaller messages, and every message when
+        there is no peer workspace, take the exact path (as ``quant=None``). Messages larger
+        than the workspace run as several launches of a fixed size (``QuantPlan``). On a
+        group of one rank, x is returned (copied) whatever quant is.
+
         Args:
             x: bf16, fp16 or fp32 tensor of any shape, stride and alignment (non-contiguous
                 or misaligned inputs are copied first) on this communicator's device. Not
                 modified; the result never aliases it.
+            quant: None (exact) or a codec name, as above. Every rank must pass the same.
             algo: "auto" (by size, see ``AllReducePlan``), "oneshot", "twoshot", or "nccl"
-                (the group's backend).
+                (the group's backend). With quant set it must be "auto".
+            quant_min_bytes: overrides the table's threshold for this call (needs quant).
 
         Raises:
             TypeError: x is not a tensor, or has an unsupported dtype.
-            ValueError: x is on the wrong device, algo is unknown, or the explicit algo cannot
-                serve this message (too large for the workspace, or no workspace).
+            ValueError: x is on the wrong device, algo or quant is unknown, quant is combined
+                with an algo other than "auto", or the explicit algo cannot serve this
+                message (too large for the workspace, or no workspace).
             CommTimeoutError: a peer did not arrive (here or in an earlier call).
             RuntimeError: the communicator is closed or failed earlier.
         """
@@ -161,8 +182,16 @@ class Communicator:
         if x.device != self.device and self.world_size > 1:
             raise ValueError(f"x is on {x.device}, but this communicator serves {self.device}")
         check_algo(algo)  # also where the call returns before planning
+        check_quant(quant, quant_min_bytes)
+        if quant is not None and algo != "auto":
+            raise ValueError(f"quant={quant!r} needs algo='auto' (got {algo!r}): the quantized path picks its own "
+                             "algorithm")
         if x.numel() == 0 or self.world_size == 1:
             return x.clone(memory_format=torch.contiguous_format)
+        if quant is not None:
+            out = self._quant_all_reduce(x, quant, quant_min_bytes)
+            if out is not None:
+                return out
         plan = AllReducePlan.from_numel(x.numel(), self.world_size, x.dtype, self.layout, algo)
         if plan.algo == "nccl":
             self._log_once(logging.INFO, f"tpfuse all_reduce uses the group's backend: {plan.reason}")
@@ -177,6 +206,33 @@ class Communicator:
                         timeout_ns=int(self.timeout_s * 1e9))
         if _runtime.INTERPRETER:
             self._check_usable()
+        return out
+
+    def _quant_all_reduce(self, x: torch.Tensor, codec: str, min_bytes: int | None) -> torch.Tensor | None:
+        """The quantized all-reduce of x, or None when the exact path serves this call."""
+        if x.numel() * x.element_size() < (default_quant_min_bytes(codec, self.world_size) if min_bytes is None
+                                           else min_bytes):
+            return None
+        if self.layout is None:
+            self._log_once(logging.INFO, f"tpfuse all_reduce(quant={codec!r}) is exact: no peer workspace")
+            return None
+        try:
+            plan = QuantPlan.for_layout(self.layout, x.dtype, codec)
+        except ValueError as e:
+            self._log_once(logging.INFO, f"tpfuse all_reduce(quant={codec!r}) is exact: {e}")
+            return None
+        src = _runtime.aligned_contiguous(x).view(-1)
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        flat = out.view(-1)
+        for seg in plan.segments(x.numel()):
+            part = slice(seg.start, seg.start + seg.numel)
+            quant_all_reduce_into(src[part], flat[part], codec=codec, chunk=seg.chunk, grid=seg.grid,
+                                  block=plan.block, num_warps=plan.num_warps, planes=plan.planes,
+                                  scale_offset=plan.scale_offset, table=self._table,
+                                  table_addrs=self._peer.buffer_ptrs, status_addr=self._status.data_ptr(),
+                                  rank=self.rank, layout=self.layout, timeout_ns=int(self.timeout_s * 1e9))
+            if _runtime.INTERPRETER:
+                self._check_usable()  # a failed segment must not start the next one
         return out
 
     def check(self) -> None:

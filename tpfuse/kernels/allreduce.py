@@ -42,7 +42,9 @@ OP_ONESHOT = tl.constexpr(1)
 OP_TWOSHOT_SCATTER = tl.constexpr(2)
 OP_TWOSHOT_GATHER = tl.constexpr(3)
 OP_NAMES = {1: "one-shot all_reduce", 2: "two-shot all_reduce (reduce-scatter phase)",
-            3: "two-shot all_reduce (all-gather phase)"}
+            3: "two-shot all_reduce (all-gather phase)",
+            10: "quantized all_reduce (reduce-scatter phase)",  # codes of quant_allreduce.py
+            11: "quantized all_reduce (all-gather phase)"}
 
 
 @triton.jit

@@ -30,3 +30,12 @@ def round_to(x, DTYPE: tl.constexpr):
 # contraction off, each + and * rounds once, as written, in every kernel, so a device
 # function gives the same bits wherever it is inlined; write tl.fma where an FMA is meant.
 EXACT_FP = {"enable_fp_fusion": False}
+
+
+@triton.jit
+def to_f32(x):
+    """x widened to fp32 exactly. Triton's interpreter converts bf16 subnormals to wrong
+    values; there the bf16 bits are moved into the top half of the fp32 bits instead."""
+    if _INTERPRETER and x.dtype == tl.bfloat16:
+        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    return x.to(tl.float32)

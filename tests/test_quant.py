@@ -1,0 +1,460 @@
+"""Quantized all-reduce and the standalone codecs on CPU (Triton's interpreter; gloo ranks).
+
+The contract: ``tpfuse.quantize``/``dequantize`` and ``comm.all_reduce(x, quant=codec)`` are
+bitwise equal to ``tpfuse.reference`` (``quantize``, ``dequantize``,
+``quantized_all_reduce``), identical on every rank, and within the published error budget.
+NaN payloads are not portable (torch, the interpreter and GPUs write different NaN bits), so
+NaN positions are compared instead of NaN bits. Rank functions return (failures, digests).
+"""
+
+import contextlib
+import os
+import random
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tpfuse
+from tests.multiproc import run_ranks
+from tests.test_allreduce import _digest, _inputs
+from tpfuse import reference
+from tpfuse.comm import CommTimeoutError, Communicator
+from tpfuse.comm import quant_plan as QP
+from tpfuse.comm.quant_plan import QuantPlan, check_quant, default_quant_min_bytes
+from tpfuse.comm.workspace import ALIGN, WorkspaceLayout
+
+CODECS = list(reference.QUANT_CODECS)
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+SIZES = [1, 31, 32, 33, 1000, 8193, 20001]
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape and dtype, NaN at the same positions, identical bits everywhere else."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    a, b = a.reshape(-1), b.reshape(-1)
+    nan = torch.isnan(a)
+    if not torch.equal(nan, torch.isnan(b)):
+        return False
+    return torch.equal(a[~nan].view(torch.uint8), b[~nan].view(torch.uint8))
+
+
+def _mixed(seed, n, dtype, lo=-8, hi=8):
+    """Normals times powers of two from 2**lo to 2**hi (never zeros)."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.exp2(torch.randint(lo, hi + 1, (n,), generator=g).float())
+    return (torch.randn(n, generator=g) * scale).to(dtype)
+
+
+def _special_groups(seed, dtype):
+    """Groups of 32: ordinary, tiny (< 1e-4 down to 1e-30), near the dtype's max, all zero,
+    one NaN, one +Inf, one -Inf, ties on the int grids, subnormals."""
+    g = torch.Generator().manual_seed(seed)
+    big = torch.finfo(dtype).max
+
+    def normal():
+        return torch.randn(32, generator=g)
+
+    groups = [normal(), normal() * 1e-5, normal() * 1e-12, normal() * 1e-30, normal().clamp(-3, 3) / 3 * big,
+              torch.zeros(32), normal(), normal(), normal(),
+              torch.randint(-64, 64, (32,), generator=g).float() / 4 + 0.125,
+              torch.rand(32, generator=g) * torch.finfo(torch.float32).tiny]
+    groups[6][5] = float("nan")
+    groups[7][0] = float("inf")
+    groups[8][31] = -float("inf")
+    return torch.cat(groups).to(dtype)
+
+
+@contextlib.contextmanager
+def _poisoned_empty():
+    """torch.empty returns NaN-filled (float) or 0xA5-filled (uint8) tensors: an output element
+    a kernel forgets to write then shows."""
+    real = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real(*args, **kwargs)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        elif t.dtype == torch.uint8:
+            t.fill_(0xA5)
+        return t
+
+    torch.empty = empty
+    try:
+        yield
+    finally:
+        torch.empty = real
+
+
+# ---------------------------------------------------------------- codec (no ranks)
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("n", [1, 32, 33, 1000, 1 << 20])
+def test_packed_layout_regions_are_aligned_disjoint_and_small(codec, n):
+    planes, scales, total = reference.packed_layout(n, codec)
+    groups = -(-n // 32)
+    bits = sum(reference.QUANT_PLANES[codec])
+    starts = list(planes) + [scales]
+    ends = [p + groups * 4 * b for p, b in zip(planes, reference.QUANT_PLANES[codec])] + [scales + 2 * groups]
+    assert all(s % 16 == 0 for s in starts) and total % 16 == 0
+    assert all(e <= s for e, s in zip(ends, starts[1:])) and ends[-1] <= total
+    assert total <= groups * (4 * bits + 2) + 16 * len(starts)  # (bits + 0.5) per value plus alignment
+    assert reference.packed_layout(0, codec, groups=groups) == (planes, scales, total)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_quantize_and_dequantize_kernels_match_the_reference_bitwise(codec):
+    for i, n in enumerate(SIZES):
+        for d, dtype in enumerate(DTYPES):
+            x = _mixed(100 * i + d, n, dtype)
+            packed = tpfuse.quantize(x, codec)
+            ref = reference.quantize(x, codec)
+            assert torch.equal(packed, ref), f"n={n} {dtype}: packed bytes differ"
+            for out_dtype in DTYPES:
+                with _poisoned_empty():
+                    y = tpfuse.dequantize(packed, codec, x.shape, out_dtype)
+                assert _same(y, reference.dequantize(ref, codec, x.shape, out_dtype)), f"n={n} {dtype}->{out_dtype}"
+    x = _mixed(7, 6 * 7 * 11, torch.bfloat16).view(6, 7, 11)  # any shape; strided input is copied
+    assert torch.equal(tpfuse.quantize(x.transpose(0, 2), codec), reference.quantize(x.transpose(0, 2), codec))
+    y = tpfuse.dequantize(tpfuse.quantize(x, codec), codec, (6, 7, 11), torch.float32)
+    assert y.shape == (6, 7, 11) and reference.rel_err(y, x) < 0.1
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tiny_huge_zero_nan_inf_groups(codec, dtype):
+    x = _special_groups(3, dtype)
+    packed = tpfuse.quantize(x, codec)
+    assert torch.equal(packed, reference.quantize(x, codec))
+    y = tpfuse.dequantize(packed, codec, x.shape, torch.float32).view(-1, 32)
+    xg = x.float().view(-1, 32)
+    assert _same(y.view(-1), reference.dequantize(packed, codec, x.shape, torch.float32))
+    ordinary = reference.rel_err(y[0], xg[0])
+    for g in (1, 2, 3):  # tiny groups: the same relative error as ordinary ones
+        if xg[g].abs().max() > torch.finfo(dtype).tiny * 1e3:  # fp16 flushes 1e-12 and 1e-30 to zero
+            assert reference.rel_err(y[g], xg[g]) < 2 * ordinary + 1e-3, f"group {g}"
+    assert torch.isfinite(y[4]).all() and reference.rel_err(y[4], xg[4]) < 2 * ordinary + 1e-3  # huge
+    assert torch.equal(y[5].view(torch.int32), torch.zeros(32, dtype=torch.int32))  # +0.0 exactly
+    for g in (6, 7, 8):  # NaN and Inf: the affected group is NaN, its neighbours are not
+        assert torch.isnan(y[g]).all(), f"group {g}"
+    assert not torch.isnan(y[[0, 1, 2, 3, 4, 5, 9, 10]]).any()
+    assert (y[:6].abs().amax(1) <= xg[:6].abs().amax(1)).all()  # truncated scales never overshoot
+
+
+def test_quantization_is_half_to_even_and_extreme_values_are_exact():
+    # One group, int8: max magnitude 128 (scale 1) and values on half-integers tie to even.
+    x = torch.tensor([-128.0, 2.5, 3.5, -2.5, 0.5, 1.5, 127.0, -0.5] + [0.0] * 24)
+    y = tpfuse.dequantize(tpfuse.quantize(x, "int8"), "int8", x.shape, torch.float32)
+    assert y[:8].tolist() == [-128.0, 2.0, 4.0, -2.0, 0.0, 2.0, 127.0, 0.0]
+    # The group's value of largest magnitude is exact in every int codec (the extra negative level).
+    for codec in ("int8", "int6", "int4"):
+        x = _mixed(5, 64, torch.bfloat16)
+        y = tpfuse.dequantize(tpfuse.quantize(x, codec), codec, x.shape, torch.bfloat16).view(2, 32)
+        idx = x.view(2, 32).float().abs().argmax(1)
+        assert torch.equal(y[[0, 1], idx], x.view(2, 32)[[0, 1], idx]), codec
+    # fp8: values that e4m3 holds exactly (scale 1 when the max is 448) come back exactly.
+    x = torch.tensor([448.0, 1.0, -0.125, 3.5, 2 ** -9, -240.0] + [0.0] * 26)
+    assert torch.equal(tpfuse.dequantize(tpfuse.quantize(x, "fp8"), "fp8", x.shape, torch.float32), x)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_error_budget_on_gaussian_inputs(codec):
+    """The reference's error (the kernels are bitwise equal to it) against float64, on
+    2**17 Gaussian values per rank, W = 2..8."""
+    budget = reference.QUANT_ERROR_BUDGET[codec]
+    for world in (2, 3, 4, 8):
+        g = torch.Generator().manual_seed(world)
+        xs = [torch.randn(1 << 17, generator=g).to(torch.bfloat16) for _ in range(world)]
+        err = reference.rel_err(reference.quantized_all_reduce(xs, codec), sum(x.double() for x in xs))
+        assert err <= budget, f"W={world}: {err:.4f} > {budget}"
+        assert err > budget / 4, f"W={world}: {err:.5f} is implausibly small for {codec}"
+
+
+def test_codec_argument_errors():
+    with pytest.raises(ValueError, match="codec"):
+        tpfuse.quantize(torch.ones(4), "int3")
+    with pytest.raises(TypeError, match="dtype"):
+        tpfuse.quantize(torch.ones(4, dtype=torch.int32), "int8")
+    with pytest.raises(ValueError, match="at least"):
+        tpfuse.dequantize(torch.zeros(8, dtype=torch.uint8), "int8", (64,), torch.float32)
+    with pytest.raises(ValueError, match="uint8"):
+        tpfuse.dequantize(torch.zeros(100, dtype=torch.float32), "int8", (4,), torch.float32)
+    with pytest.raises(TypeError, match="dtype"):
+        tpfuse.dequantize(tpfuse.quantize(torch.ones(4), "int8"), "int8", (4,), torch.int8)
+    assert tpfuse.quantize(torch.empty(0), "int4").numel() == 0
+    assert tpfuse.dequantize(torch.empty(0, dtype=torch.uint8), "int4", (0, 3), torch.float16).shape == (0, 3)
+
+
+# ---------------------------------------------------------------- plan (no ranks)
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("codec", CODECS)
+def test_quant_plan_segments_cover_the_message_and_fit_the_slots(world, codec):
+    for max_bytes in (4096, 1 << 20, 16 << 20):
+        layout = WorkspaceLayout(world, max_bytes, max_blocks=128)
+        for dtype in DTYPES:
+            plan = QuantPlan.for_layout(layout, dtype, codec)
+            assert plan.seg_chunk % max(32, ALIGN // dtype.itemsize) == 0
+            assert reference.packed_layout(plan.seg_chunk, codec)[2] <= layout.twoshot_slot_bytes
+            # Packed data is smaller than raw: a full segment holds more than max_bytes of input
+            # once the slot holds a few groups.
+            if max_bytes >= 1 << 20:
+                assert world * plan.seg_chunk * dtype.itemsize > max_bytes
+            for n in (1, 33, plan.seg_chunk * world - 1, plan.seg_chunk * world, 3 * plan.seg_chunk * world + 5):
+                segs = plan.segments(n)
+                assert segs[0].start == 0 and sum(s.numel for s in segs) == n
+                for a, b in zip(segs, segs[1:]):
+                    assert b.start == a.start + a.numel and a.numel == world * plan.seg_chunk
+                for s in segs:
+                    assert s.chunk % 32 == 0 and world * s.chunk >= s.numel and s.chunk <= plan.seg_chunk
+                    assert 1 <= s.grid <= min(QP.QUANT_MAX_CTAS, 128)
+                    assert (s.start * dtype.itemsize) % 16 == 0
+    # The plan depends on the layout, dtype and codec only.
+    layout = WorkspaceLayout(world, 1 << 20, max_blocks=128)
+    assert QuantPlan.for_layout(layout, torch.bfloat16, codec) == QuantPlan.for_layout(layout, torch.bfloat16, codec)
+
+
+def test_quant_thresholds_and_argument_checks(monkeypatch):
+    for codec in CODECS:
+        for world in (2, 4, 8):
+            assert default_quant_min_bytes(codec, world) == QP.QUANT_MIN_BYTES[codec][world]
+        assert default_quant_min_bytes(codec, 3) == QP.QUANT_MIN_BYTES[codec][8]
+    monkeypatch.setitem(QP.QUANT_MIN_BYTES, "int4", {2: 123, 4: 456, 8: 789})
+    assert default_quant_min_bytes("int4", 4) == 456
+    check_quant(None, None)
+    check_quant("fp8", 0)
+    for quant, min_bytes, match in [("int5", None, "quant must be"), ("INT8", None, "quant must be"),
+                                    (None, 10, "needs quant"), ("int8", -1, ">= 0"), ("int8", 1.5, ">= 0"),
+                                    ("int8", True, ">= 0")]:
+        with pytest.raises(ValueError, match=match):
+            check_quant(quant, min_bytes)
+    # The smallest workspace still holds a chunk of every codec and dtype.
+    assert QuantPlan.for_layout(WorkspaceLayout(8, ALIGN, max_blocks=128), torch.float32, "int8").seg_chunk >= 64
+
+
+# ---------------------------------------------------------------- rank functions
+
+def _call(comm, xs, codec, what, failures, digests, min_bytes=0, x=None):
+    """One quantized (or, when below min_bytes, exact) call checked bitwise on this rank."""
+    rank = dist.get_rank()
+    src = xs[rank] if x is None else x
+    before = src.clone()
+    with _poisoned_empty():
+        out = comm.all_reduce(src, quant=codec, quant_min_bytes=min_bytes)
+    quantized = src.numel() * src.element_size() >= min_bytes
+    ref = reference.quantized_all_reduce(xs, codec) if quantized else reference.all_reduce(xs)
+    if not _same(out, ref.view(src.shape)):
+        bad = (out.reshape(-1).view(torch.uint8) != ref.reshape(-1).view(torch.uint8)).sum().item()
+        failures.append(f"{what}: {bad} bytes differ from the reference ({'quantized' if quantized else 'exact'})")
+    if not _same(src, before):
+        failures.append(f"{what}: the input was modified")
+    digests.append(_digest(torch.nan_to_num(out, nan=0.0)))
+    return out
+
+
+def _bits_all_codecs(sizes):
+    world, failures, digests = dist.get_world_size(), [], []
+    with Communicator(max_bytes=1 << 20, timeout_s=30) as comm:
+        for i, n in enumerate(sizes):
+            for c, codec in enumerate(CODECS):
+                dtype = DTYPES[(i + c) % 3]
+                xs = _inputs(1000 * i + c, n, dtype, world)
+                _call(comm, xs, codec, f"n={n} {dtype} {codec}", failures, digests)
+        # Rank 0 and 1 cancel (+-2**25) in the first value of every other group: the fp32 sum
+        # in rank order is exact there, any other order rounds the small contributions away.
+        for c, codec in enumerate(CODECS):
+            xs = _inputs(77 + c, 4096, torch.bfloat16, world)
+            xs[0][::64], xs[1][::64] = 2.0**25, -(2.0**25)
+            _call(comm, xs, codec, f"cancelling {codec}", failures, digests)
+        # Gaussian inputs: the kernels' error is within the budget (they equal the reference).
+        for codec in CODECS:
+            g = torch.Generator().manual_seed(11)
+            xs = [torch.randn(40_000, generator=g).to(torch.bfloat16) for _ in range(world)]
+            out = _call(comm, xs, codec, f"gaussian {codec}", failures, digests)
+            err = reference.rel_err(out, sum(x.double() for x in xs))
+            if err > reference.QUANT_ERROR_BUDGET[codec]:
+                failures.append(f"gaussian {codec}: error {err:.4f} over the budget")
+    return failures, digests
+
+
+def _special_values():
+    """NaN, Inf, huge, tiny and zero groups on some ranks."""
+    world, failures, digests = dist.get_world_size(), [], []
+    with Communicator(max_bytes=1 << 20, timeout_s=30) as comm:
+        for c, codec in enumerate(CODECS):
+            dtype = DTYPES[c % 3] if c != 3 else torch.bfloat16
+            xs = [_special_groups(10 * c + r, dtype) for r in range(world)]
+            for r in range(world):  # only rank 0 carries the NaN and Inf groups, ...
+                if r:
+                    for g in (6, 7, 8):
+                        xs[r][32 * g:32 * g + 32] = _mixed(r * 10 + g, 32, dtype)
+            for r in range(world):  # ... the huge group stays finite in the sum, and
+                xs[r][128:160] = xs[0][128:160] / world
+                xs[r][160:192] = 0  # the zero group is zero on every rank.
+            out = _call(comm, xs, codec, f"special {codec}", failures, digests)
+            g = out.float().view(-1, 32)
+            exact = sum(x.double() for x in xs).view(-1, 32)
+            if not (torch.isnan(g[6:9]).all() and not torch.isnan(g[[0, 1, 2, 3, 4, 5, 9, 10]]).any()):
+                failures.append(f"{codec}: NaN/Inf groups not propagated, or NaN leaked into other groups")
+            if not torch.isfinite(g[4]).all():
+                failures.append(f"{codec}: the huge group became Inf")
+            if not torch.equal(g[5].view(torch.int32), torch.zeros(32, dtype=torch.int32)):
+                failures.append(f"{codec}: the zero group is not +0.0")
+            ordinary = reference.rel_err(g[0], exact[0])
+            if dtype != torch.float16 and reference.rel_err(g[1], exact[1]) > 2 * ordinary + 1e-3:
+                failures.append(f"{codec}: tiny group error {reference.rel_err(g[1], exact[1]):.4f} "
+                                f"vs {ordinary:.4f}")
+    return failures, digests
+
+
+def _changing_sizes(calls, seed, max_bytes):
+    """Sizes (through several segments), codecs, dtypes and the exact/quantized choice change
+    every call; no barrier between calls."""
+    world, failures, digests = dist.get_world_size(), [], []
+    rng = random.Random(seed)  # the same sequence on every rank
+    with Communicator(max_bytes=max_bytes, timeout_s=30) as comm:
+        for call in range(calls):
+            n = rng.randint(20_000, 60_000) if call % 7 == 0 else rng.randint(1, 5000)
+            dtype, codec = rng.choice(DTYPES), rng.choice(CODECS)
+            min_bytes = rng.choice([0, 0, 0, 4096, 1 << 30])
+            if n * dtype.itemsize > max_bytes // 2:
+                min_bytes = min(min_bytes, 4096)  # the exact path would hand it to the backend
+            xs = _inputs(seed * 100_000 + call, n, dtype, world)
+            _call(comm, xs, codec, f"call {call} n={n} {dtype} {codec} min={min_bytes}", failures, digests, min_bytes)
+            if rng.random() < 0.2:  # the exact path with quant=None in between
+                xs = _inputs(seed * 100_000 + call + 50_000, rng.randint(1, 3000), dtype, world)
+                with _poisoned_empty():
+                    out = comm.all_reduce(xs[dist.get_rank()])
+                if not _same(out, reference.all_reduce(xs)):
+                    failures.append(f"call {call}: exact call after a quantized one differs")
+                digests.append(_digest(out))
+            if len(failures) > 5:
+                break
+    return failures, digests
+
+
+def _segmented(max_bytes):
+    """Messages of several segments: exact multiples of the segment, and remainders."""
+    world, failures, digests = dist.get_world_size(), [], []
+    with Communicator(max_bytes=max_bytes, timeout_s=30) as comm:
+        for c, codec in enumerate(CODECS):
+            dtype = DTYPES[c % 3]
+            seg = world * QuantPlan.for_layout(comm.layout, dtype, codec).seg_chunk
+            for k, n in enumerate([2 * seg, 3 * seg + 17, seg - 1]):
+                xs = _inputs(77 + 10 * c + k, n, dtype, world)
+                _call(comm, xs, codec, f"{codec} {dtype} n={n} (segment {seg})", failures, digests)
+    return failures, digests
+
+
+def _slow_rank(calls, seed):
+    """The last rank runs at the lowest priority with four ranks on the cores, so peers are a
+    call ahead while it still reads; quantized and exact calls alternate."""
+    world, failures, digests = dist.get_world_size(), [], []
+    if dist.get_rank() == world - 1:
+        os.nice(19)
+    rng = random.Random(seed)
+    with Communicator(max_bytes=1 << 16, timeout_s=60) as comm:
+        for call in range(calls):
+            n, dtype = rng.randint(1, 40_000), rng.choice([torch.float32, torch.bfloat16])
+            xs = _inputs(seed * 1000 + call, n, dtype, world)
+            exact_fits = n * dtype.itemsize <= comm.max_bytes // 2  # else the exact path is the backend's
+            _call(comm, xs, rng.choice(CODECS), f"call {call} n={n}", failures, digests,
+                  min_bytes=rng.choice([0, 0, 1 << 30] if exact_fits else [0]))
+    return failures, digests
+
+
+def _missing_peer():
+    rank, world, failures = dist.get_rank(), dist.get_world_size(), []
+    comm = Communicator(timeout_s=2.0)
+    dist.barrier()
+    if rank != world - 1:
+        start = time.monotonic()
+        try:
+            comm.all_reduce(torch.ones(5000), quant="int4", quant_min_bytes=0)
+            failures.append("a quantized all_reduce returned without the last rank")
+        except CommTimeoutError as e:
+            if (e.rank, e.peer) != (rank, world - 1) or "quantized" not in e.op:
+                failures.append(f"unexpected error contents: rank={e.rank} peer={e.peer} op={e.op!r}")
+        if time.monotonic() - start > 10:
+            failures.append(f"the timeout of 2 s took {time.monotonic() - start:.1f} s")
+    comm.close()
+    return failures
+
+
+def _argument_errors():
+    """Every rank passes the same bad arguments: each raises before communicating, so the
+    next (good) call still lines up on all ranks."""
+    world, rank, failures, digests = dist.get_world_size(), dist.get_rank(), [], []
+    with Communicator(timeout_s=30) as comm:
+        x = torch.ones(64)
+        for kwargs, match in [(dict(quant="int3"), "quant must be"), (dict(quant="fp16"), "quant must be"),
+                              (dict(quant="int8", algo="twoshot"), "algo='auto'"),
+                              (dict(quant="int8", algo="ring"), "algo must be"),
+                              (dict(quant="int8", quant_min_bytes=-5), ">= 0"),
+                              (dict(quant_min_bytes=0), "needs quant")]:
+            with pytest.raises(ValueError, match=match):
+                comm.all_reduce(x, **kwargs)
+        xs = _inputs(3, 3000, torch.bfloat16, world)
+        _call(comm, xs, "int6", "after errors", failures, digests)
+        # The default threshold (the table) decides when quant_min_bytes is not given.
+        saved = QP.QUANT_MIN_BYTES["int8"]
+        QP.QUANT_MIN_BYTES["int8"] = {w: 4000 for w in (2, 4, 8)}
+        try:
+            for n in (1999, 2000):  # bf16: 3998 bytes (exact) and 4000 bytes (quantized)
+                xs = _inputs(n, n, torch.bfloat16, world)
+                with _poisoned_empty():
+                    out = comm.all_reduce(xs[rank], quant="int8")
+                want = reference.quantized_all_reduce(xs, "int8") if n == 2000 else reference.all_reduce(xs)
+                if not _same(out, want):
+                    failures.append(f"default threshold: n={n} took the wrong path")
+                digests.append(_digest(out))
+        finally:
+            QP.QUANT_MIN_BYTES["int8"] = saved
+    return failures, digests
+
+
+# ---------------------------------------------------------------- tests
+
+def _assert_ok(results):
+    failures = [f"rank {r}: {f}" for r, (fs, _) in enumerate(results) for f in fs]
+    assert not failures, "\n".join(failures[:20])
+    digests = [d for _, d in results]
+    assert all(d == digests[0] for d in digests), "ranks hold different bits"
+    assert len(digests[0]) > 0
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_quantized_all_reduce_bitwise_equal_to_reference_on_every_rank(world):
+    _assert_ok(run_ranks(world, _bits_all_codecs, [1, 33, 4097, 30001]))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_quantized_all_reduce_special_groups(world):
+    _assert_ok(run_ranks(world, _special_values))
+
+
+@pytest.mark.parametrize("world, calls", [(2, 60), (4, 20)])
+def test_quantized_changing_sizes_codecs_and_paths_without_barriers(world, calls):
+    results = run_ranks(world, _changing_sizes, calls, world, 1 << 16, timeout_s=300)
+    _assert_ok(results)
+    assert len(results[0][1]) >= calls
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_messages_larger_than_the_workspace_run_in_segments(world):
+    _assert_ok(run_ranks(world, _segmented, 8192))
+
+
+def test_quantized_peers_one_call_ahead_never_overwrite_a_slow_ranks_data():
+    _assert_ok(run_ranks(4, _slow_rank, 10, 3, timeout_s=300, fresh=True))
+
+
+def test_quantized_missing_peer_ends_in_timeout_error():
+    failures = run_ranks(2, _missing_peer, timeout_s=60)
+    assert not [f for fs in failures for f in fs], failures
+
+
+def test_quantized_argument_errors_and_default_threshold():
+    _assert_ok(run_ranks(2, _argument_errors))

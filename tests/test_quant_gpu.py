@@ -1,0 +1,305 @@
+"""Quantized all-reduce and codecs on GPUs: one process per GPU, NCCL group, torch symmetric memory.
+
+Run on a GPU machine (scripts/device_check.sh quant):
+    python -m pytest -m "gpu or multigpu" tests/test_quant_gpu.py
+
+Every rank holds all ranks' random pools (same seeds), so it computes
+``tpfuse.reference.quantized_all_reduce`` (plain torch, on the device) of each call itself and
+counts mismatching elements on the device: the long runs never synchronize with the host
+until their end. NaN payloads differ between torch and Triton, so NaN positions are compared
+instead of NaN bits.
+"""
+
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.multiproc import run_ranks
+
+NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
+needs_gpu = pytest.mark.skipif(NGPU < 1, reason="needs a CUDA GPU")
+needs_gpus = pytest.mark.skipif(NGPU < 2, reason="needs at least 2 CUDA GPUs")
+
+WORLDS = sorted({2, NGPU})
+CODECS = ["fp8", "int8", "int6", "int4"]
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+# Every codec on bf16, and on one more dtype each: fewer kernels to compile in the time limit
+# (the stress test draws every combination).
+CODEC_DTYPES = {"fp8": [torch.bfloat16, torch.float16], "int8": [torch.bfloat16, torch.float32],
+                "int6": [torch.bfloat16, torch.float16], "int4": [torch.bfloat16, torch.float32]}
+POOL = (1 << 25) + 64  # elements per rank and dtype: several segments of the default workspace
+
+
+def _pools(world, seed=0, n=POOL):
+    """pools[dtype][rank]: normals times powers of two from 2**-8 to 2**8 (never zeros)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    pools = {}
+    for dtype in DTYPES:
+        scale = torch.exp2(torch.randint(-8, 9, (n,), device="cuda", generator=g).float())
+        pools[dtype] = [(torch.randn(n, device="cuda", generator=g) * scale).to(dtype) for _ in range(world)]
+    return pools
+
+
+def _mismatches(out, ref):
+    """Elements whose bits differ (NaN vs NaN counts as equal), as a device scalar."""
+    as_int = {2: torch.int16, 4: torch.int32}[out.element_size()]
+    out, ref = out.reshape(-1), ref.reshape(-1)
+    both_nan = torch.isnan(out) & torch.isnan(ref)
+    return ((out.view(as_int) != ref.view(as_int)) & ~both_nan).sum()
+
+
+class _Checker:
+    """Calls all_reduce on slices of the pools; counts, on the device, the elements that
+    differ from the reference of the path the call must take (no host sync until the end)."""
+
+    def __init__(self, comm, pools):
+        from tpfuse import reference
+
+        self.comm, self.pools, self.reference = comm, pools, reference
+        self.rank = dist.get_rank()
+        self.bad = torch.zeros((), dtype=torch.int64, device="cuda")
+        self.calls = 0
+        self.first_bad = {}
+
+    def inputs(self, n, dtype, offset):
+        return [p[offset:offset + n] for p in self.pools[dtype]]
+
+    def expect(self, out, xs, quant, quantized, what):
+        ref = self.reference.quantized_all_reduce(xs, quant) if quantized else self.reference.all_reduce(xs)
+        bad = _mismatches(out, ref)
+        self.bad += bad
+        self.calls += 1
+        if len(self.first_bad) < 5:
+            self.first_bad[what] = bad
+
+    def call(self, n, dtype, quant, offset=0, min_bytes=0, what=""):
+        """One call; quant=None is the exact path, and so is a message below min_bytes."""
+        xs = self.inputs(n, dtype, offset)
+        torch.full((n,), float("nan"), dtype=dtype, device="cuda")  # poison the block out will reuse
+        if quant is None:
+            out = self.comm.all_reduce(xs[self.rank])
+        else:
+            out = self.comm.all_reduce(xs[self.rank], quant=quant, quant_min_bytes=min_bytes)
+        quantized = quant is not None and n * dtype.itemsize >= min_bytes
+        self.expect(out, xs, quant, quantized, what or f"n={n} {dtype} {quant} offset={offset}")
+        return out
+
+    def failures(self):
+        total = self.bad.item()
+        if total == 0:
+            return []
+        return [f"{total} mismatching elements over {self.calls} calls; first labels: "
+                + ", ".join(f"{k}: {v.item()}" for k, v in self.first_bad.items() if v.item())]
+
+
+def _sizes_codecs_dtypes(sizes, big):
+    from tpfuse import reference
+    from tpfuse.comm import Communicator
+
+    world = dist.get_world_size()
+    with Communicator(timeout_s=60) as comm:  # default workspace: the large sizes run in segments
+        check = _Checker(comm, _pools(world))
+        for n in sizes:
+            for codec in CODECS:
+                for dtype in (CODEC_DTYPES[codec] if n <= 1 << 22 else [torch.bfloat16]):
+                    check.call(n, dtype, codec, offset=n % 7 * 8)
+        for n in big:
+            check.call(n, torch.bfloat16, CODECS[n % 4], offset=64)
+        failures = check.failures()
+        # The error budget, on Gaussian inputs at a real size.
+        g = torch.Generator(device="cuda").manual_seed(1)
+        xs = [torch.randn(1 << 24, device="cuda", generator=g).to(torch.bfloat16) for _ in range(world)]
+        exact = sum(x.double() for x in xs)
+        for codec in CODECS:
+            out = comm.all_reduce(xs[dist.get_rank()], quant=codec, quant_min_bytes=0)
+            err = reference.rel_err(out, exact)
+            if not err <= reference.QUANT_ERROR_BUDGET[codec]:
+                failures.append(f"{codec}: relative error {err:.4f} over the budget")
+    return failures
+
+
+def _special_values():
+    """NaN and Inf groups propagate; huge groups stay finite; tiny groups keep their relative
+    error; zero groups are +0.0. One rank holds the NaN/Inf."""
+    from tpfuse import reference
+    from tpfuse.comm import Communicator
+
+    world, rank, failures = dist.get_world_size(), dist.get_rank(), []
+    n = 1 << 22
+    groups = n // 32
+    with Communicator(timeout_s=60) as comm:
+        for codec in CODECS:
+            g = torch.Generator(device="cuda").manual_seed(3)
+            xs = [torch.randn(groups, 32, device="cuda", generator=g) for _ in range(world)]
+            kind = torch.arange(groups, device="cuda") % 8
+            for r, x in enumerate(xs):
+                x[kind == 1] *= 1e-5
+                x[kind == 2] *= 1e-20
+                x[kind == 3] = x[kind == 3].clamp(-3, 3) * (3e38 / 3 / world)
+                x[kind == 4] = 0.0
+                if r == 0:
+                    x[kind == 5, 7] = float("nan")
+                    x[kind == 6, 0] = float("inf")
+            xs = [x.reshape(-1).to(torch.bfloat16) for x in xs]
+            out = comm.all_reduce(xs[rank], quant=codec, quant_min_bytes=0)
+            ref = reference.quantized_all_reduce(xs, codec)
+            if _mismatches(out, ref).item():
+                failures.append(f"{codec}: special values differ from the reference")
+            o = out.float().view(groups, 32)
+            exact = sum(x.double() for x in xs).view(groups, 32)
+            nan_groups = torch.isnan(o).all(1)
+            if not torch.equal(nan_groups, (kind == 5) | (kind == 6)) or torch.isnan(o[~nan_groups]).any():
+                failures.append(f"{codec}: NaN/Inf groups not propagated exactly to their groups")
+            if not torch.isfinite(o[kind == 3]).all():
+                failures.append(f"{codec}: huge groups became Inf")
+            if o[kind == 4].view(torch.int32).any():
+                failures.append(f"{codec}: zero groups are not +0.0")
+            ordinary = reference.rel_err(o[kind == 0], exact[kind == 0])
+            for k in (1, 2, 3):
+                err = reference.rel_err(o[kind == k], exact[kind == k])
+                if err > 1.5 * ordinary:
+                    failures.append(f"{codec}: group kind {k} error {err:.4f} vs ordinary {ordinary:.4f}")
+    return failures
+
+
+def _stress(calls, seed):
+    """Random sizes (to several segments), codecs, the exact path, dtypes and offsets every
+    call; a random rank sleeps on the device before some calls; no host sync until the end."""
+    from tpfuse.comm import Communicator
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    rng = random.Random(seed)  # the same sequence on every rank
+    with Communicator(max_bytes=4 << 20, timeout_s=60) as comm:
+        check = _Checker(comm, _pools(world, seed, n=(1 << 23) + 64))
+        for call in range(calls):
+            dtype = rng.choice(DTYPES)
+            n = int(2 ** rng.uniform(0, 23))
+            quant = rng.choice(CODECS + [None])
+            min_bytes = rng.choice([0, 0, 0, 1 << 16, 1 << 40])
+            if n * dtype.itemsize > 2 << 20:  # exact calls stay within the workspace (beyond it: NCCL)
+                quant, min_bytes = quant or rng.choice(CODECS), 0
+            offset = rng.randrange(0, (1 << 23) - n + 1)
+            late, cycles = rng.randrange(world) if rng.random() < 0.01 else -1, rng.randrange(1_000, 2_000_000)
+            if rank == late:
+                torch.cuda._sleep(cycles)
+            check.call(n, dtype, quant, offset, min_bytes, what=f"call {call}")
+        return check.failures()
+
+
+def _graph_replays(replays):
+    """A captured sequence of quantized (one of them segmented) and exact calls, replayed with
+    new data, with eager calls in between; every output checked on the device."""
+    from tpfuse.comm import Communicator
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    plan = [(1, torch.float32, "int8"), (4096, torch.bfloat16, "int4"), (100_003, torch.float16, "fp8"),
+            (1 << 20, torch.bfloat16, None), (3 << 21, torch.bfloat16, "int6"), (777, torch.bfloat16, "int4"),
+            (3 << 20, torch.float32, "int8")]
+    with Communicator(max_bytes=4 << 20, timeout_s=60) as comm:  # 3 << 21 bf16 int6 is two segments
+        check = _Checker(comm, _pools(world, seed=5, n=(1 << 23) + 64))
+        static_in = [torch.empty(n, dtype=dtype, device="cuda") for n, dtype, _ in plan]
+
+        def run():
+            return [comm.all_reduce(x) if q is None else comm.all_reduce(x, quant=q, quant_min_bytes=0)
+                    for x, (_, _, q) in zip(static_in, plan)]
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up: compile every specialisation eagerly
+            run()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            outs = run()
+        rng = random.Random(5)
+        for i in range(replays):
+            offsets = [rng.randrange(0, (1 << 23) - n) for n, _, _ in plan]
+            for x, (n, dtype, _), off in zip(static_in, plan, offsets):
+                x.copy_(check.pools[dtype][rank][off:off + n])
+            graph.replay()
+            for out, (n, dtype, q), off in zip(outs, plan, offsets):
+                check.expect(out, check.inputs(n, dtype, off), q, q is not None, f"replay {i} n={n} {q}")
+            if i % 10 == 0:
+                check.call(rng.randrange(1, 300_000), torch.bfloat16, rng.choice(CODECS), rng.randrange(0, 1 << 22),
+                           what=f"eager after replay {i}")
+        del graph
+        return check.failures()
+
+
+def _missing_peer():
+    from tpfuse.comm import CommTimeoutError, Communicator
+
+    world, rank, failures = dist.get_world_size(), dist.get_rank(), []
+    comm = Communicator(timeout_s=2.0)
+    dist.barrier()
+    if rank != world - 1:
+        comm.all_reduce(torch.ones(1 << 20, device="cuda"), quant="int4", quant_min_bytes=0)
+        try:
+            comm.check()
+            failures.append("check() did not report the missing rank")
+        except CommTimeoutError as e:
+            if (e.rank, e.peer) != (rank, world - 1) or "quantized" not in e.op:
+                failures.append(f"wrong error record: rank={e.rank} peer={e.peer} op={e.op}")
+    comm.close()
+    dist.barrier()
+    return failures
+
+
+def _no_failures(results):
+    failures = [f"rank {r}: {f}" for r, fs in enumerate(results) for f in fs]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("codec", CODECS)
+def test_gpu_codecs_bitwise_equal_to_reference(codec):
+    import tpfuse
+    from tpfuse import reference
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for n in [1, 31, 33, 4097, 1_000_003, 1 << 24]:
+        for dtype in DTYPES:
+            scale = torch.exp2(torch.randint(-20, 21, (n,), device="cuda", generator=g).float())
+            x = (torch.randn(n, device="cuda", generator=g) * scale).to(dtype)
+            packed = tpfuse.quantize(x, codec)
+            assert torch.equal(packed, reference.quantize(x, codec)), f"n={n} {dtype}"
+            for out_dtype in DTYPES:
+                torch.full((n,), float("nan"), dtype=out_dtype, device="cuda")
+                y = tpfuse.dequantize(packed, codec, x.shape, out_dtype)
+                assert _mismatches(y, reference.dequantize(packed, codec, x.shape, out_dtype)).item() == 0
+
+
+@pytest.mark.multigpu
+@needs_gpus
+@pytest.mark.parametrize("world", WORLDS)
+def test_gpu_quantized_bitwise_equal_to_reference_at_real_sizes(world):
+    sizes = [1, 33, 4097, 100_003, 1 << 20, 3_000_001]
+    big = [1 << 24, (1 << 25) - 5]  # 32 and 64 MiB of bf16: several segments of the 16 MiB workspace
+    _no_failures(run_ranks(world, _sizes_codecs_dtypes, sizes, big, backend="nccl", timeout_s=600))
+
+
+@pytest.mark.multigpu
+@needs_gpus
+def test_gpu_quantized_special_values():
+    _no_failures(run_ranks(NGPU, _special_values, backend="nccl", timeout_s=300))
+
+
+@pytest.mark.multigpu
+@needs_gpus
+def test_gpu_stress_20000_calls_mixing_codecs_and_the_exact_path():
+    _no_failures(run_ranks(NGPU, _stress, 20_000, 13, backend="nccl", timeout_s=900))
+
+
+@pytest.mark.multigpu
+@needs_gpus
+def test_gpu_quantized_graph_capture_replayed_with_new_data():
+    _no_failures(run_ranks(NGPU, _graph_replays, 200, backend="nccl", timeout_s=600))
+
+
+@pytest.mark.multigpu
+@needs_gpus
+def test_gpu_quantized_missing_peer_ends_in_timeout_error():
+    _no_failures(run_ranks(NGPU, _missing_peer, backend="nccl", timeout_s=300))

@@ -1,0 +1,287 @@
+"""Group quantization codecs (fp8 e4m3, int8, int6, int4): device functions and the
+standalone ``quantize`` / ``dequantize``.
+
+The numerical definition, and the packed format, are ``tpfuse.reference`` (``_encode``,
+``_decode``, ``packed_layout``); the device functions here perform the same operations in
+the same order, so kernels and reference agree on every bit:
+
+- scales are computed from the fp32 bits with integer operations (max of the magnitudes,
+  exponent arithmetic, truncation to bf16): no float rounding, no reciprocal that could
+  overflow for tiny groups, and a NaN or Inf anywhere in a group shows in its magnitude;
+- the one division, ``1 / s``, is done once per group in float64 (``div.rn.f64`` on GPUs,
+  IEEE division under the interpreter: both correctly rounded), and ``f64(x) * (1 / s)``
+  cannot overflow or become subnormal for any fp32 x and any scale;
+- rounding to an integer is ``(v + 1.5 * 2**52) - 1.5 * 2**52`` in float64 (half to even),
+  rounding to e4m3 is integer arithmetic on the fp32 bits (Triton's fp8 conversions are
+  not used: the interpreter's and the GPU's need not agree on ties and saturation);
+- decoding is one exact fp32 product of a small integer (or e4m3 value) and the scale, and
+  never subnormal (scales are at least 2**-117).
+
+Kernels are launched with ``EXACT_FP`` like every tpfuse kernel. The device functions work
+on a tile of GB groups as a [GB, 32] fp32 tensor; the all-reduce (``quant_allreduce.py``)
+calls the same functions on its workspace slots.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tpfuse import _runtime
+from tpfuse.kernels.common import EXACT_FP, round_to, to_f32
+from tpfuse.reference import QUANT_CODECS, QUANT_GROUP, _check_codec, packed_layout
+
+# Codec ids (the CODEC constexpr of every kernel here) and their bits per value.
+FP8, INT8, INT6, INT4 = 0, 1, 2, 3
+CODEC_IDS = {"fp8": FP8, "int8": INT8, "int6": INT6, "int4": INT4}
+
+_GROUP = tl.constexpr(QUANT_GROUP)
+_INF_BITS = tl.constexpr(0x7F800000)
+_SCALE_NAN = tl.constexpr(0x7FC0)
+_SCALE_MIN_BITS = tl.constexpr((127 - 117) << 23)  # 2**-117 as fp32 bits (reference._SCALE_MIN_EXP)
+_SCALE_MIN_BF16 = tl.constexpr((127 - 117) << 7)
+_RINT_MAGIC = tl.constexpr(6755399441055744.0)  # 1.5 * 2**52
+_E4M3_TINY = tl.constexpr(2.0**-11)
+_E4M3_MAX = tl.constexpr(0x7E)
+
+TILE_ELEMS = 8192 if _runtime.INTERPRETER else 2048
+"""Elements per program of the standalone kernels; the interpreter pays per operation, so it
+takes large tiles."""
+NUM_WARPS = 8
+
+
+@triton.jit
+def bf16_bits_to_f32(b):
+    """fp32 value of bf16 bits held in an int32 (0..0xFFFF)."""
+    return (b << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_rne(v):
+    """float64 v (|v| < 452) -> e4m3 code (int32 0..255): rounded to fp32, then to e4m3 on
+    the bits, to nearest even, at most 448 in magnitude, +0 for zero (``reference._e4m3_rne``)."""
+    v32 = tl.where(tl.abs(v) < _E4M3_TINY, 0.0, v).to(tl.float32)
+    b = v32.to(tl.int32, bitcast=True)
+    a = b & 0x7FFFFFFF
+    e = a >> 23
+    shift = 20 + tl.minimum(tl.maximum(121 - e, 0), 11)
+    sig = (a & 0x7FFFFF) | 0x800000
+    r = (sig + (1 << (shift - 1)) - 1 + ((sig >> shift) & 1)) >> shift
+    code = tl.where(e >= 121, ((e - 120) << 3) + r - 8, r)
+    code = tl.where(a == 0, 0, tl.minimum(code, _E4M3_MAX))
+    return code | tl.where((b < 0) & (code != 0), 0x80, 0)
+
+
+@triton.jit
+def encode_groups(x, CODEC: tl.constexpr):
+    """(codes [GB, 32] int32, scales [GB] int32 bf16 bits) of fp32 groups x [GB, 32]
+    (``reference._encode``)."""
+    K: tl.constexpr = (5 if CODEC == 2 else 3) if CODEC >= 2 else 7  # bits - 1
+    bits = x.to(tl.int32, bitcast=True)
+    mag = bits & 0x7FFFFFFF
+    amax = tl.max(mag, axis=1)
+    bad = amax >= _INF_BITS
+    if CODEC == 0:
+        e = amax >> 23
+        quot = ((amax & 0x7FFFFF) | 0x800000) // 7
+        low = (quot < (1 << 21)).to(tl.int32)
+        scale = ((e - 8 - low) << 7) | ((quot >> (14 - low)) - 128)
+        scale = tl.maximum(scale, _SCALE_MIN_BF16)
+    else:
+        pos = tl.max(tl.where(bits >= 0, mag, 0), axis=1)
+        neg = tl.max(tl.where(bits < 0, mag, 0), axis=1)
+        s_mag = (tl.maximum(amax - (K << 23), _SCALE_MIN_BITS) & 0x7FFF0000) >> 16
+        scale = s_mag | tl.where(neg >= pos, 0, 0x8000)
+    scale = tl.where(bad, _SCALE_NAN, scale)
+    recip = 1.0 / bf16_bits_to_f32(scale).to(tl.float64)
+    v = x.to(tl.float64) * recip[:, None]
+    v = tl.where(bad[:, None], 0.0, v)
+    if CODEC == 0:
+        codes = _e4m3_rne(v)
+    else:
+        q = ((v + _RINT_MAGIC) - _RINT_MAGIC).to(tl.int32)
+        codes = tl.minimum(tl.maximum(q, -(1 << K)), (1 << K) - 1)
+    return codes, scale
+
+
+@triton.jit
+def decode_groups(codes, scale, CODEC: tl.constexpr):
+    """fp32 values [GB, 32] of codes [GB, 32] and bf16 scale bits [GB] (``reference._decode``)."""
+    s = bf16_bits_to_f32(scale & 0x7FFF)
+    if CODEC == 0:
+        mag = codes & 0x7F
+        e4 = mag >> 3
+        sig = (mag & 7) + tl.where(e4 > 0, 8, 0)
+        pow2 = ((tl.maximum(e4, 1) - 10 + 127) << 23).to(tl.float32, bitcast=True)
+        v = sig.to(tl.float32) * pow2
+        v = tl.where((codes & 0x80) != 0, -v, v)
+    else:
+        v = tl.where(((scale & 0x8000) != 0)[:, None], -codes, codes).to(tl.float32)
+    return v * s[:, None]
+
+
+@triton.jit
+def _pack_plane(codes, SHIFT: tl.constexpr, BITS: tl.constexpr):
+    """[GB, BITS] uint32 words holding bits SHIFT..SHIFT+BITS-1 of every code, 32 // BITS
+    codes per word, the first in the lowest bits."""
+    GB: tl.constexpr = codes.shape[0]
+    PER: tl.constexpr = 32 // BITS
+    field = ((codes >> SHIFT) & ((1 << BITS) - 1)).to(tl.uint32)
+    field = tl.reshape(field, [GB, BITS, PER])
+    shifts = (tl.arange(0, PER) * BITS).to(tl.uint32)
+    # The fields are disjoint, so the sum is their bitwise or (and never carries).
+    return tl.sum(field << shifts[None, None, :], axis=2)
+
+
+@triton.jit
+def _unpack_plane(words, BITS: tl.constexpr):
+    GB: tl.constexpr = words.shape[0]
+    PER: tl.constexpr = 32 // BITS
+    shifts = (tl.arange(0, PER) * BITS).to(tl.uint32)
+    fields = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+    return tl.reshape(fields, [GB, 32]).to(tl.int32)
+
+
+@triton.jit
+def _plane_ptrs(addr, gidx, BITS: tl.constexpr):
+    ptr = tl.multiple_of(addr.to(tl.pointer_type(tl.uint32)), 4)
+    return ptr + gidx[:, None] * BITS + tl.arange(0, BITS)[None, :]
+
+
+@triton.jit
+def store_packed(addr, p0, p1, psc, gidx, gmask, codes, scale, CODEC: tl.constexpr):
+    """Store groups ``gidx`` ([GB], those with gmask) of a packed buffer at int64 address
+    ``addr`` whose planes and scales start at byte offsets p0, p1 (int6 only) and psc."""
+    if CODEC == 2:
+        tl.store(_plane_ptrs(addr + p0, gidx, 4), _pack_plane(codes, 0, 4), mask=gmask[:, None])
+        tl.store(_plane_ptrs(addr + p1, gidx, 2), _pack_plane(codes, 4, 2), mask=gmask[:, None])
+    else:
+        BITS: tl.constexpr = 4 if CODEC == 3 else 8
+        tl.store(_plane_ptrs(addr + p0, gidx, BITS), _pack_plane(codes, 0, BITS), mask=gmask[:, None])
+    scale_ptr = (addr + psc).to(tl.pointer_type(tl.uint16))
+    tl.store(scale_ptr + gidx, scale.to(tl.uint16), mask=gmask)
+
+
+@triton.jit
+def load_packed(addr, p0, p1, psc, gidx, gmask, CODEC: tl.constexpr):
+    """(codes [GB, 32] int32, scales [GB] int32) of groups ``gidx`` of a packed buffer (the
+    inverse of ``store_packed``; masked groups give zero codes and a zero scale). Peers may
+    have written the buffer, so it is read through L2 (``.cg``)."""
+    if CODEC == 2:
+        lo = tl.load(_plane_ptrs(addr + p0, gidx, 4), mask=gmask[:, None], other=0, cache_modifier=".cg")
+        hi = tl.load(_plane_ptrs(addr + p1, gidx, 2), mask=gmask[:, None], other=0, cache_modifier=".cg")
+        codes = _unpack_plane(lo, 4) | (_unpack_plane(hi, 2) << 4)
+    else:
+        BITS: tl.constexpr = 4 if CODEC == 3 else 8
+        w = tl.load(_plane_ptrs(addr + p0, gidx, BITS), mask=gmask[:, None], other=0, cache_modifier=".cg")
+        codes = _unpack_plane(w, BITS)
+    if CODEC != 0:
+        SIGN: tl.constexpr = (32 if CODEC == 2 else 8) if CODEC >= 2 else 128
+        codes = (codes ^ SIGN) - SIGN
+    scale_ptr = (addr + psc).to(tl.pointer_type(tl.uint16))
+    scale = tl.load(scale_ptr + gidx, mask=gmask, other=0, cache_modifier=".cg").to(tl.int32)
+    return codes, scale
+
+
+@triton.jit
+def load_groups(x_ptr, tile, limit, BLOCK: tl.constexpr):
+    """Tile ``tile`` of the values at x_ptr as fp32 groups [BLOCK // 32, 32] (zero past
+    ``limit`` elements), the tile's group indices and which groups hold any value."""
+    GB: tl.constexpr = BLOCK // _GROUP
+    gidx = tile * GB + tl.arange(0, GB)
+    offs = gidx[:, None] * _GROUP + tl.arange(0, _GROUP)[None, :]
+    x = to_f32(tl.load(x_ptr + offs, mask=offs < limit, other=0.0))
+    return x, offs, gidx, gidx * _GROUP < limit
+
+
+@triton.jit
+def quantize_kernel(x_ptr, packed_addr, numel, p0, p1, psc, CODEC: tl.constexpr, BLOCK: tl.constexpr):
+    x, offs, gidx, gmask = load_groups(x_ptr, tl.program_id(0), numel, BLOCK)
+    codes, scale = encode_groups(x, CODEC)
+    store_packed(packed_addr, p0, p1, psc, gidx, gmask, codes, scale, CODEC)
+
+
+@triton.jit
+def dequantize_kernel(packed_addr, out_ptr, numel, p0, p1, psc, CODEC: tl.constexpr, BLOCK: tl.constexpr):
+    GB: tl.constexpr = BLOCK // _GROUP
+    gidx = tl.program_id(0) * GB + tl.arange(0, GB)
+    offs = gidx[:, None] * _GROUP + tl.arange(0, _GROUP)[None, :]
+    codes, scale = load_packed(packed_addr, p0, p1, psc, gidx, gidx * _GROUP < numel, CODEC)
+    y = decode_groups(codes, scale, CODEC)
+    tl.store(out_ptr + offs, round_to(y, out_ptr.dtype.element_ty), mask=offs < numel)
+
+
+# ---------------------------------------------------------------- launchers and wrappers
+
+def quantize_into(x: torch.Tensor, packed: torch.Tensor, codec: str) -> None:
+    """Encode contiguous, 16-byte aligned x into ``packed`` (uint8, at least
+    ``packed_layout(x.numel(), codec)[2]`` bytes, 16-byte aligned, on x's device)."""
+    planes, psc, _ = packed_layout(x.numel(), codec)
+    grid = (triton.cdiv(x.numel(), TILE_ELEMS),)
+    quantize_kernel[grid](x_ptr=x, packed_addr=packed.data_ptr(), numel=x.numel(), p0=planes[0],
+                          p1=planes[-1], psc=psc, CODEC=CODEC_IDS[codec], BLOCK=TILE_ELEMS,
+                          num_warps=NUM_WARPS, **EXACT_FP)
+
+
+def dequantize_into(packed: torch.Tensor, codec: str, out: torch.Tensor) -> None:
+    """Decode ``out.numel()`` values from ``packed`` into contiguous, aligned ``out``."""
+    planes, psc, _ = packed_layout(out.numel(), codec)
+    grid = (triton.cdiv(out.numel(), TILE_ELEMS),)
+    dequantize_kernel[grid](packed_addr=packed.data_ptr(), out_ptr=out, numel=out.numel(), p0=planes[0],
+                            p1=planes[-1], psc=psc, CODEC=CODEC_IDS[codec], BLOCK=TILE_ELEMS,
+                            num_warps=NUM_WARPS, **EXACT_FP)
+
+
+def quantize(x: torch.Tensor, codec: str) -> torch.Tensor:
+    """Group-quantize x: the packed form of its values in flattened (row-major) order.
+
+    Args:
+        x: bf16, fp16 or fp32 tensor, any shape and layout, on the kernels' device.
+        codec: "fp8" (e4m3), "int8", "int6" or "int4".
+
+    Returns a new 1-D uint8 tensor on x's device of ``tpfuse.reference.packed_layout(
+    x.numel(), codec)[2]`` bytes: groups of 32 consecutive values, each a payload of
+    8/8/6/4 bits per value plus one bf16 scale; layout and codec in
+    ``tpfuse.reference.packed_layout`` and ``_encode``. Bitwise equal to
+    ``tpfuse.reference.quantize``. A group holding NaN or Inf decodes to NaN.
+
+    Raises TypeError (not a float tensor of a supported dtype) or ValueError (unknown codec,
+    wrong device).
+    """
+    _check_codec(codec)
+    _runtime.check_float_tensor(x, "x")
+    # Zeroed: the alignment gaps between regions are part of the bytes and must not vary.
+    packed = torch.zeros(packed_layout(x.numel(), codec)[2], dtype=torch.uint8, device=x.device)
+    if x.numel():
+        quantize_into(_runtime.aligned_contiguous(x.reshape(-1)), packed, codec)
+    return packed
+
+
+def dequantize(packed: torch.Tensor, codec: str, shape, dtype: torch.dtype) -> torch.Tensor:
+    """The values ``quantize`` packed, as a new tensor of ``shape`` and ``dtype``: each value
+    decoded exactly in fp32 and rounded once to dtype (``tpfuse.reference.dequantize``).
+
+    Raises ValueError for an unknown codec, a packed tensor that is not uint8 or too small
+    for ``shape``, or on the wrong device; TypeError for an unsupported dtype.
+    """
+    _check_codec(codec)
+    if dtype not in _runtime.SUPPORTED_DTYPES:
+        raise TypeError(f"dtype {dtype} is not supported; tpfuse supports bfloat16, float16 and float32")
+    if not isinstance(packed, torch.Tensor):
+        raise TypeError(f"packed must be a torch.Tensor, got {type(packed).__name__}")
+    err = _runtime.kernel_device_error(packed, "packed")
+    if err is not None:
+        raise err
+    out = torch.empty(shape, dtype=dtype, device=packed.device)
+    need = packed_layout(out.numel(), codec)[2]
+    if packed.dtype != torch.uint8 or packed.numel() < need:
+        raise ValueError(f"packed must be a uint8 tensor of at least {need} bytes for {out.numel()} values of "
+                         f"codec {codec!r}, got {packed.dtype} with {packed.numel()} elements")
+    if out.numel():
+        dequantize_into(_runtime.aligned_contiguous(packed.reshape(-1)), codec, out.view(-1))
+    return out
+
+
+__all__ = ["QUANT_CODECS", "quantize", "dequantize", "quantize_into", "dequantize_into", "encode_groups",
+           "decode_groups", "store_packed", "load_packed", "load_groups"]

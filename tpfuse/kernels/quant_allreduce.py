@@ -1,0 +1,116 @@
+"""Quantized two-shot all-reduce over peer memory: deterministic, identical bits on every rank.
+
+One launch reduces a segment of the message (``tpfuse.comm.quant_plan``) in the protocol of
+the exact two-shot kernel (``allreduce.py``), with packed groups in place of raw values:
+
+1. each rank encodes chunk c of its input (``codecs.encode_groups``) and stores the packed
+   groups into scatter slot ``rank`` of rank c, then raises its scatter flag on every rank;
+2. rank c waits for the W scatter flags, decodes the W contributions to its chunk, sums
+   them in fp32 in rank order 0..W-1, encodes the sum, stores the packed sum into gather
+   slot c of every peer and raises its gather flag; it decodes the same codes into its own
+   output, rounded once to the dtype;
+3. after the W gather flags, every rank decodes the other W-1 gather slots into its output.
+
+So every rank decodes the same codes and scales for every group, and holds the same bits:
+``tpfuse.reference.quantized_all_reduce``. Slots, flags, epochs (``sync.begin_call`` /
+``end_call``), the parity rotation of data regions and the bounded waits are the exact
+two-shot's; the packed planes sit at fixed offsets inside each slot (the plan's, from the
+segment capacity, never from the message size). Only pushes: a rank reads its own
+workspace, and every remote access is a posted store.
+
+The loops over ranks are runtime loops: unrolling W encodes (decodes) of a tile makes the
+W=8 kernel several times larger and slower to compile, for no gain in a bandwidth-bound
+kernel (to be confirmed by the GPU benchmark).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tpfuse.kernels.allreduce import _begin, _flag_row
+from tpfuse.kernels.codecs import (CODEC_IDS, decode_groups, encode_groups, load_groups, load_packed,
+                                   store_packed)
+from tpfuse.kernels.common import EXACT_FP, round_to
+from tpfuse.kernels.sync import end_call, signal, wait
+
+# Operation codes of the status record (names in allreduce.OP_NAMES).
+OP_QUANT_SCATTER = tl.constexpr(10)
+OP_QUANT_GATHER = tl.constexpr(11)
+
+
+@triton.jit
+def quant_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, status_addr, rank, timeout_ns,
+                            flags_offset, flags_bytes, data_offset, data_bytes, gather_offset, slot_bytes,
+                            p0, p1, psc, W: tl.constexpr, PEERS: tl.constexpr, BLOCK: tl.constexpr,
+                            CODEC: tl.constexpr):
+    ELEM: tl.constexpr = out_ptr.dtype.element_ty
+    GB: tl.constexpr = BLOCK // 32
+    pid, grid, ctrl, status, epoch, data, n_tiles = _begin(local, status_addr, data_offset, data_bytes, chunk, BLOCK)
+    # 1. Encode chunk c of my input into scatter slot `rank` of rank c.
+    for tile in range(pid, n_tiles, grid):
+        for c in range(W):
+            limit = tl.minimum(chunk, numel - c * chunk)
+            x, offs, gidx, gmask = load_groups(x_ptr + c * chunk, tile, limit, BLOCK)
+            codes, scale = encode_groups(x, CODEC)
+            store_packed(tl.load(table_ptr + c) + data + rank * slot_bytes, p0, p1, psc, gidx, gmask, codes, scale,
+                         CODEC)
+    signal(table_ptr, flags_offset + (pid * W + rank) * 8, epoch, W, PEERS)
+    # 2. Decode my chunk's W contributions, sum in rank order, encode the sum, push it.
+    if wait(_flag_row(local, flags_offset, W), ctrl, status, epoch, rank, timeout_ns, OP_QUANT_SCATTER, W, PEERS):
+        limit = tl.minimum(chunk, numel - rank * chunk)
+        for tile in range(pid, n_tiles, grid):
+            gidx = tile * GB + tl.arange(0, GB)
+            offs = gidx[:, None] * 32 + tl.arange(0, 32)[None, :]
+            gmask = gidx * 32 < limit
+            codes, scale = load_packed(local + data, p0, p1, psc, gidx, gmask, CODEC)
+            acc = decode_groups(codes, scale, CODEC)
+            for s in range(1, W):
+                codes, scale = load_packed(local + data + s * slot_bytes, p0, p1, psc, gidx, gmask, CODEC)
+                acc += decode_groups(codes, scale, CODEC)
+            codes, scale = encode_groups(acc, CODEC)
+            for dst in range(W):
+                if dst != rank:
+                    store_packed(tl.load(table_ptr + dst) + data + gather_offset + rank * slot_bytes, p0, p1, psc,
+                                 gidx, gmask, codes, scale, CODEC)
+            y = decode_groups(codes, scale, CODEC)
+            tl.store(out_ptr + rank * chunk + offs, round_to(y, ELEM), mask=offs < limit)
+    # 3. Decode the other ranks' reduced chunks. After a failed first wait the abort word
+    # makes this wait return at once.
+    signal(table_ptr, flags_offset + flags_bytes + (pid * W + rank) * 8, epoch, W, PEERS)
+    gather_flags = _flag_row(local, flags_offset + flags_bytes, W)
+    if wait(gather_flags, ctrl, status, epoch, rank, timeout_ns, OP_QUANT_GATHER, W, PEERS):
+        for tile in range(pid, n_tiles, grid):
+            gidx = tile * GB + tl.arange(0, GB)
+            offs = gidx[:, None] * 32 + tl.arange(0, 32)[None, :]
+            for c in range(W):
+                if c != rank:
+                    limit = tl.minimum(chunk, numel - c * chunk)
+                    codes, scale = load_packed(local + data + gather_offset + c * slot_bytes, p0, p1, psc, gidx,
+                                               gidx * 32 < limit, CODEC)
+                    y = decode_groups(codes, scale, CODEC)
+                    tl.store(out_ptr + c * chunk + offs, round_to(y, ELEM), mask=offs < limit)
+    end_call(ctrl, epoch)
+
+
+def quant_all_reduce_into(x: torch.Tensor, out: torch.Tensor, *, codec: str, chunk: int, grid: int, block: int,
+                          num_warps: int, planes: tuple[int, ...], scale_offset: int, table: torch.Tensor,
+                          table_addrs: list[int], status_addr: int, rank: int, layout, timeout_ns: int) -> None:
+    """Launch one quantized all-reduce of contiguous, 16-byte aligned ``x`` (one segment)
+    into ``out`` (same numel and dtype, not aliasing x). Every rank must launch the same
+    codec, chunk, grid and block, and the same planes/scale_offset (the plan's), on one stream
+    at a time. ``chunk`` (elements per rank, a multiple of 32) must satisfy
+    ``W * chunk >= x.numel()`` and its packed form must fit a two-shot slot. The other
+    arguments are ``allreduce.all_reduce_into``'s.
+    """
+    world = layout.world_size
+    if chunk % 32 or world * chunk < x.numel():
+        raise ValueError(f"chunk={chunk} must be a multiple of 32 covering {x.numel()} elements over {world} ranks")
+    quant_all_reduce_kernel[(grid,)](
+        x_ptr=x, out_ptr=out, numel=x.numel(), chunk=chunk, table_ptr=table, local=table_addrs[rank],
+        status_addr=status_addr, rank=rank, timeout_ns=timeout_ns, flags_offset=layout.flag_offset(0),
+        flags_bytes=layout.flag_region_bytes, data_offset=layout.data_offset(0), data_bytes=layout.data_bytes,
+        gather_offset=layout.gather_offset, slot_bytes=layout.twoshot_slot_bytes, p0=planes[0], p1=planes[-1],
+        psc=scale_offset, W=world, PEERS=triton.next_power_of_2(world), BLOCK=block, CODEC=CODEC_IDS[codec],
+        num_warps=num_warps, **EXACT_FP)
