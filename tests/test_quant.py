@@ -412,6 +412,17 @@ def _argument_errors():
                 digests.append(_digest(out))
         finally:
             QP.QUANT_MIN_BYTES["int8"] = saved
+        # "never" (None) in the table: quant= is served exactly whatever the size.
+        QP.QUANT_MIN_BYTES["int8"] = {w: None for w in (2, 4, 8)}
+        try:
+            xs = _inputs(4, 5000, torch.bfloat16, world)
+            with _poisoned_empty():
+                out = comm.all_reduce(xs[rank], quant="int8")
+            if not _same(out, reference.all_reduce(xs)):
+                failures.append("a codec whose table entry is None took the quantized path")
+            digests.append(_digest(out))
+        finally:
+            QP.QUANT_MIN_BYTES["int8"] = saved
     return failures, digests
 
 

@@ -210,8 +210,8 @@ class Communicator:
 
     def _quant_all_reduce(self, x: torch.Tensor, codec: str, min_bytes: int | None) -> torch.Tensor | None:
         """The quantized all-reduce of x, or None when the exact path serves this call."""
-        if x.numel() * x.element_size() < (default_quant_min_bytes(codec, self.world_size) if min_bytes is None
-                                           else min_bytes):
+        threshold = default_quant_min_bytes(codec, self.world_size) if min_bytes is None else min_bytes
+        if threshold is None or x.numel() * x.element_size() < threshold:
             return None
         if self.layout is None:
             self._log_once(logging.INFO, f"tpfuse all_reduce(quant={codec!r}) is exact: no peer workspace")

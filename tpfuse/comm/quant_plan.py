@@ -31,25 +31,25 @@ from tpfuse._runtime import INTERPRETER
 from tpfuse.comm.workspace import ALIGN, WorkspaceLayout
 from tpfuse.reference import QUANT_CODECS, QUANT_GROUP, packed_layout
 
-MiB = 1024 * 1024
 
-# ---- Tunable knobs, all in one place. NOT measured yet: initial guesses, to be set from
-# `tpfuse bench allreduce --quant` on 4x H200 (scripts/device_check.sh quant).
+# ---- Tunable knobs, all in one place. QUANT_MIN_BYTES is measured (below); the tile, warp
+# and CTA counts are first guesses, not yet swept.
 #
 # QUANT_MIN_BYTES: smallest message (input bytes) that takes the quantized path when a
-#   codec is requested, by codec and world size (other world sizes: W=8's). Below it the
-#   exact path serves the call. The guess: the exact two-shot is bandwidth-bound from about
-#   2 MiB (README's table), and the fewer bits a codec sends, the earlier it can win.
+#   codec is requested, by codec and world size (other world sizes: W=8's); None = never.
+#   Below it the exact path serves the call. Measured on 4x H200 (2026-11-21, bf16,
+#   benchmarks/results/allreduce_quant_w4_bf16.md): no codec beats both NCCL and the exact
+#   path at any size from 1 MiB to 512 MiB (up to 16 MiB the exact path is faster; from
+#   32 MiB NCCL is: the codecs reach 170-233 GB/s against NCCL's 286-347), so the
+#   quantized path is never chosen by default. W=2 and W=8 are not measured and follow.
+#   ``quant_min_bytes=`` still forces it from any size.
 # QUANT_TILE: elements per tile (a multiple of 32: a tile is TILE / 32 groups). The
 #   interpreter pays per operation, so it takes large tiles.
 # QUANT_NUM_WARPS: warps per CTA.
 # QUANT_MAX_CTAS: CTAs per launch; every CTA must be resident at once (see
 #   tpfuse.kernels.sync), so it stays at or below the SM count (132 on H200).
-QUANT_MIN_BYTES: dict[str, dict[int, int]] = {
-    "int4": {2: 4 * MiB, 4: 2 * MiB, 8: 2 * MiB},
-    "int6": {2: 4 * MiB, 4: 2 * MiB, 8: 2 * MiB},
-    "int8": {2: 8 * MiB, 4: 4 * MiB, 8: 4 * MiB},
-    "fp8": {2: 8 * MiB, 4: 4 * MiB, 8: 4 * MiB},
+QUANT_MIN_BYTES: dict[str, dict[int, int | None]] = {
+    codec: {2: None, 4: None, 8: None} for codec in ("int4", "int6", "int8", "fp8")
 }
 QUANT_TILE = 8192 if INTERPRETER else 2048
 QUANT_NUM_WARPS = 8
@@ -68,8 +68,8 @@ def check_quant(quant: str | None, quant_min_bytes: int | None) -> None:
             raise ValueError(f"quant_min_bytes must be an int >= 0, got {quant_min_bytes!r}")
 
 
-def default_quant_min_bytes(codec: str, world_size: int) -> int:
-    """The message size from which ``codec`` is used (QUANT_MIN_BYTES)."""
+def default_quant_min_bytes(codec: str, world_size: int) -> int | None:
+    """The message size from which ``codec`` is used (QUANT_MIN_BYTES), None for never."""
     table = QUANT_MIN_BYTES[codec]
     return table.get(world_size, table[8])
 
