@@ -32,8 +32,12 @@ from tpfuse.comm.workspace import ALIGN, WorkspaceLayout
 from tpfuse.reference import QUANT_CODECS, QUANT_GROUP, packed_layout
 
 
-# ---- Tunable knobs, all in one place. QUANT_MIN_BYTES is measured (below); the tile, warp
-# and CTA counts are first guesses, not yet swept.
+# ---- Tunable knobs, all in one place, set on 4x H200 (2026-11-21, bf16, W=4). Tile, warps
+# and CTAs from scripts/tune_quant.py (int4 at 32 / 256 MiB, us; NCCL 176 / 1186):
+# (2048, 8, 128) 224 / 2049, (8192, 16, 128) 139 / 1169, (16384, 16, 128) 135 / 909,
+# (8192, 32, 128) 123 / 946, (16384, 32, 128) 157 / 1092, (32768, 32, 128) 227 / 1443,
+# (8192, 16, 64) 254 / 2266: large tiles on many warps keep enough groups in flight to hide
+# the encode/decode arithmetic; 16384 on 16 warps was best at 256 MiB for every codec.
 #
 # QUANT_MIN_BYTES: smallest message (input bytes) that takes the quantized path when a
 #   codec is requested, by codec and world size (other world sizes: W=8's); None = never.
@@ -51,8 +55,8 @@ from tpfuse.reference import QUANT_CODECS, QUANT_GROUP, packed_layout
 QUANT_MIN_BYTES: dict[str, dict[int, int | None]] = {
     codec: {2: None, 4: None, 8: None} for codec in ("int4", "int6", "int8", "fp8")
 }
-QUANT_TILE = 8192 if INTERPRETER else 2048
-QUANT_NUM_WARPS = 8
+QUANT_TILE = 8192 if INTERPRETER else 16384
+QUANT_NUM_WARPS = 16
 QUANT_MAX_CTAS = 4 if INTERPRETER else 128
 
 

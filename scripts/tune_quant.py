@@ -1,0 +1,54 @@
+"""Sweep the quantized all-reduce's launch knobs (tpfuse/comm/quant_plan.py) on GPUs.
+
+    python scripts/tune_quant.py [--bytes N ...] [--out DIR]
+
+For each (QUANT_TILE, QUANT_NUM_WARPS, QUANT_MAX_CTAS) it runs `tpfuse bench allreduce --quant`'s
+GPU worker on every visible GPU at the given sizes (bits and error are checked there) and
+prints one line per config with every codec's time; the full tables go to DIR/<config>/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+from tpfuse.bench import quant as bench_quant
+from tpfuse.bench.allreduce import spawn_ranks
+from tpfuse.comm import quant_plan
+
+CONFIGS = [(2048, 8, 128), (4096, 8, 128), (2048, 16, 128), (4096, 16, 128), (8192, 16, 128), (16384, 16, 128),
+           (8192, 32, 128), (16384, 32, 128), (32768, 32, 128), (8192, 16, 64)]
+
+
+def _worker(rank: int, world: int, port: int, opts: dict) -> None:
+    quant_plan.QUANT_TILE, quant_plan.QUANT_NUM_WARPS, quant_plan.QUANT_MAX_CTAS = opts["config"]
+    bench_quant.gpu_worker(rank, world, port, opts)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--bytes", type=int, nargs="+", default=[32 << 20, 256 << 20])
+    p.add_argument("--out", default="tune_quant_out")
+    args = p.parse_args()
+    world = torch.cuda.device_count()
+    for config in CONFIGS:
+        out = os.path.join(args.out, "_".join(map(str, config)))
+        opts = dict(dtype="bf16", min_bytes=min(args.bytes), max_bytes=max(args.bytes), quant_max_bytes=None,
+                    out=out, plot=False, config=config)
+        if spawn_ranks(_worker, world, opts):
+            print(f"{config}: failed", flush=True)
+            continue
+        with open(os.path.join(out, f"allreduce_quant_w{world}_bf16.json")) as f:
+            records = json.load(f)["records"]
+        print(f"tile, warps, ctas = {config}: " + "  ".join(
+            f"{r['size_bytes'] >> 20}MiB {r['method']} {r['us']:.0f}" for r in records
+            if r["size_bytes"] in args.bytes), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
