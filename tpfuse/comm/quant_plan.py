@@ -31,6 +31,8 @@ from tpfuse._runtime import INTERPRETER
 from tpfuse.comm.workspace import ALIGN, WorkspaceLayout
 from tpfuse.reference import QUANT_CODECS, QUANT_GROUP, packed_layout
 
+MiB = 1024 * 1024
+
 
 # ---- Tunable knobs, all in one place, set on 4x H200 (2026-11-21, bf16, W=4). Tile, warps
 # and CTAs from scripts/tune_quant.py (int4 at 32 / 256 MiB, us; NCCL 176 / 1186):
@@ -41,19 +43,22 @@ from tpfuse.reference import QUANT_CODECS, QUANT_GROUP, packed_layout
 #
 # QUANT_MIN_BYTES: smallest message (input bytes) that takes the quantized path when a
 #   codec is requested, by codec and world size (other world sizes: W=8's); None = never.
-#   Below it the exact path serves the call. Measured on 4x H200 (2026-11-21, bf16,
-#   benchmarks/results/allreduce_quant_w4_bf16.md): no codec beats both NCCL and the exact
-#   path at any size from 1 MiB to 512 MiB (up to 16 MiB the exact path is faster; from
-#   32 MiB NCCL is: the codecs reach 170-233 GB/s against NCCL's 286-347), so the
-#   quantized path is never chosen by default. W=2 and W=8 are not measured and follow.
-#   ``quant_min_bytes=`` still forces it from any size.
+#   Below it the exact path serves the call. W=4 from 4x H200 (2026-11-21, bf16, commit
+#   1a57e8d, benchmarks/results/allreduce_quant_w4_bf16.md): the smallest size from which
+#   the codec beats both NCCL and the exact path at every larger size measured (int4 80 us
+#   at 16 MiB vs exact 91 and NCCL 103; the others from 64 MiB, where int8 300 us vs NCCL
+#   326). W=2 and W=8 are not measured, so there the codecs are never chosen by default.
+#   ``quant_min_bytes=`` forces a codec from any size.
 # QUANT_TILE: elements per tile (a multiple of 32: a tile is TILE / 32 groups). The
 #   interpreter pays per operation, so it takes large tiles.
 # QUANT_NUM_WARPS: warps per CTA.
 # QUANT_MAX_CTAS: CTAs per launch; every CTA must be resident at once (see
 #   tpfuse.kernels.sync), so it stays at or below the SM count (132 on H200).
 QUANT_MIN_BYTES: dict[str, dict[int, int | None]] = {
-    codec: {2: None, 4: None, 8: None} for codec in ("int4", "int6", "int8", "fp8")
+    "int4": {2: None, 4: 16 * MiB, 8: None},
+    "int6": {2: None, 4: 64 * MiB, 8: None},
+    "int8": {2: None, 4: 64 * MiB, 8: None},
+    "fp8": {2: None, 4: 64 * MiB, 8: None},
 }
 QUANT_TILE = 8192 if INTERPRETER else 16384
 QUANT_NUM_WARPS = 16
