@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import tpfuse
 from tests.multiproc import run_ranks
-from tests.test_allreduce import _digest, _inputs
+from tests.test_allreduce import _assert_ok, _digest, _inputs
 from tpfuse import reference
 from tpfuse.comm import CommTimeoutError, Communicator
 from tpfuse.comm import quant_plan as QP
@@ -427,14 +427,6 @@ def _argument_errors():
 
 
 # ---------------------------------------------------------------- tests
-
-def _assert_ok(results):
-    failures = [f"rank {r}: {f}" for r, (fs, _) in enumerate(results) for f in fs]
-    assert not failures, "\n".join(failures[:20])
-    digests = [d for _, d in results]
-    assert all(d == digests[0] for d in digests), "ranks hold different bits"
-    assert len(digests[0]) > 0
-
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_quantized_all_reduce_bitwise_equal_to_reference_on_every_rank(world):

@@ -78,6 +78,19 @@ def spawn_ranks(worker, world: int, opts: dict) -> int:
     return 0
 
 
+def init_rank(rank: int, world: int, port: int | None, backend: str) -> None:
+    """Join the benchmark's process group: "nccl" on GPU LOCAL_RANK (default: rank), or
+    "gloo" on CPU; port None means torchrun's environment."""
+    init = "env://" if port is None else f"tcp://127.0.0.1:{port}"
+    if backend == "gloo":
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+        return
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world,
+                            device_id=torch.device("cuda", local))
+
+
 class _SymmMem:
     """torch's own symmetric-memory all-reduce ops on one registered buffer (the peer we
     compare with; tpfuse itself reaches symmetric memory only through tpfuse.comm)."""
@@ -186,11 +199,7 @@ def _plot(records, path, title):
 def _gpu_worker(rank: int, world: int, port: int | None, opts: dict) -> None:
     from tpfuse.comm import Communicator
 
-    local = int(os.environ.get("LOCAL_RANK", rank))
-    torch.cuda.set_device(local)
-    init = "env://" if port is None else f"tcp://127.0.0.1:{port}"
-    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world,
-                            device_id=torch.device("cuda", local))
+    init_rank(rank, world, port, "nccl")
     dtype = DTYPES[opts["dtype"]]
     sizes = [s for s in SIZES if opts["min_bytes"] <= s <= opts["max_bytes"]]
     max_bytes = max(sizes)
@@ -230,7 +239,7 @@ def _cpu_worker(rank: int, world: int, port: int, opts: dict) -> None:
 
     from tpfuse.comm import Communicator
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    init_rank(rank, world, port, "gloo")
     rows = []
     with Communicator(timeout_s=60) as comm:
         for nbytes in (4 * KiB, 64 * KiB, 256 * KiB):

@@ -20,13 +20,12 @@ small sizes (timings need GPUs).
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import torch.distributed as dist
 
 from tpfuse import reference
-from tpfuse.bench.allreduce import DTYPES, KiB, MiB, _agreed_max, _fmt_size, _inputs, _same_bits
+from tpfuse.bench.allreduce import DTYPES, KiB, MiB, _agreed_max, _fmt_size, _inputs, _same_bits, init_rank
 from tpfuse.bench.common import graph_time_us, header_markdown, rotation, run_header, write_results
 
 QUANT_SIZES = [MiB << i for i in range(10)]  # 1 MiB .. 512 MiB
@@ -130,11 +129,7 @@ def _markdown(records, header, world, dtype_name, max_bytes, quant_max_bytes) ->
 def gpu_worker(rank: int, world: int, port: int | None, opts: dict) -> None:
     from tpfuse.comm import Communicator
 
-    local = int(os.environ.get("LOCAL_RANK", rank))
-    torch.cuda.set_device(local)
-    init = "env://" if port is None else f"tcp://127.0.0.1:{port}"
-    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world,
-                            device_id=torch.device("cuda", local))
+    init_rank(rank, world, port, "nccl")
     dtype = DTYPES[opts["dtype"]]
     lo = opts["min_bytes"] or QUANT_SIZES[0]
     hi = opts["max_bytes"] or QUANT_SIZES[-1]
@@ -176,7 +171,7 @@ def cpu_worker(rank: int, world: int, port: int, opts: dict) -> None:
 
     from tpfuse.comm import Communicator
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    init_rank(rank, world, port, "gloo")
     rows = []
     with Communicator(max_bytes=64 * KiB, timeout_s=60) as comm:  # 256 KiB runs in segments
         for nbytes in (64 * KiB, 256 * KiB):

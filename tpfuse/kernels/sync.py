@@ -121,12 +121,12 @@ def end_call(ctrl_ptr, epoch):
 
 
 @triton.jit
-def signal(table_ptr, flag_offset, epoch, W, PEERS: tl.constexpr):
+def signal(table_ptr, flag_offset, epoch, W: tl.constexpr, PEERS: tl.constexpr):
     """Raise this block's flag to ``epoch`` on every rank (itself included).
 
     table_ptr: int64* to the W workspace base addresses; flag_offset: byte offset of this
-    block's (block, source rank) flag word in the phase's flag region. W may be a runtime
-    value; PEERS is a power of two >= W."""
+    block's (block, source rank) flag word in the phase's flag region. PEERS is W rounded up
+    to a power of two."""
     tl.debug_barrier()
     peers = tl.arange(0, PEERS)
     live = peers < W
@@ -136,7 +136,8 @@ def signal(table_ptr, flag_offset, epoch, W, PEERS: tl.constexpr):
 
 
 @triton.jit
-def wait(flags_ptr, ctrl_ptr, status_ptr, epoch, rank, timeout_ns, OP: tl.constexpr, W, PEERS: tl.constexpr):
+def wait(flags_ptr, ctrl_ptr, status_ptr, epoch, rank, timeout_ns, OP: tl.constexpr,
+         W: tl.constexpr, PEERS: tl.constexpr):
     """Wait until every rank's flag in ``flags_ptr[0:W]`` (int64*, this block's local flag
     row) reaches ``epoch``; returns True, or False after a timeout or an earlier abort.
 
