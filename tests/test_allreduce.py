@@ -328,6 +328,22 @@ def test_bitwise_equal_to_reference_for_all_sizes_dtypes_algos(world):
     _assert_ok(run_ranks(world, _sizes_dtypes_algos, SIZES))
 
 
+def _subnormals():
+    """bf16 subnormal inputs (Triton's interpreter widens them wrongly unless the kernels
+    convert through ``common.to_f32``)."""
+    world, failures, digests = dist.get_world_size(), [], []
+    with Communicator(timeout_s=20) as comm:
+        for algo in ("oneshot", "twoshot"):
+            g = torch.Generator().manual_seed(ALGOS.index(algo))
+            xs = [(torch.randn(1000, generator=g) * 1e-39).to(torch.bfloat16) for _ in range(world)]
+            _check(comm, xs, f"subnormal {algo}", failures, digests, algo)
+    return failures, digests
+
+
+def test_bf16_subnormals_are_summed_exactly():
+    _assert_ok(run_ranks(2, _subnormals))
+
+
 def test_world_size_3_is_served_too():
     _assert_ok(run_ranks(3, _sizes_dtypes_algos, [1, 1000, 40001]))
 

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.common import EXACT_FP, round_to
+from tpfuse.kernels.common import EXACT_FP, round_to, to_f32
 from tpfuse.kernels.sync import begin_call, end_call, signal, wait
 
 # Operation codes of the status record (``sync.wait``), named for error messages.
@@ -57,9 +57,9 @@ def _typed(base, byte_offset, ELEM: tl.constexpr):
 def sum_in_rank_order(slot0, slot_elems, offs, mask, W: tl.constexpr):
     """fp32 sum over the W slots ``slot0 + s * slot_elems`` (s = 0..W-1, in that order) at
     ``offs``; the data was written by peers, so it is read through L2 (``.cg``)."""
-    acc = tl.load(slot0 + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    acc = to_f32(tl.load(slot0 + offs, mask=mask, other=0.0, cache_modifier=".cg"))
     for s in tl.static_range(1, W):
-        acc += tl.load(slot0 + s * slot_elems + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        acc += to_f32(tl.load(slot0 + s * slot_elems + offs, mask=mask, other=0.0, cache_modifier=".cg"))
     return acc
 
 
