@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests and benchmarks, results under $OUT.
 #   scripts/device_check.sh [STEP|GROUP ...]   (default: all)
-# Steps: test_norm bench_norm test_allreduce bench_allreduce test_quant bench_quant;
-#        groups: norm, allreduce, quant (its test and bench
+# Steps: test_norm bench_norm test_allreduce bench_allreduce test_fused bench_fused
+#        test_quant bench_quant; groups: norm, allreduce, fused, quant (its test and bench
 #        steps), all. A device call may run 600 s, so "all" needs the largest machines' patience:
 #        pick steps per call. BENCH_ARGS passes extra arguments to every benchmark.
 # Run from the repository root (the device tool does). Wheels missing on the machine
 # (liger-kernel) travel in .whl/ (carry it) and are installed to /tmp/site.
 set -uo pipefail
 steps=" ${*:-all} "
-for group in norm allreduce quant; do
+for group in norm allreduce fused quant; do
   steps=${steps/ $group / test_$group bench_$group }
 done
-steps=${steps/ all / test_norm bench_norm test_allreduce bench_allreduce test_quant bench_quant }
+steps=${steps/ all / test_norm bench_norm test_allreduce bench_allreduce test_fused bench_fused test_quant bench_quant }
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 # NVLink multicast stays off everywhere (it can take a shared host's GPUs down).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -41,6 +41,8 @@ want test_norm && run test_norm 240 python3 -m pytest -q -x tests/test_rms_norm.
 want bench_norm && run bench_norm 330 python3 -m tpfuse.cli bench norm --out "$OUT" --plot ${BENCH_ARGS:-}
 want test_allreduce && multi test_allreduce && run test_allreduce 270 python3 -m pytest -q -x -m multigpu tests/test_allreduce_gpu.py
 want bench_allreduce && multi bench_allreduce && run bench_allreduce 290 python3 -m tpfuse.cli bench allreduce --out "$OUT" --plot ${BENCH_ARGS:-}
+want test_fused && multi test_fused && run test_fused 240 python3 -m pytest -q -x -m multigpu tests/test_fused_gpu.py
+want bench_fused && multi bench_fused && run bench_fused 240 python3 -m tpfuse.cli bench fused --out "$OUT" ${BENCH_ARGS:-}
 want test_quant && multi test_quant && run test_quant 240 python3 -m pytest -q -x -m "gpu or multigpu" tests/test_quant_gpu.py
 want bench_quant && multi bench_quant && run bench_quant 270 python3 -m tpfuse.cli bench allreduce --quant --out "$OUT" ${BENCH_ARGS:-}
 exit $status

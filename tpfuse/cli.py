@@ -9,6 +9,7 @@ import sys
 BENCHES = {
     "norm": "tpfuse.bench.norm",
     "allreduce": "tpfuse.bench.allreduce",
+    "fused": "tpfuse.bench.fused",
 }
 
 USAGE = f"""usage: tpfuse bench [NAME [options]]

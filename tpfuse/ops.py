@@ -22,7 +22,7 @@ Tensor = torch.Tensor
 # Validation
 
 
-def _check_norm_args(x: Tensor, weight: Optional[Tensor], weight_offset: float, residual: Optional[Tensor] = None):
+def check_norm_args(x: Tensor, weight: Optional[Tensor], weight_offset: float, residual: Optional[Tensor] = None):
     check_float_tensor(x, "x")
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (the normalised one); got a 0-dim tensor")
@@ -210,7 +210,7 @@ def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, *, w
     that measured faster. Raises TypeError/ValueError for unsupported dtypes, wrong weight
     shape, or tensors on different devices.
     """
-    _check_norm_args(x, weight, weight_offset)
+    check_norm_args(x, weight, weight_offset)
     return torch.ops.tpfuse.rms_norm(x, weight, float(eps), float(weight_offset))
 
 
@@ -243,7 +243,7 @@ def add_rms_norm(
     residual_out; x and residual both receive ``d residual_out`` (the two are summed
     inside the backward kernel).
     """
-    _check_norm_args(x, weight, weight_offset, residual)
+    check_norm_args(x, weight, weight_offset, residual)
     if inplace:
         if torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (x, residual, weight)

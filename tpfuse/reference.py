@@ -107,6 +107,18 @@ def all_reduce_add_rms_norm(
     return add_rms_norm(all_reduce(tensors), residual, weight, eps, weight_offset=weight_offset)
 
 
+def all_reduce_rms_norm(
+    tensors: Sequence[torch.Tensor],
+    weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    *,
+    weight_offset: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(r), r)`` with ``r = all_reduce(tensors)``."""
+    reduced = all_reduce(tensors)
+    return rms_norm(reduced, weight, eps, weight_offset=weight_offset), reduced
+
+
 # ---------------------------------------------------------------- quantized all-reduce
 #
 # The codecs below are the bit-exact specification of ``tpfuse.quantize``/``dequantize`` and

@@ -1,4 +1,5 @@
-"""Communicator: exact all-reduce over peer memory, with the group's backend as fallback."""
+"""Communicator: exact all-reduce (and fused all-reduce + RMSNorm) over peer memory, with the
+group's backend as fallback."""
 
 from __future__ import annotations
 
@@ -10,12 +11,15 @@ import torch.distributed as dist
 
 from tpfuse import _runtime
 from tpfuse.comm.peer_memory import PeerMemory, PeerMemoryUnavailable
-from tpfuse.comm.plan import MAX_BLOCKS, AllReducePlan, check_algo
+from tpfuse.comm.plan import MAX_BLOCKS, AllReducePlan, FusedPlan, check_algo, check_fused_algo
 from tpfuse.comm.quant_plan import QuantPlan, check_quant, default_quant_min_bytes
 from tpfuse.comm.workspace import WorkspaceLayout
 from tpfuse.kernels.allreduce import OP_NAMES, all_reduce_into
+from tpfuse.kernels.fused import all_reduce_norm_into
+from tpfuse.kernels.norm import NormConfig
 from tpfuse.kernels.quant_allreduce import quant_all_reduce_into
 from tpfuse.kernels.sync import STATUS_WORDS, decode_status
+from tpfuse.ops import add_rms_norm, check_norm_args, rms_norm
 
 MAX_WORLD_SIZE = 8
 
@@ -234,6 +238,84 @@ class Communicator:
             if _runtime.INTERPRETER:
                 self._check_usable()  # a failed segment must not start the next one
         return out
+
+    def all_reduce_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
+                                eps: float = 1e-6, *, weight_offset: float = 0.0, algo: str = "auto",
+                                inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """All-reduce, residual add and RMSNorm in one kernel: ``(y, residual_out)``.
+
+        Bitwise equal, on every rank and for every algo, to the split composition
+        ``r = self.all_reduce(x); tpfuse.add_rms_norm(r, residual, weight, eps,
+        weight_offset=weight_offset)``: residual_out = round(f32(r) + f32(residual)) with r
+        the rounded all-reduce result, y = rms_norm(residual_out) (``tpfuse.kernels.fused``
+        says why the bits match). Each rank adds its own residual.
+
+        Args:
+            x: [..., N] bf16/fp16/fp32, this rank's contribution (not modified).
+            residual: like x (same shape, dtype and device); this rank's residual stream.
+            weight: [N], x's dtype or fp32, or None.
+            eps, weight_offset: as for ``tpfuse.rms_norm`` (the norm scales by weight + weight_offset).
+            algo: "auto" (by size: ``tpfuse.comm.plan.FusedPlan``), "oneshot" (every rank
+                reads every contribution and normalises every row), "twoshot" (rows are
+                reduce-scattered, every rank reduces a group of rows, gathers the others' and
+                normalises every row), or "split" (the unfused composition).
+            inplace: write residual_out into ``residual`` and return ``residual`` itself.
+
+        Returns:
+            y: a new tensor shaped like x; residual_out: a new tensor shaped like x
+            (``residual`` itself with inplace=True).
+
+        Every rank must call it in the same order with the same shapes, dtypes and algo.
+        Argument errors (TypeError/ValueError: shapes, dtypes, devices, weight length, algo,
+        an explicit algo the workspace cannot serve) are raised before any communication
+        starts. Other errors as ``all_reduce``. Not differentiable (no autograd).
+        """
+        return self._all_reduce_norm(x, residual, weight, eps, weight_offset, algo, inplace)
+
+    def all_reduce_rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, *,
+                            weight_offset: float = 0.0, algo: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+        """All-reduce and RMSNorm in one kernel: ``(y, reduced)``, bitwise equal on every rank
+        to ``reduced = self.all_reduce(x); y = tpfuse.rms_norm(reduced, weight, eps,
+        weight_offset=weight_offset)``. Arguments and errors as ``all_reduce_add_rms_norm``
+        without the residual; both outputs are new tensors shaped like x."""
+        return self._all_reduce_norm(x, None, weight, eps, weight_offset, algo, False)
+
+    def _all_reduce_norm(self, x, residual, weight, eps, weight_offset, algo, inplace):
+        self._check_usable()
+        check_norm_args(x, weight, weight_offset, residual)
+        if x.device != self.device and self.world_size > 1:
+            raise ValueError(f"x is on {x.device}, but this communicator serves {self.device}")
+        check_fused_algo(algo)
+        n = x.shape[-1]
+        cfg = NormConfig.from_shape(n, x.dtype)
+        plan = (FusedPlan("split", reason="one rank") if self.world_size == 1 or x.numel() == 0 else
+                FusedPlan.from_shape(x.numel() // n, n, cfg.rows, self.world_size, x.dtype, self.layout, algo))
+        if plan.algo == "split":
+            reduced = self.all_reduce(x)
+            if residual is None:
+                return rms_norm(reduced, weight, eps, weight_offset=weight_offset), reduced
+            return add_rms_norm(reduced, residual, weight, eps, weight_offset=weight_offset, inplace=inplace)
+        x2 = _runtime.aligned_contiguous(x.reshape(-1, n))
+        res2 = None if residual is None else _runtime.aligned_contiguous(residual.reshape(-1, n))
+        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        # In place, a row held in registers reads each residual element before writing it;
+        # chunked rows read the residual again in a second pass and need a separate output.
+        if inplace and cfg.num_chunks == 1 and res2.data_ptr() == residual.data_ptr():
+            res_out = res2
+        else:
+            res_out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+        all_reduce_norm_into(x2, None if weight is None else _runtime.aligned_contiguous(weight), res2,
+                             y.view(-1, n), res_out, float(eps), float(weight_offset), algo=plan.algo, grid=plan.grid,
+                             rows_per_group=plan.rows_per_group, table=self._table,
+                             table_addrs=self._peer.buffer_ptrs, status_addr=self._status.data_ptr(), rank=self.rank,
+                             layout=self.layout, timeout_ns=int(self.timeout_s * 1e9))
+        if _runtime.INTERPRETER:
+            self._check_usable()
+        if inplace:
+            if res_out.data_ptr() != residual.data_ptr():
+                residual.copy_(res_out.view(residual.shape))
+            return y, residual
+        return y, res_out.view(x.shape)
 
     def check(self) -> None:
         """Synchronize the device, then raise CommTimeoutError if any call so far failed."""

@@ -136,3 +136,87 @@ class AllReducePlan:
         if GATHER not in GATHER_MODES:
             raise ValueError(f"GATHER must be one of {GATHER_MODES}, got {GATHER!r}")
         return cls(algo, block=block, grid=grid, num_warps=NUM_WARPS[algo], chunk=chunk, gather=GATHER)
+
+
+# ---- Fused all-reduce + residual add + RMSNorm (Communicator.all_reduce_add_rms_norm).
+# The fused kernels (tpfuse.kernels.fused) take the norm's tile shape and warps, fixed by
+# (N, dtype) (NormConfig), so only the algorithm and the grid are chosen here.
+#
+# FUSED_ONESHOT_MAX_BYTES / FUSED_TWOSHOT_MAX_BYTES: largest message (x's bytes) "auto" sends
+#   to the fused one-shot / two-shot kernel, by world size (other sizes: W=8's); above both,
+#   "split" (tpfuse all_reduce, then add_rms_norm: the same bits). Set from `tpfuse bench
+#   fused` on 4x H200 (benchmarks/NOTES.md); W=2 and W=8 keep W=4's until measured.
+# FUSED_MAX_CTAS: CTAs per fused call. Every CTA must be resident at once (as for MAX_CTAS):
+#   the norm's tiles use at most 8 warps, so 128 CTAs fit H200's 132 SMs.
+FUSED_ONESHOT_MAX_BYTES = {2: 512 * KiB, 4: 512 * KiB, 8: 128 * KiB}
+FUSED_TWOSHOT_MAX_BYTES = {2: 8192 * KiB, 4: 8192 * KiB, 8: 8192 * KiB}
+FUSED_MAX_CTAS = 128 if not INTERPRETER else 4
+FUSED_HIDDEN_MULTIPLE = 16
+"""The fused kernels serve hidden sizes that are multiples of this, the divisibility Triton
+specialises on: for other sizes the compiler cannot prove rows 16-byte aligned, and the
+fused kernels' row reduction may get another register layout than tpfuse.rms_norm's (seen
+for fp16 N=1000 with tests/test_fused_layouts.py), which would change y's bits."""
+
+FUSED_ALGOS = ("auto", "oneshot", "twoshot", "split")
+
+
+def check_fused_algo(algo: str) -> None:
+    if algo not in FUSED_ALGOS:
+        raise ValueError(f"algo must be one of {', '.join(map(repr, FUSED_ALGOS))}, got {algo!r}")
+
+
+@dataclass(frozen=True)
+class FusedPlan:
+    """How one fused all-reduce + RMSNorm of [n_rows, n] runs.
+
+    algo: "oneshot", "twoshot" or "split"; grid: CTAs; rows_per_group: rows each rank reduces
+    in two-shot (rank g owns rows [g * rows_per_group, (g + 1) * rows_per_group); a multiple
+    of the norm's tile rows ``tile_rows``, so no tile spans two owners); reason: why "split"
+    was chosen. From (n_rows, n, dtype, world size, layout) only, like ``AllReducePlan``.
+    """
+
+    algo: str
+    grid: int = 0
+    rows_per_group: int = 0
+    reason: str = ""
+
+    @classmethod
+    def from_shape(cls, n_rows: int, n: int, tile_rows: int, world_size: int, dtype: torch.dtype,
+                   layout: WorkspaceLayout | None, algo: str = "auto") -> "FusedPlan":
+        """"auto" picks one-shot up to FUSED_ONESHOT_MAX_BYTES, two-shot up to
+        FUSED_TWOSHOT_MAX_BYTES, else "split" (also when the workspace cannot hold the
+        message, or n is not a multiple of FUSED_HIDDEN_MULTIPLE). An explicit "oneshot" or
+        "twoshot" that cannot serve the shape raises ValueError."""
+        check_fused_algo(algo)
+        if algo == "split":
+            return cls("split", reason="algo='split' was requested")
+        if layout is None:
+            if algo == "auto":
+                return cls("split", reason="no peer workspace")
+            raise ValueError(f"algo={algo!r} needs a peer workspace, and this communicator has none")
+        if n % FUSED_HIDDEN_MULTIPLE:
+            if algo == "auto":
+                return cls("split", reason=f"hidden size {n} is not a multiple of {FUSED_HIDDEN_MULTIPLE}")
+            raise ValueError(f"algo={algo!r} needs a hidden size that is a multiple of {FUSED_HIDDEN_MULTIPLE}, got "
+                             f"{n}; use algo='auto' or 'split'")
+        esize = dtype.itemsize
+        nbytes = n_rows * n * esize
+        rows_per_group = {"oneshot": n_rows, "twoshot": _cdiv(_cdiv(n_rows, world_size), tile_rows) * tile_rows}
+        fits = {"oneshot": nbytes <= layout.oneshot_slot_bytes,
+                "twoshot": rows_per_group["twoshot"] * n * esize <= layout.twoshot_slot_bytes}
+        if n_rows * n > MAX_ELEMENTS:
+            fits = {"oneshot": False, "twoshot": False}
+        if algo == "auto":
+            if nbytes <= FUSED_ONESHOT_MAX_BYTES.get(world_size, FUSED_ONESHOT_MAX_BYTES[8]) and fits["oneshot"]:
+                algo = "oneshot"
+            elif nbytes <= FUSED_TWOSHOT_MAX_BYTES.get(world_size, FUSED_TWOSHOT_MAX_BYTES[8]) and fits["twoshot"]:
+                algo = "twoshot"
+            else:
+                return cls("split", reason="message above the fused kernels' sizes or the workspace")
+        elif not fits[algo]:
+            raise ValueError(f"algo={algo!r} cannot serve {n_rows} x {n} {dtype} with this workspace "
+                             f"(max_bytes={layout.max_bytes}); create the Communicator with a larger max_bytes, "
+                             "or use algo='auto' or 'split'")
+        tiles = _cdiv(rows_per_group[algo], tile_rows)
+        grid = max(1, min(tiles, FUSED_MAX_CTAS, layout.max_blocks))
+        return cls(algo, grid=grid, rows_per_group=rows_per_group[algo])

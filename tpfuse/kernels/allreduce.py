@@ -43,6 +43,9 @@ OP_TWOSHOT_SCATTER = tl.constexpr(2)
 OP_TWOSHOT_GATHER = tl.constexpr(3)
 OP_NAMES = {1: "one-shot all_reduce", 2: "two-shot all_reduce (reduce-scatter phase)",
             3: "two-shot all_reduce (all-gather phase)",
+            4: "fused all_reduce + rms_norm (one-shot)",  # codes 4-6 of fused.py
+            5: "fused all_reduce + rms_norm (reduce-scatter phase)",
+            6: "fused all_reduce + rms_norm (all-gather phase)",
             10: "quantized all_reduce (reduce-scatter phase)",  # codes of quant_allreduce.py
             11: "quantized all_reduce (all-gather phase)"}
 

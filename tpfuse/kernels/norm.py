@@ -24,7 +24,8 @@ import triton
 import triton.language as tl
 
 from tpfuse._runtime import INTERPRETER
-from tpfuse.kernels.common import EXACT_FP, round_to
+from tpfuse.kernels.allreduce import sum_in_rank_order
+from tpfuse.kernels.common import EXACT_FP, round_to, to_f32
 
 # A row of up to 32 KiB is held in registers and read from memory once; longer rows are
 # processed in 8 KiB chunks and read twice (the second read mostly hits L2).
@@ -113,22 +114,79 @@ def row_inv_rms(sq, N, eps):
 
 
 @triton.jit
-def _load_norm_input(X, RES, RES_OUT, offs, mask, has_residual, STORE_RES: tl.constexpr):
-    """The fp32 values to normalise at offs: x, or round(x + residual) (stored when STORE_RES)."""
-    x = tl.load(X + offs, mask=mask, other=0.0)
+def _load_norm_input(SRC, src_offs, slot_elems, RES, RES_OUT, offs, mask, has_residual, store_out,
+                     SLOTS: tl.constexpr):
+    """The fp32 values to normalise at offs (element offsets into RES and RES_OUT).
+
+    x is SRC[src_offs] (SLOTS == 0: the norm's own input), or (the fused all-reduce) the sum
+    of SLOTS workspace slots ``SRC + s * slot_elems`` in rank order, rounded once: exactly
+    tpfuse's all-reduce result. With has_residual x becomes round(x + RES[offs]); x is
+    stored to RES_OUT[offs] when store_out."""
+    if SLOTS == 0:
+        x = tl.load(SRC + src_offs, mask=mask, other=0.0)
+    else:
+        x = round_to(sum_in_rank_order(SRC, slot_elems, src_offs, mask, SLOTS), SRC.dtype.element_ty)
     if has_residual:
-        x = round_to(x.to(tl.float32) + tl.load(RES + offs, mask=mask, other=0.0).to(tl.float32), x.dtype)
-        if STORE_RES:
-            tl.store(RES_OUT + offs, x, mask=mask)
-    return x.to(tl.float32)
+        x = round_to(to_f32(x) + to_f32(tl.load(RES + offs, mask=mask, other=0.0)), x.dtype)
+    if store_out:
+        tl.store(RES_OUT + offs, x, mask=mask)
+    return to_f32(x)
+
+
+@triton.jit
+def norm_tile(SRC, src_rows, slot_elems, RES, W, Y, RES_OUT, rows, row_mask, N, eps, weight_offset, has_residual,
+              store_out, BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+              SLOTS: tl.constexpr):
+    """The RMSNorm forward of one tile of rows, the body of every forward kernel.
+
+    rows: [ROWS] row indices into the [n_rows, N] operands RES, Y and RES_OUT (masked by
+    row_mask); src_rows: [ROWS] int64 element offsets of the same rows' first element in SRC
+    (see ``_load_norm_input`` for SRC, slot_elems and SLOTS). Writes Y = rms_norm(x) and,
+    when store_out, RES_OUT = x, for x as ``_load_norm_input`` forms it.
+
+    A kernel calling this gets the bits of ``rms_norm_fwd_kernel`` only if Triton gives the
+    tile the same register layout there (the layout fixes the order of the row reduction):
+    tests/test_fused_layouts.py compiles both for sm_90 and compares."""
+    src_offs = src_rows[:, None]
+    row_offs = rows.to(tl.int64)[:, None] * N
+    cols = tl.arange(0, BLOCK_N)[None, :]
+    if NUM_CHUNKS == 1:
+        mask = row_mask[:, None] & (cols < N)
+        x = _load_norm_input(SRC, src_offs + cols, slot_elems, RES, RES_OUT, row_offs + cols, mask, has_residual,
+                             store_out, SLOTS)
+        inv = row_inv_rms(x * x, N, eps)
+        y = x * inv[:, None]
+        if HAS_WEIGHT:
+            y = y * (to_f32(tl.load(W + cols, mask=cols < N, other=0.0)) + weight_offset)
+        tl.store(Y + row_offs + cols, round_to(y, Y.dtype.element_ty), mask=mask)
+    else:
+        sq = tl.zeros([src_rows.shape[0], BLOCK_N], dtype=tl.float32)
+        for c in range(NUM_CHUNKS):
+            ccols = c * BLOCK_N + cols
+            mask = row_mask[:, None] & (ccols < N)
+            x = _load_norm_input(SRC, src_offs + ccols, slot_elems, RES, RES_OUT, row_offs + ccols, mask,
+                                 has_residual, store_out, SLOTS)
+            sq = tl.fma(x, x, sq)
+        inv = row_inv_rms(sq, N, eps)
+        for c in range(NUM_CHUNKS):
+            ccols = c * BLOCK_N + cols
+            mask = row_mask[:, None] & (ccols < N)
+            # Recomputing x gives the bits stored in pass one, without reading back memory
+            # this program wrote.
+            x = _load_norm_input(SRC, src_offs + ccols, slot_elems, RES, RES_OUT, row_offs + ccols, mask,
+                                 has_residual, False, SLOTS)
+            y = x * inv[:, None]
+            if HAS_WEIGHT:
+                y = y * (to_f32(tl.load(W + ccols, mask=ccols < N, other=0.0)) + weight_offset)
+            tl.store(Y + row_offs + ccols, round_to(y, Y.dtype.element_ty), mask=mask)
 
 
 # has_residual is a runtime flag, not a constexpr, so rms_norm and add_rms_norm run the SAME
 # compiled kernel, and n_rows is never specialised (Triton would compile other variants for
-# n_rows == 1 and n_rows % 16 == 0), so every batch size runs it too: Triton picks register layouts per kernel, and the layout fixes the order
-# of the row reduction (seen on H200: at N=1000 the two variants compiled as separate
-# kernels reduced in different layouts and y differed by an ulp). One kernel makes
-# y == rms_norm(residual_out) hold by construction.
+# n_rows == 1 and n_rows % 16 == 0), so every batch size runs it too: Triton picks register
+# layouts per kernel, and the layout fixes the order of the row reduction (seen on H200: at
+# N=1000 the two variants compiled as separate kernels reduced in different layouts and y
+# differed by an ulp). One kernel makes y == rms_norm(residual_out) hold by construction.
 @triton.jit(do_not_specialize=["n_rows", "has_residual"])
 def rms_norm_fwd_kernel(
     X, RES, W, Y, RES_OUT,
@@ -138,35 +196,8 @@ def rms_norm_fwd_kernel(
     """Y = rms_norm(X) or, with has_residual, RES_OUT = round(X + RES), Y = rms_norm(RES_OUT).
     All operands are [n_rows, N] contiguous; one program per tile of ROWS rows."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    row_mask = rows < n_rows
-    row_offs = rows.to(tl.int64)[:, None] * N
-    cols = tl.arange(0, BLOCK_N)[None, :]
-    if NUM_CHUNKS == 1:
-        mask = row_mask[:, None] & (cols < N)
-        x = _load_norm_input(X, RES, RES_OUT, row_offs + cols, mask, has_residual, True)
-        inv = row_inv_rms(x * x, N, eps)
-        y = x * inv[:, None]
-        if HAS_WEIGHT:
-            y = y * (tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32) + weight_offset)
-        tl.store(Y + row_offs + cols, round_to(y, Y.dtype.element_ty), mask=mask)
-    else:
-        sq = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-        for c in range(NUM_CHUNKS):
-            ccols = c * BLOCK_N + cols
-            mask = row_mask[:, None] & (ccols < N)
-            x = _load_norm_input(X, RES, RES_OUT, row_offs + ccols, mask, has_residual, True)
-            sq = tl.fma(x, x, sq)
-        inv = row_inv_rms(sq, N, eps)
-        for c in range(NUM_CHUNKS):
-            ccols = c * BLOCK_N + cols
-            mask = row_mask[:, None] & (ccols < N)
-            # Recomputing round(x + res) gives the bits stored in pass one, without reading
-            # back memory this program wrote.
-            x = _load_norm_input(X, RES, RES_OUT, row_offs + ccols, mask, has_residual, False)
-            y = x * inv[:, None]
-            if HAS_WEIGHT:
-                y = y * (tl.load(W + ccols, mask=ccols < N, other=0.0).to(tl.float32) + weight_offset)
-            tl.store(Y + row_offs + ccols, round_to(y, Y.dtype.element_ty), mask=mask)
+    norm_tile(X, rows.to(tl.int64) * N, 0, RES, W, Y, RES_OUT, rows, rows < n_rows, N, eps, weight_offset,
+              has_residual, has_residual, BLOCK_N, NUM_CHUNKS, HAS_WEIGHT, 0)
 
 
 def rms_norm_fwd(
@@ -319,11 +350,11 @@ def _bwd_tile(x, dy, W, DX, DRES, offs, cols, mask, N, eps, weight_offset,
     synchronisation per row instead of two. The weight is re-read per tile (an L1 hit) in
     the tile's own layout: hoisted out of the row loop it cost N=4096 85% -> 71% of copy
     bandwidth on H200."""
-    x = x.to(tl.float32)
-    dy = dy.to(tl.float32)
+    x = to_f32(x)
+    dy = to_f32(dy)
     g = dy
     if HAS_WEIGHT:
-        g = dy * (tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32) + weight_offset)
+        g = dy * (to_f32(tl.load(W + cols, mask=cols < N, other=0.0)) + weight_offset)
     if JOINT_REDUCE:
         sq, gx = tl.reduce((x * x, g * x), 1, _add_pair)
     else:
@@ -333,7 +364,7 @@ def _bwd_tile(x, dy, W, DX, DRES, offs, cols, mask, N, eps, weight_offset,
     c = (gx / N)[:, None] * inv
     dx = inv * (g - x * inv * c)
     if HAS_DRES:
-        dx += tl.load(DRES + offs, mask=mask, other=0.0).to(tl.float32)
+        dx += to_f32(tl.load(DRES + offs, mask=mask, other=0.0))
     tl.store(DX + offs, round_to(dx, DX.dtype.element_ty), mask=mask)
     return dy * x * inv
 
@@ -405,10 +436,10 @@ def rms_norm_bwd_kernel(
             for c in range(NUM_CHUNKS):
                 ccols = c * BLOCK_N + cols
                 mask = (ccols < N) & (row < row_end)
-                x = tl.load(X + row_off + ccols, mask=mask, other=0.0).to(tl.float32)
-                g = tl.load(DY + row_off + ccols, mask=mask, other=0.0).to(tl.float32)
+                x = to_f32(tl.load(X + row_off + ccols, mask=mask, other=0.0))
+                g = to_f32(tl.load(DY + row_off + ccols, mask=mask, other=0.0))
                 if HAS_WEIGHT:
-                    g = g * (tl.load(W + ccols, mask=mask, other=0.0).to(tl.float32) + weight_offset)
+                    g = g * (to_f32(tl.load(W + ccols, mask=mask, other=0.0)) + weight_offset)
                 sq = tl.fma(x, x, sq)
                 gx = tl.fma(g, x, gx)
             inv = row_inv_rms(sq, N, eps)[:, None]
@@ -416,14 +447,14 @@ def rms_norm_bwd_kernel(
             for c in range(NUM_CHUNKS):
                 ccols = c * BLOCK_N + cols
                 mask = (ccols < N) & (row < row_end)
-                x = tl.load(X + row_off + ccols, mask=mask, other=0.0).to(tl.float32)
-                dy = tl.load(DY + row_off + ccols, mask=mask, other=0.0).to(tl.float32)
+                x = to_f32(tl.load(X + row_off + ccols, mask=mask, other=0.0))
+                dy = to_f32(tl.load(DY + row_off + ccols, mask=mask, other=0.0))
                 g = dy
                 if HAS_WEIGHT:
-                    g = dy * (tl.load(W + ccols, mask=mask, other=0.0).to(tl.float32) + weight_offset)
+                    g = dy * (to_f32(tl.load(W + ccols, mask=mask, other=0.0)) + weight_offset)
                 dx = inv * (g - x * inv * c_row)
                 if HAS_DRES:
-                    dx += tl.load(DRES + row_off + ccols, mask=mask, other=0.0).to(tl.float32)
+                    dx += to_f32(tl.load(DRES + row_off + ccols, mask=mask, other=0.0))
                 tl.store(DX + row_off + ccols, round_to(dx, DX.dtype.element_ty), mask=mask)
                 if HAS_WEIGHT:
                     p_ptr = partial_row + ccols

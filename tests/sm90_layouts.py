@@ -1,0 +1,100 @@
+"""Compile the RMSNorm forward kernel and the fused all-reduce + RMSNorm kernels for sm_90 on
+any machine (no GPU needed) and report the register layout of each row reduction.
+
+Why: y's bits depend on the order of the row reduction, which follows the register layout
+Triton gives the reduced tile, and Triton picks layouts per compiled kernel. The fused
+kernels equal the unfused path bit for bit only if their reduction has the norm kernel's
+layout (tpfuse/kernels/fused.py). tests/test_fused_layouts.py runs this file as a script,
+in a process of its own because tpfuse must be imported in its GPU mode (on a machine
+without CUDA it would otherwise switch to Triton's interpreter, which compiles nothing).
+
+The kernels are launched through tpfuse's real launchers with CPU tensors; the launch is
+intercepted and compiled with Triton's own argument specialisation (alignment and
+divisibility of every argument, as on a GPU), for the H200's target.
+
+Usage: python tests/sm90_layouts.py '<json list of cases>'; prints one JSON object per case:
+{"case": ..., "norm": [layouts], "oneshot": [layouts], "twoshot": [layouts]}, a layout being
+the reduced operand's type with its layout attribute written out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+import torch  # noqa: E402
+
+torch.cuda.is_available = lambda: True  # import tpfuse in its GPU mode
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, compile, make_backend  # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tpfuse.comm.workspace import WorkspaceLayout  # noqa: E402
+from tpfuse.kernels.fused import all_reduce_norm_into  # noqa: E402
+from tpfuse.kernels.norm import rms_norm_fwd  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_launches: list[tuple[JITFunction, dict]] = []
+
+
+def _intercept(self, *args, grid, warmup, **kwargs):
+    _launches.append((self, kwargs))
+
+
+JITFunction.run = _intercept
+
+
+def _compile_ttgir(kernel: JITFunction, kwargs: dict) -> str:
+    """What JITFunction.run would compile for these arguments on an sm_90 GPU."""
+    backend = make_backend(TARGET)
+    kwargs = dict(kwargs, debug=False)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(**kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    return compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET, options=options.__dict__).asm["ttgir"]
+
+
+_REDUCE = re.compile(r'"tt\.reduce"\(.*?<\{axis = 1 : i32\}>.*?\}\) : \((tensor<[0-9x]+xf32, (#[\w.]+)>)\)', re.S)
+
+
+def row_reduction_layouts(ttgir: str) -> list[str]:
+    """Operand types of every fp32 reduction along axis 1 (a row reduction), with the layout
+    alias replaced by its definition."""
+    aliases = dict(re.findall(r"^(#[\w.]+) = (.*)$", ttgir, re.M))
+    return [ty.replace(alias, aliases.get(alias, alias)) for ty, alias in _REDUCE.findall(ttgir)]
+
+
+def _launch_args(launch) -> tuple[JITFunction, dict]:
+    _launches.clear()
+    launch()
+    (kernel, kwargs), = _launches
+    return kernel, kwargs
+
+
+def layouts_for(case: dict) -> dict:
+    dtype, n, rows, world = DTYPES[case["dtype"]], case["n"], case["rows"], case["world"]
+    x, res, y, res_out = (torch.empty(rows, n, dtype=dtype) for _ in range(4))
+    weight = {"same": torch.empty(n, dtype=dtype), "fp32": torch.empty(n), "none": None}[case["weight"]]
+    out = {"case": case}
+    kernel, kwargs = _launch_args(lambda: rms_norm_fwd(x, weight, y, 1e-6, 0.0, res, res_out))
+    out["norm"] = row_reduction_layouts(_compile_ttgir(kernel, kwargs))
+    layout = WorkspaceLayout(world, 1 << 24, 128)
+    table = torch.zeros(world, dtype=torch.int64)
+    addrs = [(1 << 40) + r * (1 << 30) for r in range(world)]
+    for algo in ("oneshot", "twoshot"):
+        kernel, kwargs = _launch_args(lambda: all_reduce_norm_into(  # noqa: B023  (called right here)
+            x, weight, res, y, res_out, 1e-6, 0.0, algo=algo, grid=1, rows_per_group=rows, table=table,
+            table_addrs=addrs, status_addr=1 << 36, rank=1, layout=layout, timeout_ns=10**9))
+        out[algo] = row_reduction_layouts(_compile_ttgir(kernel, kwargs))
+    return out
+
+
+if __name__ == "__main__":
+    for c in json.loads(sys.argv[1]):
+        print(json.dumps(layouts_for(c)), flush=True)

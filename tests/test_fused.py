@@ -1,0 +1,228 @@
+"""Fused all-reduce + residual add + RMSNorm on CPU ranks (gloo, Triton's interpreter).
+
+The contract: ``comm.all_reduce_add_rms_norm(x, residual, w)`` is bitwise equal, on every
+rank and for every algorithm, to the split composition ``r = comm.all_reduce(x);
+tpfuse.add_rms_norm(r, residual, w)`` (and ``all_reduce_rms_norm`` to ``rms_norm(r), r``).
+Each rank builds every rank's inputs from shared seeds and checks itself; the parent compares
+output digests across ranks. Rank functions return (failures, digests).
+"""
+
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tpfuse
+from tests.multiproc import run_ranks
+from tests.test_allreduce import _assert_ok, _digest, _inputs, _same_bits
+from tests.test_quant import _poisoned_empty
+from tpfuse import reference
+from tpfuse.comm import Communicator
+from tpfuse.comm.plan import FusedPlan
+from tpfuse.comm.workspace import WorkspaceLayout
+from tpfuse.kernels.norm import NormConfig
+
+FUSED_ALGOS = ["oneshot", "twoshot", "auto"]
+# (tokens, hidden): a row per rank and fewer rows than ranks, row tiles of 1..16 rows, hidden
+# sizes padded to wider tiles, 2880, and rows longer than the register limit (chunked).
+SHAPES = [(1, 64), (3, 208), (5, 1008), (17, 256), (2, 2880), (40, 96), (2, 20000)]
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def _layer_inputs(seed, tokens, hidden, dtype, world, same_residual=True):
+    """Every rank's x, the residual (one shared, or one per rank), and a weight."""
+    xs = [x.view(tokens, hidden) for x in _inputs(seed, tokens * hidden, dtype, world)]
+    g = torch.Generator().manual_seed(seed + 1)
+    n_res = 1 if same_residual else world
+    residuals = [(torch.randn(tokens, hidden, generator=g) * 4).to(dtype) for _ in range(n_res)]
+    weight = (torch.rand(hidden, generator=g) + 0.5).to(dtype)
+    return xs, residuals, weight
+
+
+def _compare(what, fused, split, failures):
+    for name, a, b in zip(("y", "second output"), fused, split):
+        if not _same_bits(a, b):
+            bad = (a.float() != b.float()).sum().item()
+            failures.append(f"{what}: {name} differs from the split path in {bad} of {b.numel()} elements")
+
+
+def _fused_vs_split(shapes, seed, same_residual):
+    world, rank, failures, digests = dist.get_world_size(), dist.get_rank(), [], []
+    with Communicator(max_bytes=1 << 20, timeout_s=30) as comm:
+        for i, (tokens, hidden) in enumerate(shapes):
+            dtype = DTYPES[i % len(DTYPES)]
+            for a, algo in enumerate(FUSED_ALGOS):
+                offset = float(a % 2)
+                xs, residuals, weight = _layer_inputs(seed + 100 * i + a, tokens, hidden, dtype, world, same_residual)
+                x, residual = xs[rank], residuals[0 if same_residual else rank]
+                what = f"{tokens}x{hidden} {dtype} {algo} offset={offset}"
+                before = (x.clone(), residual.clone())
+                with _poisoned_empty():  # an output element the kernel does not write shows as NaN
+                    fused = comm.all_reduce_add_rms_norm(x, residual, weight, 1e-6, weight_offset=offset, algo=algo)
+                r = comm.all_reduce(x)
+                split = tpfuse.add_rms_norm(r, residual, weight, 1e-6, weight_offset=offset)
+                _compare(what, fused, split, failures)
+                if not (_same_bits(x, before[0]) and _same_bits(residual, before[1])):
+                    failures.append(f"{what}: an input was modified")
+                # The split path itself against the spec: residual_out bitwise, y close.
+                ref_y, ref_res = reference.all_reduce_add_rms_norm(xs, residual, weight, 1e-6, weight_offset=offset)
+                if not _same_bits(fused[1], ref_res):
+                    failures.append(f"{what}: residual_out differs from the reference")
+                if reference.rel_err(fused[0], ref_y) > reference.rel_err_budget(dtype):
+                    failures.append(f"{what}: y off the float64 reference")
+                with _poisoned_empty():
+                    fused = comm.all_reduce_rms_norm(x, weight, 1e-6, weight_offset=offset, algo=algo)
+                _compare(what + " no residual", fused, (tpfuse.rms_norm(r, weight, 1e-6, weight_offset=offset), r),
+                         failures)
+                digests.append(_digest(fused[0]) + _digest(fused[1]))
+    return failures, digests
+
+
+def _inplace_shapes_and_no_weight():
+    world, rank, failures, digests = dist.get_world_size(), dist.get_rank(), [], []
+    with Communicator(max_bytes=1 << 20, timeout_s=30) as comm:
+        for i, (shape, algo) in enumerate([((2, 3, 64), "oneshot"), ((4, 1, 96), "twoshot"),
+                                           ((3, 20000), "twoshot"), ((6, 128), "split")]):
+            tokens = torch.Size(shape[:-1]).numel()
+            xs, residuals, weight = _layer_inputs(40 + i, tokens, shape[-1], torch.bfloat16, world)
+            xs, residual = [x.view(shape) for x in xs], residuals[0].view(shape)
+            w = None if i % 2 else weight
+            r = comm.all_reduce(xs[rank])
+            want = tpfuse.add_rms_norm(r, residual, w)
+            res_in = residual.clone()
+            with _poisoned_empty():
+                y, res_out = comm.all_reduce_add_rms_norm(xs[rank], res_in, w, algo=algo, inplace=True)
+            if res_out.data_ptr() != res_in.data_ptr():
+                failures.append(f"{shape} {algo}: inplace must return the residual tensor itself")
+            _compare(f"inplace {shape} {algo}", (y, res_in), want, failures)
+            if y.shape != shape:
+                failures.append(f"{shape}: y has shape {tuple(y.shape)}")
+            digests.append(_digest(y) + _digest(res_in))
+        # Non-contiguous x and residual.
+        xs, residuals, weight = _layer_inputs(77, 8, 128, torch.float16, world)
+        x, residual = xs[rank].t().contiguous().t(), residuals[0][:, ::1].t().contiguous().t()
+        r = comm.all_reduce(x)
+        _compare("strided", comm.all_reduce_add_rms_norm(x, residual, weight, algo="twoshot"),
+                 tpfuse.add_rms_norm(r, residual, weight), failures)
+    return failures, digests
+
+
+def _bad_inputs_raise_before_communicating():
+    """Each bad call raises on every rank before any kernel runs, so a good call after it
+    still pairs up across ranks (a started protocol would leave the epochs out of step)."""
+    world, rank, failures, digests = dist.get_world_size(), dist.get_rank(), [], []
+    with Communicator(max_bytes=1 << 20, timeout_s=10) as comm:
+        x = torch.randn(4, 64, dtype=torch.bfloat16)
+        w = torch.randn(64, dtype=torch.bfloat16)
+        bad = [
+            (ValueError, "residual has shape", lambda: comm.all_reduce_add_rms_norm(x, x[:2], w)),
+            (TypeError, "residual has dtype", lambda: comm.all_reduce_add_rms_norm(x, x.float(), w)),
+            (ValueError, "weight has shape", lambda: comm.all_reduce_add_rms_norm(x, x, w[:32])),
+            (ValueError, "weight has shape", lambda: comm.all_reduce_rms_norm(x, w[:63])),
+            (TypeError, "dtype", lambda: comm.all_reduce_rms_norm(x.to(torch.int32), w)),
+            (ValueError, "algo must be", lambda: comm.all_reduce_add_rms_norm(x, x, w, algo="ring")),
+            (ValueError, "max_bytes", lambda: comm.all_reduce_rms_norm(torch.randn(600, 1024), None,
+                                                                         algo="oneshot")),
+            (ValueError, "multiple of 16", lambda: comm.all_reduce_rms_norm(x[:, :60], w[:60], algo="twoshot")),
+        ]
+        for error, match, call in bad:
+            with pytest.raises(error, match=match):
+                call()
+        xs, residuals, weight = _layer_inputs(5, 4, 64, torch.bfloat16, world)
+        r = comm.all_reduce(xs[rank])
+        fused = comm.all_reduce_add_rms_norm(xs[rank], residuals[0], weight)
+        _compare("after the bad calls", fused, tpfuse.add_rms_norm(r, residuals[0], weight), failures)
+        digests.append(_digest(fused[0]))
+    return failures, digests
+
+
+def _decode_layers(layers, tokens, hidden, seed):
+    """``layers`` consecutive layers (random x per layer, residual carried) fused with a random
+    algorithm each and split: the final residual and output must be the same bits."""
+    world, rank, failures, digests = dist.get_world_size(), dist.get_rank(), [], []
+    rng = random.Random(seed)
+    with Communicator(max_bytes=1 << 20, timeout_s=30) as comm:
+        _, residuals, weight = _layer_inputs(seed, tokens, hidden, torch.bfloat16, world)
+        res_fused, res_split = residuals[0].clone(), residuals[0].clone()
+        for layer in range(layers):
+            xs, _, _ = _layer_inputs(seed + 1 + layer, tokens, hidden, torch.bfloat16, world)
+            y_fused, _ = comm.all_reduce_add_rms_norm(xs[rank], res_fused, weight, algo=rng.choice(FUSED_ALGOS),
+                                                      inplace=True)
+            y_split, _ = tpfuse.add_rms_norm(comm.all_reduce(xs[rank]), res_split, weight, inplace=True)
+        _compare(f"after {layers} layers", (y_fused, res_fused), (y_split, res_split), failures)
+        digests.append(_digest(y_fused) + _digest(res_fused))
+    return failures, digests
+
+
+def _changing_shapes_without_barriers(calls, seed):
+    world, rank, failures, digests = dist.get_world_size(), dist.get_rank(), [], []
+    rng = random.Random(seed)
+    with Communicator(max_bytes=1 << 20, timeout_s=30) as comm:
+        for call in range(calls):
+            tokens, hidden = rng.choice([1, 2, 7, 33]), rng.choice([64, 96, 512, 1008, 1000])
+            # hidden 1000 is served by "auto" only, through the split path.
+            dtype, algo = rng.choice(DTYPES), rng.choice(FUSED_ALGOS if hidden % 16 == 0 else ["auto"])
+            xs, residuals, weight = _layer_inputs(seed * 1000 + call, tokens, hidden, dtype, world)
+            if rng.random() < 0.3:  # plain all-reduces in between advance the same epochs
+                comm.all_reduce(xs[rank], algo=rng.choice(["oneshot", "twoshot"]))
+            fused = comm.all_reduce_add_rms_norm(xs[rank], residuals[0], weight, algo=algo)
+            want = reference.all_reduce_add_rms_norm(xs, residuals[0], weight)
+            if not _same_bits(fused[1], want[1]):
+                failures.append(f"call {call} {tokens}x{hidden} {dtype} {algo}: residual_out wrong")
+            digests.append(_digest(fused[0]))
+    return failures, digests
+
+
+# ---------------------------------------------------------------- tests
+
+def test_fused_plan_picks_by_size_and_keeps_groups_whole_tiles():
+    layout = WorkspaceLayout(4, 1 << 20, max_blocks=128)
+    bf16 = torch.bfloat16
+    assert FusedPlan.from_shape(4, 4096, 1, 4, bf16, layout).algo == "oneshot"
+    assert FusedPlan.from_shape(4, 4096, 1, 4, bf16, None).algo == "split"
+    two = FusedPlan.from_shape(63, 256, 8, 4, bf16, layout, "twoshot")
+    assert two.rows_per_group == 16 and two.rows_per_group % 8 == 0 and two.grid == 2
+    assert FusedPlan.from_shape(4096, 4096, 1, 4, bf16, layout).algo == "split"  # 32 MiB > workspace
+    with pytest.raises(ValueError, match="max_bytes"):
+        FusedPlan.from_shape(4096, 4096, 1, 4, bf16, layout, "twoshot")
+    with pytest.raises(ValueError, match="algo must be"):
+        FusedPlan.from_shape(1, 64, 1, 4, bf16, layout, "nccl")
+    cfg = NormConfig.from_shape(96, bf16)
+    assert FusedPlan.from_shape(40, 96, cfg.rows, 2, bf16, layout, "twoshot").rows_per_group % cfg.rows == 0
+    # Hidden sizes off the multiple of 16 take the split path (tests/test_fused_layouts.py says why).
+    assert FusedPlan.from_shape(4, 1000, 1, 4, bf16, layout).algo == "split"
+    with pytest.raises(ValueError, match="multiple of 16"):
+        FusedPlan.from_shape(4, 1000, 1, 4, bf16, layout, "oneshot")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fused_is_bitwise_equal_to_split(world):
+    _assert_ok(run_ranks(world, _fused_vs_split, SHAPES, 11 * world, True, timeout_s=600))
+
+
+def test_fused_uses_each_ranks_own_residual():
+    """Residuals that differ across ranks: every rank still gets its own split result."""
+    results = run_ranks(2, _fused_vs_split, SHAPES[:4], 5, False, timeout_s=600)
+    failures = [f for fs, _ in results for f in fs]
+    assert not failures, "\n".join(failures[:20])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fused_inplace_shapes_strides_and_no_weight(world):
+    _assert_ok(run_ranks(world, _inplace_shapes_and_no_weight, timeout_s=600))
+
+
+def test_bad_inputs_raise_before_any_communication():
+    _assert_ok(run_ranks(2, _bad_inputs_raise_before_communicating))
+
+
+def test_sixty_layer_decode_fused_equals_split():
+    _assert_ok(run_ranks(2, _decode_layers, 60, 2, 256, 3, timeout_s=600))
+
+
+@pytest.mark.parametrize("world, calls", [(2, 150), (4, 40)])
+def test_changing_shapes_and_algorithms_without_barriers(world, calls):
+    results = run_ranks(world, _changing_shapes_without_barriers, calls, world, timeout_s=600)
+    _assert_ok(results)
+    assert len(results[0][1]) == calls

@@ -1,0 +1,173 @@
+"""Fused all-reduce + residual add + RMSNorm on GPUs: one process per GPU, NCCL group.
+
+Run on a machine with >= 2 GPUs:  python -m pytest -m multigpu tests/test_fused_gpu.py
+
+Every call is compared bitwise, on the device, with the split composition
+(``comm.all_reduce`` then ``tpfuse.add_rms_norm``); mismatches are counted on the device and
+read once at the end.
+"""
+
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.multiproc import run_ranks
+from tests.test_quant import _poisoned_empty
+
+pytestmark = pytest.mark.multigpu
+
+NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
+if NGPU < 2:
+    pytest.skip("needs at least 2 CUDA GPUs", allow_module_level=True)
+
+WORLDS = sorted({2, NGPU})
+HIDDEN = [256, 1000, 2880, 4096, 5120, 7168, 8192, 16384, 20000]
+TOKENS = [1, 2, 3, 16, 17, 128, 513, 2048]
+ALGOS = ["oneshot", "twoshot", "auto", "split"]
+
+
+class _Layer:
+    """Random inputs of one layer call on every rank (shared seeds), its fused call, and the
+    count of bits that differ from the split composition (on the device)."""
+
+    def __init__(self, comm):
+        self.comm, self.rank, self.world = comm, dist.get_rank(), dist.get_world_size()
+        self.bad = torch.zeros((), dtype=torch.int64, device="cuda")
+        self.calls, self.labels = 0, {}
+
+    def inputs(self, tokens, hidden, dtype, seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        xs = [torch.randn(tokens, hidden, device="cuda", generator=g).to(dtype) for _ in range(self.world)]
+        residual = (torch.randn(tokens, hidden, device="cuda", generator=g) * 4).to(dtype)
+        weight = (torch.rand(hidden, device="cuda", generator=g) + 0.5).to(dtype)
+        return xs[self.rank], residual, weight
+
+    def split(self, x, residual, weight, offset):
+        import tpfuse
+
+        return tpfuse.add_rms_norm(self.comm.all_reduce(x), residual, weight, weight_offset=offset)
+
+    def expect(self, got, want, what):
+        bad = sum(((a.view(torch.uint8) != b.view(torch.uint8)).sum() for a, b in zip(got, want)), self.bad * 0)
+        self.bad += bad
+        self.calls += 1
+        if len(self.labels) < 5:
+            self.labels[what] = bad
+
+    def check(self, tokens, hidden, dtype, algo, seed):
+        x, residual, weight = self.inputs(tokens, hidden, dtype, seed)
+        offset = float(seed % 2)
+        want = self.split(x, residual, weight, offset)
+        with _poisoned_empty():  # an output element the kernel does not write shows as NaN
+            got = self.comm.all_reduce_add_rms_norm(x, residual, weight, weight_offset=offset, algo=algo)
+        self.expect(got, want, f"{tokens}x{hidden} {dtype} {algo} offset={offset}")
+
+    def failures(self):
+        total = self.bad.item()
+        if total == 0 and self.calls > 0:
+            return []
+        return [f"{total} mismatching bytes over {self.calls} calls; first labels: "
+                + ", ".join(f"{k}: {v.item()}" for k, v in self.labels.items() if v.item())]
+
+
+def _grid():
+    from tpfuse.comm import Communicator
+
+    with Communicator(max_bytes=64 << 20, timeout_s=60) as comm:
+        layer = _Layer(comm)
+        seed = 0
+        for hidden in HIDDEN:
+            for tokens in TOKENS:
+                for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                    if tokens * hidden * dtype.itemsize > 32 << 20:  # keep every algo inside the workspace
+                        continue
+                    for algo in ALGOS if hidden % 16 == 0 else ["auto", "split"]:  # others: split only
+                        seed += 1
+                        layer.check(tokens, hidden, dtype, algo, seed)
+        return layer.failures()
+
+
+def _stress(calls, seed):
+    """Shapes, dtypes and algorithms change every call, plain all-reduces in between, no sync."""
+    from tpfuse.comm import Communicator
+
+    rng = random.Random(seed)
+    with Communicator(timeout_s=60) as comm:
+        layer = _Layer(comm)
+        for call in range(calls):
+            layer.check(rng.choice([1, 2, 7, 16, 64, 300]), rng.choice([512, 2880, 4096, 8192]),
+                        rng.choice([torch.bfloat16, torch.float16]), rng.choice(ALGOS), seed * 1_000_000 + call)
+        return layer.failures()
+
+
+def _graph_replays(replays):
+    """A captured layer sequence of several shapes and algorithms, replayed with new data."""
+    from tpfuse.comm import Communicator
+
+    plan = [(1, 4096, "oneshot"), (16, 4096, "auto"), (300, 2880, "twoshot"), (2, 8192, "auto"), (64, 4096, "split")]
+    with Communicator(timeout_s=60) as comm:
+        layer = _Layer(comm)
+        static = [layer.inputs(t, h, torch.bfloat16, 0) for t, h, _ in plan]
+
+        def run():
+            return [comm.all_reduce_add_rms_norm(x, r, w, algo=a) for (x, r, w), (_, _, a) in zip(static, plan)]
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            run()  # compile outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            outs = run()
+        for i in range(replays):
+            for k, ((x, r, w), (t, h, _)) in enumerate(zip(static, plan)):
+                nx, nr, nw = layer.inputs(t, h, torch.bfloat16, 1 + i * 10 + k)
+                x.copy_(nx), r.copy_(nr), w.copy_(nw)
+            graph.replay()
+            for (x, r, w), out, (t, h, a) in zip(static, outs, plan):
+                layer.expect(out, layer.split(x, r, w, 0.0), f"replay {i} {t}x{h} {a}")
+        del graph
+        return layer.failures()
+
+
+def _sixty_layers(tokens, hidden, algo):
+    """60 decode layers, residual carried in place, fused vs split: identical final bits."""
+    import tpfuse
+    from tpfuse.comm import Communicator
+
+    with Communicator(timeout_s=60) as comm:
+        layer = _Layer(comm)
+        _, residual, weight = layer.inputs(tokens, hidden, torch.bfloat16, 12345)
+        res_fused, res_split = residual.clone(), residual.clone()
+        for i in range(60):
+            x, _, _ = layer.inputs(tokens, hidden, torch.bfloat16, 100 + i)
+            y_fused, _ = comm.all_reduce_add_rms_norm(x, res_fused, weight, algo=algo, inplace=True)
+            y_split, _ = tpfuse.add_rms_norm(comm.all_reduce(x), res_split, weight, inplace=True)
+        layer.expect((y_fused, res_fused), (y_split, res_split), f"60 layers {tokens}x{hidden} {algo}")
+        return layer.failures()
+
+
+def _no_failures(results):
+    failures = [f"rank {r}: {f}" for r, fs in enumerate(results) for f in fs]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_gpu_fused_bitwise_equal_to_split_over_the_shape_grid(world):
+    _no_failures(run_ranks(world, _grid, backend="nccl", timeout_s=600))
+
+
+def test_gpu_fused_stress_changing_shapes_without_host_sync():
+    _no_failures(run_ranks(NGPU, _stress, 5000, 3, backend="nccl", timeout_s=600))
+
+
+def test_gpu_fused_graph_capture_replayed_with_new_data():
+    _no_failures(run_ranks(NGPU, _graph_replays, 200, backend="nccl", timeout_s=600))
+
+
+@pytest.mark.parametrize("tokens, algo", [(1, "auto"), (16, "oneshot"), (16, "twoshot"), (128, "auto")])
+def test_gpu_sixty_layer_decode_fused_equals_split(tokens, algo):
+    _no_failures(run_ranks(NGPU, _sixty_layers, tokens, 4096, algo, backend="nccl", timeout_s=600))

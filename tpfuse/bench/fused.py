@@ -1,0 +1,181 @@
+"""``tpfuse bench fused``: all-reduce + residual add + RMSNorm, fused and unfused, side by side.
+
+Per (tokens, hidden), bf16, W = every visible GPU (one process each), CUDA-graph replay
+(``tpfuse.bench.allreduce``'s timing: 20 calls per graph, slowest rank's median):
+
+- nccl_torch: NCCL all-reduce, torch add, torch.nn.functional.rms_norm (what a plain
+  PyTorch model runs);
+- split: tpfuse all_reduce, then tpfuse.add_rms_norm (the unfused composition, the contract);
+- oneshot / twoshot / auto: Communicator.all_reduce_add_rms_norm(algo=...).
+
+Each tpfuse method's outputs are checked bitwise against split's in the same run, and
+split's residual_out against tpfuse.reference. Without two GPUs: two CPU ranks under Triton's
+interpreter check the bits on a few shapes (timings need GPUs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import tpfuse
+from tpfuse import reference
+from tpfuse.bench.allreduce import _graph_us, _same_bits, init_rank, spawn_ranks
+from tpfuse.bench.common import header_markdown, rotation, run_header, write_results
+
+DECODE = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+PREFILL = [512, 1024, 2048, 4096, 8192, 16384]
+SHAPES = ([(t, 4096) for t in DECODE + PREFILL] + [(t, 2880) for t in (1, 16, 128, 2048)]
+          + [(t, 8192) for t in (1, 16, 128, 2048)])
+METHODS = ["nccl_torch", "split", "oneshot", "twoshot", "auto"]
+EPS = 1e-6
+
+
+def _layer_inputs(tokens, hidden, world, device, seed):
+    """Every rank's x, one residual and a weight (the same on every rank, from the seed)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    xs = [torch.randn(tokens, hidden, generator=g, device=device).to(torch.bfloat16) for _ in range(world)]
+    residual = (torch.randn(tokens, hidden, generator=g, device=device) * 4).to(torch.bfloat16)
+    weight = (torch.rand(hidden, generator=g, device=device) + 0.5).to(torch.bfloat16)
+    return xs, residual, weight
+
+
+def _methods(comm, weight):
+    def nccl_torch(x, residual):
+        r = x.clone()
+        dist.all_reduce(r)
+        residual_out = r + residual
+        return F.rms_norm(residual_out, (x.shape[-1],), weight, EPS), residual_out
+
+    def split(x, residual):
+        return tpfuse.add_rms_norm(comm.all_reduce(x), residual, weight, EPS)
+
+    def fused(algo):
+        return lambda x, residual: comm.all_reduce_add_rms_norm(x, residual, weight, EPS, algo=algo)
+
+    return {"nccl_torch": nccl_torch, "split": split, "oneshot": fused("oneshot"), "twoshot": fused("twoshot"),
+            "auto": fused("auto")}
+
+
+def _measure_shape(tokens, hidden, comm, world, rank):
+    from tpfuse.comm.plan import FusedPlan
+    from tpfuse.kernels.norm import NormConfig
+
+    xs, residual, weight = _layer_inputs(tokens, hidden, world, "cuda", seed=tokens * 100_003 + hidden)
+    x = xs[rank]
+    methods = _methods(comm, weight)
+    split_out = methods["split"](x, residual)
+    spec_ok = _same_bits(split_out[1], reference.all_reduce_add_rms_norm(xs, residual, weight, EPS)[1])
+    rot = rotation(2 * x.numel() * x.element_size())
+    pool = [(x.clone(), residual.clone()) for _ in range(rot)]
+    rows_per_tile = NormConfig.from_shape(hidden, x.dtype).rows
+    records = []
+    for name, fn in methods.items():
+        if name in ("oneshot", "twoshot"):
+            try:
+                FusedPlan.from_shape(tokens, hidden, rows_per_tile, world, x.dtype, comm.layout, name)
+            except ValueError:
+                continue  # this algorithm does not serve the shape with this workspace
+        out = fn(x, residual)
+        bitwise = name == "nccl_torch" or (all(_same_bits(a, b) for a, b in zip(out, split_out)) and spec_ok)
+        us = _graph_us(lambda i: fn(*pool[i]), rot)  # noqa: B023  (called right here)
+        rec = dict(tokens=tokens, hidden=hidden, method=name, us=round(us, 2), bitwise=bool(bitwise))
+        if name == "auto":
+            rec["algo"] = FusedPlan.from_shape(tokens, hidden, rows_per_tile, world, x.dtype, comm.layout).algo
+        records.append(rec)
+    return records
+
+
+def _markdown(records, header, world):
+    by = {(r["tokens"], r["hidden"], r["method"]): r for r in records}
+    shapes = sorted({(r["hidden"], r["tokens"]) for r in records})
+    md = header_markdown(f"fused all-reduce + residual add + RMSNorm, {world} ranks, bf16", header)
+    md += ("CUDA-graph replay, us per call. `x` marks outputs not bitwise equal to the split path "
+           "(tpfuse all_reduce, then tpfuse.add_rms_norm). Speedups are split / auto and nccl_torch / auto.\n\n")
+    md += "| hidden | tokens | " + " | ".join(METHODS) + " | auto vs split | auto vs nccl_torch |\n"
+    md += "|---" * (len(METHODS) + 4) + "|\n"
+    for hidden, tokens in shapes:
+        cells = []
+        for m in METHODS:
+            r = by.get((tokens, hidden, m))
+            cells.append("-" if r is None else f"{r['us']:.1f}{'' if r['bitwise'] else ' x'}"
+                         + (f" [{r['algo']}]" if "algo" in r else ""))
+        auto, split, base = (by.get((tokens, hidden, m)) for m in ("auto", "split", "nccl_torch"))
+        ratio = (lambda a, b: f"{b['us'] / a['us']:.2f}x" if a and b else "-")
+        md += f"| {hidden} | {tokens} | " + " | ".join(cells) + f" | {ratio(auto, split)} | {ratio(auto, base)} |\n"
+    return md
+
+
+def _gpu_worker(rank: int, world: int, port: int | None, opts: dict) -> None:
+    from tpfuse.comm import Communicator
+
+    init_rank(rank, world, port, "nccl")
+    shapes = [s for s in SHAPES if s[0] <= opts["max_tokens"]]
+    max_bytes = max(t * h * 2 for t, h in shapes)
+    try:
+        records = []
+        with Communicator(max_bytes=max_bytes) as comm:
+            for tokens, hidden in shapes:
+                records += _measure_shape(tokens, hidden, comm, world, rank)
+                if rank == 0:
+                    print(f"{tokens:>6} x {hidden}: " + "  ".join(
+                        f"{r['method']} {r['us']:.1f}us{'' if r['bitwise'] else '(x)'}" for r in records
+                        if (r["tokens"], r["hidden"]) == (tokens, hidden)), flush=True)
+        wrong = [f"{r['tokens']}x{r['hidden']} {r['method']}" for r in records if not r["bitwise"]]
+        if rank == 0:
+            header = run_header() | {"world_size": world, "dtype": "bf16", "tpfuse_max_bytes": max_bytes}
+            md = _markdown(records, header, world)
+            print(md)
+            print("wrote " + ", ".join(write_results(opts["out"], f"fused_w{world}_bf16", header, records, md)))
+        if wrong:
+            raise RuntimeError(f"rank {rank}: outputs not bitwise equal to the split path: {wrong}")
+    finally:
+        dist.destroy_process_group()
+
+
+def _cpu_worker(rank: int, world: int, port: int, opts: dict) -> None:
+    from tpfuse.comm import Communicator
+
+    init_rank(rank, world, port, "gloo")
+    rows = []
+    with Communicator(timeout_s=60) as comm:
+        for tokens, hidden in [(1, 4096), (16, 1024), (64, 2880)]:
+            xs, residual, weight = _layer_inputs(tokens, hidden, world, "cpu", seed=tokens)
+            methods = _methods(comm, weight)
+            split_out = methods["split"](xs[rank], residual)
+            for name in ("oneshot", "twoshot", "auto"):
+                out = methods[name](xs[rank], residual)
+                rows.append((tokens, hidden, name, all(_same_bits(a, b) for a, b in zip(out, split_out))))
+    dist.destroy_process_group()
+    if rank == 0:
+        print(f"CPU emulation: {world} ranks under Triton's interpreter, bf16 (timings need GPUs).\n")
+        print("| tokens x hidden | algo | bitwise equal to split |\n|---|---|---|")
+        for tokens, hidden, name, ok in rows:
+            print(f"| {tokens} x {hidden} | {name} | {'yes' if ok else 'NO'} |")
+    if not all(ok for *_, ok in rows):
+        raise RuntimeError(f"rank {rank}: a fused result differs from the split path")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="tpfuse bench fused", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="bench_out", help="directory for fused_*.json / .md")
+    p.add_argument("--max-tokens", type=int, default=max(t for t, _ in SHAPES))
+    opts = vars(p.parse_args(argv))
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
+        _gpu_worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, opts)
+        return 0
+    ngpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if ngpu >= 2:
+        return spawn_ranks(_gpu_worker, ngpu, opts)
+    print(f"{ngpu} CUDA GPU(s): running the CPU emulation instead")
+    os.environ["TRITON_INTERPRET"] = "1"
+    return spawn_ranks(_cpu_worker, 2, opts)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""Fused all-reduce + (residual add) + RMSNorm: one kernel per algorithm, exact by construction.
+
+``y`` and ``residual_out`` equal, bit for bit, ``r = all_reduce(x)`` (tpfuse's exact
+all-reduce: fp32 sum in rank order, rounded once) followed by ``tpfuse.add_rms_norm(r,
+residual, w)`` (or ``tpfuse.rms_norm(r, w)``, residual_out then being r) because:
+
+- the reduced rows come from ``sum_in_rank_order`` and one ``round_to``, as in
+  ``tpfuse.kernels.allreduce``, and are rounded before the residual add;
+- the residual add and the norm are ``tpfuse.kernels.norm.norm_tile``, the body of the norm
+  forward kernel, on tiles of the same shape (``NormConfig``, from (N, dtype) alone) and the
+  same warps. The register layout Triton gives the tile fixes the order of the row
+  reduction, so tests/test_fused_layouts.py compiles these kernels and the norm kernel for
+  sm_90 and checks the layouts of their row reductions are the same.
+
+Each rank adds its own residual, so residuals that differ between ranks still give every
+rank its own split result.
+
+- one-shot: each rank stores its rows into slot ``rank`` of every rank's data region,
+  signals, waits for all W, and normalises every row from the sum of its W local slots.
+- two-shot: rows are cut into W groups of ``rows_per_group`` (whole tiles); rank s stores
+  group g into scatter slot s of rank g; rank g sums its W scatter slots, rounds once and
+  stores the reduced group into gather slot g of every rank; after the gather flags every
+  rank normalises every row from its gather slots. Whole rows are scattered, so every row is
+  reduced on one rank and normalised from one slot. The norm is done on every rank (a local,
+  memory-bound pass) rather than on the owner followed by a gather of y and residual_out:
+  that halves the NVLink bytes of the gather and keeps each rank's own residual.
+
+The synchronisation (epochs, flags, timeouts, parity-rotated data regions) is
+``tpfuse.kernels.sync`` over the workspace of ``tpfuse.comm.workspace``, as for the plain
+all-reduce: block b handles tiles b, b + grid, ... and waits only for block b of its peers.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tpfuse.kernels.allreduce import _begin, _flag_row, _push_to_all, _typed, sum_in_rank_order
+from tpfuse.kernels.common import EXACT_FP, round_to
+from tpfuse.kernels.norm import NormConfig, norm_tile
+from tpfuse.kernels.sync import end_call, signal, wait
+
+# Operation codes of the status record; their names are in allreduce.OP_NAMES.
+OP_FUSED_ONESHOT = tl.constexpr(4)
+OP_FUSED_SCATTER = tl.constexpr(5)
+OP_FUSED_GATHER = tl.constexpr(6)
+
+# Counts and flags are not specialised, so every batch size and both residual modes run one
+# compiled kernel per (N, dtype, world size), like the norm kernel.
+_UNSPECIALISED = ["n_rows", "rows_per_group", "has_residual", "rank", "timeout_ns"]
+
+
+@triton.jit
+def _copy_rows(X, dst, N, src_rows, dst_rows, row_ok, BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr):
+    """Copy the rows src_rows ([ROWS]) of the [*, N] X to ``dst`` at rows dst_rows, where row_ok."""
+    cols = tl.arange(0, BLOCK_N)[None, :]
+    for c in range(NUM_CHUNKS):
+        ccols = c * BLOCK_N + cols
+        mask = row_ok[:, None] & (ccols < N)
+        vals = tl.load(X + src_rows.to(tl.int64)[:, None] * N + ccols, mask=mask)
+        tl.store(dst + dst_rows.to(tl.int64)[:, None] * N + ccols, vals, mask=mask)
+
+
+@triton.jit(do_not_specialize=_UNSPECIALISED)
+def oneshot_all_reduce_norm_kernel(
+    X, RES, W, Y, RES_OUT, n_rows, N, eps, weight_offset, has_residual,
+    table_ptr, local, status_addr, rank, timeout_ns, flags_offset, data_offset, data_bytes, slot_elems,
+    BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    WORLD: tl.constexpr, PEERS: tl.constexpr,
+):
+    ELEM: tl.constexpr = X.dtype.element_ty
+    pid, grid, ctrl, status, epoch, data, n_tiles = _begin(local, status_addr, data_offset, data_bytes, n_rows, ROWS)
+    for tile in range(pid, n_tiles, grid):
+        rows = tile * ROWS + tl.arange(0, ROWS)
+        cols = tl.arange(0, BLOCK_N)[None, :]
+        for c in range(NUM_CHUNKS):
+            ccols = c * BLOCK_N + cols
+            mask = (rows < n_rows)[:, None] & (ccols < N)
+            offs = rows.to(tl.int64)[:, None] * N + ccols
+            _push_to_all(table_ptr, data, tl.load(X + offs, mask=mask), rank * slot_elems + offs, mask, WORLD)
+    signal(table_ptr, flags_offset + (pid * WORLD + rank) * 8, epoch, WORLD, PEERS)
+    if wait(_flag_row(local, flags_offset, WORLD), ctrl, status, epoch, rank, timeout_ns, OP_FUSED_ONESHOT, WORLD,
+            PEERS):
+        slot0 = _typed(local, data, ELEM)
+        for tile in range(pid, n_tiles, grid):
+            rows = tile * ROWS + tl.arange(0, ROWS)
+            norm_tile(slot0, rows.to(tl.int64) * N, slot_elems, RES, W, Y, RES_OUT, rows, rows < n_rows, N, eps,
+                      weight_offset, has_residual, True, BLOCK_N, NUM_CHUNKS, HAS_WEIGHT, WORLD)
+    end_call(ctrl, epoch)
+
+
+@triton.jit(do_not_specialize=_UNSPECIALISED)
+def twoshot_all_reduce_norm_kernel(
+    X, RES, W, Y, RES_OUT, n_rows, rows_per_group, N, eps, weight_offset, has_residual,
+    table_ptr, local, status_addr, rank, timeout_ns, flags_offset, flags_bytes, data_offset, data_bytes,
+    gather_offset, slot_elems,
+    BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    WORLD: tl.constexpr, PEERS: tl.constexpr,
+):
+    ELEM: tl.constexpr = X.dtype.element_ty
+    pid, grid, ctrl, status, epoch, data, n_tiles = _begin(local, status_addr, data_offset, data_bytes,
+                                                           rows_per_group, ROWS)
+    cols = tl.arange(0, BLOCK_N)[None, :]
+    # Reduce-scatter, part 1: group g of my rows into scatter slot `rank` of rank g.
+    for tile in range(pid, n_tiles, grid):
+        local_rows = tile * ROWS + tl.arange(0, ROWS)
+        for g in tl.static_range(WORLD):
+            rows = g * rows_per_group + local_rows
+            dst = _typed(tl.load(table_ptr + g), data, ELEM) + rank * slot_elems
+            _copy_rows(X, dst, N, rows, local_rows, (local_rows < rows_per_group) & (rows < n_rows), BLOCK_N,
+                       NUM_CHUNKS)
+    signal(table_ptr, flags_offset + (pid * WORLD + rank) * 8, epoch, WORLD, PEERS)
+    # Part 2: sum my group's W contributions in rank order, round once, and store the
+    # reduced rows into gather slot `rank` of every rank (this one included).
+    if wait(_flag_row(local, flags_offset, WORLD), ctrl, status, epoch, rank, timeout_ns, OP_FUSED_SCATTER, WORLD,
+            PEERS):
+        slot0 = _typed(local, data, ELEM)
+        for tile in range(pid, n_tiles, grid):
+            local_rows = tile * ROWS + tl.arange(0, ROWS)
+            row_ok = (local_rows < rows_per_group) & (rank * rows_per_group + local_rows < n_rows)
+            for c in range(NUM_CHUNKS):
+                ccols = c * BLOCK_N + cols
+                mask = row_ok[:, None] & (ccols < N)
+                offs = local_rows.to(tl.int64)[:, None] * N + ccols
+                reduced = round_to(sum_in_rank_order(slot0, slot_elems, offs, mask, WORLD), ELEM)
+                _push_to_all(table_ptr, data + gather_offset, reduced, rank * slot_elems + offs, mask, WORLD)
+    # All-gather; after a failed first wait the abort word makes this one return at once.
+    signal(table_ptr, flags_offset + flags_bytes + (pid * WORLD + rank) * 8, epoch, WORLD, PEERS)
+    if wait(_flag_row(local, flags_offset + flags_bytes, WORLD), ctrl, status, epoch, rank, timeout_ns,
+            OP_FUSED_GATHER, WORLD, PEERS):
+        gather0 = _typed(local, data + gather_offset, ELEM)
+        for tile in range(pid, n_tiles, grid):
+            local_rows = tile * ROWS + tl.arange(0, ROWS)
+            for g in range(WORLD):  # a loop, not unrolled: one copy of the norm code
+                rows = g * rows_per_group + local_rows
+                norm_tile(gather0 + g * slot_elems, local_rows.to(tl.int64) * N, 0, RES, W, Y, RES_OUT, rows,
+                          (local_rows < rows_per_group) & (rows < n_rows), N, eps, weight_offset, has_residual, True,
+                          BLOCK_N, NUM_CHUNKS, HAS_WEIGHT, 1)
+    end_call(ctrl, epoch)
+
+
+def all_reduce_norm_into(x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor | None,
+                         y: torch.Tensor, residual_out: torch.Tensor, eps: float, weight_offset: float, *, algo: str,
+                         grid: int, rows_per_group: int, table: torch.Tensor, table_addrs: list[int],
+                         status_addr: int, rank: int, layout, timeout_ns: int) -> None:
+    """Launch one fused all-reduce + (residual add) + RMSNorm over 2-D [n_rows, N]
+    contiguous, 16-byte aligned operands.
+
+    x: this rank's contribution; residual: this rank's residual or None; writes y and
+    residual_out (round(all_reduce(x) + residual), or all_reduce(x) without a residual).
+    residual_out may alias residual only when ``NormConfig.from_shape(N, dtype).num_chunks
+    == 1`` (chunked rows re-read the residual). Every rank must launch the same algo, grid
+    and rows_per_group (``tpfuse.comm.plan.FusedPlan``, from the shape only). The rest as
+    ``tpfuse.kernels.allreduce.all_reduce_into``.
+    """
+    n_rows, n = x.shape
+    cfg = NormConfig.from_shape(n, x.dtype)
+    world = layout.world_size
+    common = dict(
+        X=x, RES=residual if residual is not None else x, W=weight if weight is not None else x, Y=y,
+        RES_OUT=residual_out, n_rows=n_rows, N=n, eps=eps, weight_offset=weight_offset,
+        has_residual=int(residual is not None), table_ptr=table, local=table_addrs[rank], status_addr=status_addr,
+        rank=rank, timeout_ns=timeout_ns, flags_offset=layout.flag_offset(0), data_offset=layout.data_offset(0),
+        data_bytes=layout.data_bytes, BLOCK_N=cfg.block_n, NUM_CHUNKS=cfg.num_chunks, ROWS=cfg.rows,
+        HAS_WEIGHT=weight is not None, WORLD=world, PEERS=triton.next_power_of_2(world), num_warps=cfg.num_warps,
+        **EXACT_FP)
+    if algo == "oneshot":
+        oneshot_all_reduce_norm_kernel[(grid,)](slot_elems=layout.oneshot_slot_bytes // x.element_size(), **common)
+    elif algo == "twoshot":
+        twoshot_all_reduce_norm_kernel[(grid,)](
+            rows_per_group=rows_per_group, flags_bytes=layout.flag_region_bytes, gather_offset=layout.gather_offset,
+            slot_elems=layout.twoshot_slot_bytes // x.element_size(), **common)
+    else:
+        raise ValueError(f"algo must be 'oneshot' or 'twoshot', got {algo!r}")
