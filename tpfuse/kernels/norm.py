@@ -61,10 +61,12 @@ def _pow2_warps(threads: int, cap: int) -> int:
 class NormConfig:
     """Tile shape and launch parameters for one (N, dtype); shared by every norm kernel.
 
-    Warp counts come from a sweep on H200 (scripts/tune_norm.py, benchmarks/NOTES.md): the
-    forward is fastest with 2 16-byte vectors per thread on small tiles and 4 on tiles of
-    4096+ elements, at most 8 warps; the backward (more live values per element) with one
-    vector per thread, at most 16 warps.
+    Warp counts come from sweeps on H200 (scripts/tune_norm.py, benchmarks/NOTES.md): the
+    forward runs 2 16-byte vectors per thread, at most 8 warps; the backward (more live
+    values per element) one vector per thread, at most 16 warps. The forward's warps also
+    set the fused all-reduce + RMSNorm's (tpfuse.kernels.fused), which shares its tiles:
+    at decode sizes that kernel is one CTA whose per-thread work is on the critical path
+    (4x H200, 1 token of 4096: 8.1 us on 4 warps, 6.8 us on 8).
     """
 
     block_n: int  # columns per tile (a power of two)
@@ -88,10 +90,9 @@ class NormConfig:
         while rows < _MAX_TILE_ROWS and rows * block_n * esize < _MIN_TILE_BYTES:
             rows *= 2
         vectors = rows * block_n // (16 // esize)
-        fwd_vectors_per_thread = 2 if rows * block_n < 4096 else 4
         return NormConfig(
             block_n=block_n, num_chunks=num_chunks, rows=rows,
-            num_warps=_pow2_warps(vectors // fwd_vectors_per_thread, 8),
+            num_warps=_pow2_warps(vectors // 2, 8),
             bwd_num_warps=_pow2_warps(vectors, 16),
             bwd_prefetch=num_chunks == 1 and rows * block_n <= _MAX_PREFETCH_TILE,
             bwd_joint_reduce=rows * block_n not in _BWD_TWO_REDUCTION_TILES,
