@@ -176,24 +176,32 @@ def _changing_shapes_without_barriers(calls, seed):
 
 # ---------------------------------------------------------------- tests
 
-def test_fused_plan_picks_by_size_and_keeps_groups_whole_tiles():
+def test_fused_plan_picks_by_size_and_keeps_groups_whole_tiles(monkeypatch):
+    import tpfuse.comm.plan as plan
+
     layout = WorkspaceLayout(4, 1 << 20, max_blocks=128)
     bf16 = torch.bfloat16
-    assert FusedPlan.from_shape(4, 4096, 1, 4, bf16, layout).algo == "oneshot"
-    assert FusedPlan.from_shape(4, 4096, 1, 4, bf16, None).algo == "split"
-    two = FusedPlan.from_shape(63, 256, 8, 4, bf16, layout, "twoshot")
-    assert two.rows_per_group == 16 and two.rows_per_group % 8 == 0 and two.grid == 2
-    assert FusedPlan.from_shape(4096, 4096, 1, 4, bf16, layout).algo == "split"  # 32 MiB > workspace
+    assert FusedPlan.from_shape(4, 4096, 4, bf16, layout).algo == "oneshot"
+    assert FusedPlan.from_shape(4, 4096, 4, bf16, None).algo == "split"
+    # hidden 8192: 4 vectors per thread, slower fused than split at decode, so auto splits.
+    assert FusedPlan.from_shape(1, 8192, 4, bf16, layout).algo == "split"
+    assert FusedPlan.from_shape(1, 8192, 4, bf16, layout, "oneshot").algo == "oneshot"
+    monkeypatch.setitem(plan.FUSED_TWOSHOT_MAX_BYTES, 4, 1 << 20)
+    assert FusedPlan.from_shape(200, 2048, 4, bf16, layout).algo == "twoshot"  # 800 KiB > one-shot's 512 KiB
+    cfg = NormConfig.from_shape(256, bf16)
+    two = FusedPlan.from_shape(63, 256, 4, bf16, layout, "twoshot")
+    assert cfg.rows == 4 and two.rows_per_group == 16 and two.grid == 4
+    assert FusedPlan.from_shape(4096, 4096, 4, bf16, layout).algo == "split"  # 32 MiB > workspace
     with pytest.raises(ValueError, match="max_bytes"):
-        FusedPlan.from_shape(4096, 4096, 1, 4, bf16, layout, "twoshot")
+        FusedPlan.from_shape(4096, 4096, 4, bf16, layout, "twoshot")
     with pytest.raises(ValueError, match="algo must be"):
-        FusedPlan.from_shape(1, 64, 1, 4, bf16, layout, "nccl")
+        FusedPlan.from_shape(1, 64, 4, bf16, layout, "nccl")
     cfg = NormConfig.from_shape(96, bf16)
-    assert FusedPlan.from_shape(40, 96, cfg.rows, 2, bf16, layout, "twoshot").rows_per_group % cfg.rows == 0
+    assert FusedPlan.from_shape(40, 96, 2, bf16, layout, "twoshot").rows_per_group % cfg.rows == 0
     # Hidden sizes off the multiple of 16 take the split path (tests/test_fused_layouts.py says why).
-    assert FusedPlan.from_shape(4, 1000, 1, 4, bf16, layout).algo == "split"
+    assert FusedPlan.from_shape(4, 1000, 4, bf16, layout).algo == "split"
     with pytest.raises(ValueError, match="multiple of 16"):
-        FusedPlan.from_shape(4, 1000, 1, 4, bf16, layout, "oneshot")
+        FusedPlan.from_shape(4, 1000, 4, bf16, layout, "oneshot")
 
 
 @pytest.mark.parametrize("world", [2, 4])

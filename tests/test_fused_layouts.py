@@ -53,8 +53,8 @@ def test_fused_kernels_reduce_rows_in_the_norm_kernels_layout(compiled):
     for r in compiled[1:]:
         # Exactly one row reduction each: a finder that found nothing would compare nothing.
         assert len(r["norm"]) == 1, r
-        for algo in ("oneshot", "twoshot"):
-            if r[algo] != r["norm"]:
+        for algo in ("oneshot", "twoshot"):  # a kernel may inline the norm more than once
+            if not r[algo] or any(layout != r["norm"][0] for layout in r[algo]):
                 wrong.append(f"{r['case']}: {algo} reduces in {r[algo]}, the norm kernel in {r['norm']}")
     assert not wrong, "\n".join(wrong)
 
@@ -65,4 +65,5 @@ def test_the_check_sees_the_difference_that_excludes_other_hidden_sizes(compiled
     new Triton stop differing here, the restriction may be revisited."""
     r = compiled[0]
     assert r["case"] == UNSERVED and len(r["norm"]) == 1
-    assert r["oneshot"] != r["norm"] and r["twoshot"] != r["norm"]
+    assert r["oneshot"] and r["twoshot"]
+    assert all(layout != r["norm"][0] for layout in r["oneshot"] + r["twoshot"])

@@ -64,7 +64,6 @@ def _methods(comm, weight):
 
 def _measure_shape(tokens, hidden, comm, world, rank):
     from tpfuse.comm.plan import FusedPlan
-    from tpfuse.kernels.norm import NormConfig
 
     xs, residual, weight = _layer_inputs(tokens, hidden, world, "cuda", seed=tokens * 100_003 + hidden)
     x = xs[rank]
@@ -73,12 +72,11 @@ def _measure_shape(tokens, hidden, comm, world, rank):
     spec_ok = _same_bits(split_out[1], reference.all_reduce_add_rms_norm(xs, residual, weight, EPS)[1])
     rot = rotation(2 * x.numel() * x.element_size())
     pool = [(x.clone(), residual.clone()) for _ in range(rot)]
-    rows_per_tile = NormConfig.from_shape(hidden, x.dtype).rows
     records = []
     for name, fn in methods.items():
         if name in ("oneshot", "twoshot"):
             try:
-                FusedPlan.from_shape(tokens, hidden, rows_per_tile, world, x.dtype, comm.layout, name)
+                FusedPlan.from_shape(tokens, hidden, world, x.dtype, comm.layout, name)
             except ValueError:
                 continue  # this algorithm does not serve the shape with this workspace
         out = fn(x, residual)
@@ -86,7 +84,7 @@ def _measure_shape(tokens, hidden, comm, world, rank):
         us = _graph_us(lambda i: fn(*pool[i]), rot)  # noqa: B023  (called right here)
         rec = dict(tokens=tokens, hidden=hidden, method=name, us=round(us, 2), bitwise=bool(bitwise))
         if name == "auto":
-            rec["algo"] = FusedPlan.from_shape(tokens, hidden, rows_per_tile, world, x.dtype, comm.layout).algo
+            rec["algo"] = FusedPlan.from_shape(tokens, hidden, world, x.dtype, comm.layout).algo
         records.append(rec)
     return records
 

@@ -289,7 +289,7 @@ class Communicator:
         n = x.shape[-1]
         cfg = NormConfig.from_shape(n, x.dtype)
         plan = (FusedPlan("split", reason="one rank") if self.world_size == 1 or x.numel() == 0 else
-                FusedPlan.from_shape(x.numel() // n, n, cfg.rows, self.world_size, x.dtype, self.layout, algo))
+                FusedPlan.from_shape(x.numel() // n, n, self.world_size, x.dtype, self.layout, algo))
         if plan.algo == "split":
             reduced = self.all_reduce(x)
             if residual is None:

@@ -16,6 +16,7 @@ import torch
 
 from tpfuse._runtime import INTERPRETER
 from tpfuse.comm.workspace import ALIGN, WorkspaceLayout
+from tpfuse.kernels.norm import NormConfig
 
 KiB = 1024
 
@@ -140,16 +141,23 @@ class AllReducePlan:
 
 # ---- Fused all-reduce + residual add + RMSNorm (Communicator.all_reduce_add_rms_norm).
 # The fused kernels (tpfuse.kernels.fused) take the norm's tile shape and warps, fixed by
-# (N, dtype) (NormConfig), so only the algorithm and the grid are chosen here.
+# (N, dtype) (NormConfig), so only the algorithm and the grid are chosen here. Set from
+# `tpfuse bench fused` on 4x H200 (W=4 bf16, benchmarks/NOTES.md); W=2 and W=8 keep W=4's.
 #
-# FUSED_ONESHOT_MAX_BYTES / FUSED_TWOSHOT_MAX_BYTES: largest message (x's bytes) "auto" sends
-#   to the fused one-shot / two-shot kernel, by world size (other sizes: W=8's); above both,
-#   "split" (tpfuse all_reduce, then add_rms_norm: the same bits). Set from `tpfuse bench
-#   fused` on 4x H200 (benchmarks/NOTES.md); W=2 and W=8 keep W=4's until measured.
+# FUSED_ONESHOT_MAX_BYTES: largest message (x's bytes) "auto" sends to the fused one-shot
+#   kernel, by world size (other sizes: W=8's), and only for hidden sizes whose norm tile
+#   holds at most FUSED_ONESHOT_MAX_VECTORS 16-byte vectors per thread: a decode call is one
+#   CTA per row tile, and its per-thread work is on the critical path (measured: hidden 4096
+#   bf16, 2 vectors per thread, 1.10-1.14x faster than split for 1-32 tokens, 1.03x at 64;
+#   hidden 8192, 4 vectors per thread, 0.97x at 1 token).
+# FUSED_TWOSHOT_MAX_BYTES: largest message "auto" sends to the fused two-shot kernel (0: never;
+#   it measured 0.91-0.98x of split from 128 to 1024 tokens).
+#   Above both, "split" (tpfuse all_reduce, then add_rms_norm: the same bits).
 # FUSED_MAX_CTAS: CTAs per fused call. Every CTA must be resident at once (as for MAX_CTAS):
 #   the norm's tiles use at most 8 warps, so 128 CTAs fit H200's 132 SMs.
 FUSED_ONESHOT_MAX_BYTES = {2: 512 * KiB, 4: 512 * KiB, 8: 128 * KiB}
-FUSED_TWOSHOT_MAX_BYTES = {2: 8192 * KiB, 4: 8192 * KiB, 8: 8192 * KiB}
+FUSED_ONESHOT_MAX_VECTORS = 2
+FUSED_TWOSHOT_MAX_BYTES = {2: 0, 4: 0, 8: 0}
 FUSED_MAX_CTAS = 128 if not INTERPRETER else 4
 FUSED_HIDDEN_MULTIPLE = 16
 """The fused kernels serve hidden sizes that are multiples of this, the divisibility Triton
@@ -171,8 +179,8 @@ class FusedPlan:
 
     algo: "oneshot", "twoshot" or "split"; grid: CTAs; rows_per_group: rows each rank reduces
     in two-shot (rank g owns rows [g * rows_per_group, (g + 1) * rows_per_group); a multiple
-    of the norm's tile rows ``tile_rows``, so no tile spans two owners); reason: why "split"
-    was chosen. From (n_rows, n, dtype, world size, layout) only, like ``AllReducePlan``.
+    of the norm's tile rows, so no tile spans two owners); reason: why "split" was chosen.
+    From (n_rows, n, dtype, world size, layout) only, like ``AllReducePlan``.
     """
 
     algo: str
@@ -181,12 +189,13 @@ class FusedPlan:
     reason: str = ""
 
     @classmethod
-    def from_shape(cls, n_rows: int, n: int, tile_rows: int, world_size: int, dtype: torch.dtype,
-                   layout: WorkspaceLayout | None, algo: str = "auto") -> "FusedPlan":
-        """"auto" picks one-shot up to FUSED_ONESHOT_MAX_BYTES, two-shot up to
-        FUSED_TWOSHOT_MAX_BYTES, else "split" (also when the workspace cannot hold the
-        message, or n is not a multiple of FUSED_HIDDEN_MULTIPLE). An explicit "oneshot" or
-        "twoshot" that cannot serve the shape raises ValueError."""
+    def from_shape(cls, n_rows: int, n: int, world_size: int, dtype: torch.dtype, layout: WorkspaceLayout | None,
+                   algo: str = "auto") -> "FusedPlan":
+        """"auto" picks one-shot up to FUSED_ONESHOT_MAX_BYTES (for hidden sizes with at most
+        FUSED_ONESHOT_MAX_VECTORS vectors per thread), two-shot up to FUSED_TWOSHOT_MAX_BYTES,
+        else "split" (also when the workspace cannot hold the message, or n is not a multiple
+        of FUSED_HIDDEN_MULTIPLE). An explicit "oneshot" or "twoshot" that cannot serve the
+        shape raises ValueError."""
         check_fused_algo(algo)
         if algo == "split":
             return cls("split", reason="algo='split' was requested")
@@ -199,6 +208,8 @@ class FusedPlan:
                 return cls("split", reason=f"hidden size {n} is not a multiple of {FUSED_HIDDEN_MULTIPLE}")
             raise ValueError(f"algo={algo!r} needs a hidden size that is a multiple of {FUSED_HIDDEN_MULTIPLE}, got "
                              f"{n}; use algo='auto' or 'split'")
+        cfg = NormConfig.from_shape(n, dtype)
+        tile_rows = cfg.rows
         esize = dtype.itemsize
         nbytes = n_rows * n * esize
         rows_per_group = {"oneshot": n_rows, "twoshot": _cdiv(_cdiv(n_rows, world_size), tile_rows) * tile_rows}
@@ -207,7 +218,9 @@ class FusedPlan:
         if n_rows * n > MAX_ELEMENTS:
             fits = {"oneshot": False, "twoshot": False}
         if algo == "auto":
-            if nbytes <= FUSED_ONESHOT_MAX_BYTES.get(world_size, FUSED_ONESHOT_MAX_BYTES[8]) and fits["oneshot"]:
+            vectors_per_thread = cfg.rows * cfg.block_n * esize // 16 / (cfg.num_warps * 32)
+            if (nbytes <= FUSED_ONESHOT_MAX_BYTES.get(world_size, FUSED_ONESHOT_MAX_BYTES[8]) and fits["oneshot"]
+                    and vectors_per_thread <= FUSED_ONESHOT_MAX_VECTORS):
                 algo = "oneshot"
             elif nbytes <= FUSED_TWOSHOT_MAX_BYTES.get(world_size, FUSED_TWOSHOT_MAX_BYTES[8]) and fits["twoshot"]:
                 algo = "twoshot"

@@ -132,7 +132,7 @@ def twoshot_all_reduce_norm_kernel(
         gather0 = _typed(local, data + gather_offset, ELEM)
         for tile in range(pid, n_tiles, grid):
             local_rows = tile * ROWS + tl.arange(0, ROWS)
-            for g in range(WORLD):  # a loop, not unrolled: one copy of the norm code
+            for g in tl.static_range(WORLD):  # unrolled: the W groups' loads are in flight together
                 rows = g * rows_per_group + local_rows
                 norm_tile(gather0 + g * slot_elems, local_rows.to(tl.int64) * N, 0, RES, W, Y, RES_OUT, rows,
                           (local_rows < rows_per_group) & (rows < n_rows), N, eps, weight_offset, has_residual, True,
