@@ -5,9 +5,10 @@ chunks of ``BLOCK_N`` when it is too long to keep in registers). ``NormConfig.fr
 derives all of it from (N, dtype) alone, and rms_norm and add_rms_norm run one compiled
 kernel whose row counts are not specialised, so a row's bits depend only on N and dtype:
 not on the number of rows, the row's position, the grid, or the GPU's SM count. Kernels
-that must match these bit for bit (the fused all-reduce + norm of a later issue) have to
-reduce in the same compiled code, not merely call the same device function: Triton picks
-register layouts, and so summation orders, per compiled kernel (benchmarks/NOTES.md).
+that must match these bit for bit (the fused all-reduce + norm, ``tpfuse.kernels.fused``)
+inline the forward's tile code (``norm_tile``), and that alone is not enough: Triton picks
+register layouts, and so summation orders, per compiled kernel (benchmarks/NOTES.md), so
+tests/test_fused_layouts.py compiles them for sm_90 and compares their reductions' layouts.
 
 Launchers here write into caller-provided outputs and take 2-D contiguous, 16-byte-aligned
 operands (``tpfuse._runtime.aligned_contiguous``); allocation, validation and autograd live
@@ -109,8 +110,8 @@ def inv_rms(sum_sq, N, eps):
 def row_inv_rms(sq, N, eps):
     """inv_rms per row, from sq: [ROWS, BLOCK_N] fp32 per-lane sums of x^2 (zero in padding
     lanes). The forward's row reduction. Its bits depend on the layout Triton gives the tile,
-    which it picks per compiled kernel, so bitwise equality between two ops needs them to run
-    one compiled kernel (see rms_norm_fwd_kernel), not just this function."""
+    which it picks per compiled kernel, so bitwise equality between two kernels needs the
+    same layout, not just this function (see norm_tile)."""
     return inv_rms(tl.sum(sq, axis=1), N, eps)
 
 
