@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from tests.multiproc import run_ranks
+from tests.tally import PoolChecker
 
 pytestmark = pytest.mark.multigpu
 
@@ -37,30 +38,14 @@ def _pools(world, seed=0):
     return pools
 
 
-class _Checker:
+class _Checker(PoolChecker):
     """Calls all_reduce on slices of the pools; counts, on the device, the elements that
     differ from tpfuse.reference.all_reduce (no host sync until ``failures``)."""
-
-    def __init__(self, comm, pools):
-        from tpfuse import reference
-
-        self.comm, self.pools, self.reference = comm, pools, reference
-        self.rank = dist.get_rank()
-        self.bad = torch.zeros((), dtype=torch.int64, device="cuda")
-        self.calls = 0
-        self.first_bad = {}
-
-    def inputs(self, n, dtype, offset):
-        return [p[offset:offset + n] for p in self.pools[dtype]]
 
     def expect(self, out, xs, what):
         ref = self.reference.all_reduce(xs)
         as_int = {2: torch.int16, 4: torch.int32}[out.element_size()]
-        bad = (out.reshape(-1).view(as_int) != ref.view(as_int)).sum()
-        self.bad += bad
-        self.calls += 1
-        if len(self.first_bad) < 5:  # keep a few labels; read only at the end
-            self.first_bad[what] = bad
+        self.record((out.reshape(-1).view(as_int) != ref.view(as_int)).sum(), what)
 
     def call(self, n, dtype, algo, offset=0, what=""):
         xs = self.inputs(n, dtype, offset)
@@ -68,13 +53,6 @@ class _Checker:
         out = self.comm.all_reduce(xs[self.rank], algo=algo)
         self.expect(out, xs, what or f"n={n} {dtype} {algo} offset={offset}")
         return out
-
-    def failures(self):
-        total = self.bad.item()
-        if total == 0:
-            return []
-        return [f"{total} mismatching elements over {self.calls} calls; first labels: "
-                + ", ".join(f"{k}: {v.item()}" for k, v in self.first_bad.items() if v.item())]
 
 
 def _sizes_dtypes_algos(sizes):

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from tests.multiproc import run_ranks
+from tests.tally import MismatchTally
 from tests.test_quant import _poisoned_empty
 
 pytestmark = pytest.mark.multigpu
@@ -28,14 +29,15 @@ TOKENS = [1, 2, 3, 16, 17, 128, 513, 2048]
 ALGOS = ["oneshot", "twoshot", "auto", "split"]
 
 
-class _Layer:
+class _Layer(MismatchTally):
     """Random inputs of one layer call on every rank (shared seeds), its fused call, and the
-    count of bits that differ from the split composition (on the device)."""
+    count of bytes that differ from the split composition (on the device)."""
+
+    UNIT = "bytes"
 
     def __init__(self, comm):
+        super().__init__()
         self.comm, self.rank, self.world = comm, dist.get_rank(), dist.get_world_size()
-        self.bad = torch.zeros((), dtype=torch.int64, device="cuda")
-        self.calls, self.labels = 0, {}
 
     def inputs(self, tokens, hidden, dtype, seed):
         g = torch.Generator(device="cuda").manual_seed(seed)
@@ -50,11 +52,7 @@ class _Layer:
         return tpfuse.add_rms_norm(self.comm.all_reduce(x), residual, weight, weight_offset=offset)
 
     def expect(self, got, want, what):
-        bad = sum(((a.view(torch.uint8) != b.view(torch.uint8)).sum() for a, b in zip(got, want)), self.bad * 0)
-        self.bad += bad
-        self.calls += 1
-        if len(self.labels) < 5:
-            self.labels[what] = bad
+        self.record(sum((a.view(torch.uint8) != b.view(torch.uint8)).sum() for a, b in zip(got, want)), what)
 
     def check(self, tokens, hidden, dtype, algo, seed):
         x, residual, weight = self.inputs(tokens, hidden, dtype, seed)
@@ -63,13 +61,6 @@ class _Layer:
         with _poisoned_empty():  # an output element the kernel does not write shows as NaN
             got = self.comm.all_reduce_add_rms_norm(x, residual, weight, weight_offset=offset, algo=algo)
         self.expect(got, want, f"{tokens}x{hidden} {dtype} {algo} offset={offset}")
-
-    def failures(self):
-        total = self.bad.item()
-        if total == 0 and self.calls > 0:
-            return []
-        return [f"{total} mismatching bytes over {self.calls} calls; first labels: "
-                + ", ".join(f"{k}: {v.item()}" for k, v in self.labels.items() if v.item())]
 
 
 def _grid():

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from tests.multiproc import run_ranks
+from tests.tally import PoolChecker
 
 NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
 needs_gpu = pytest.mark.skipif(NGPU < 1, reason="needs a CUDA GPU")
@@ -50,29 +51,13 @@ def _mismatches(out, ref):
     return ((out.view(as_int) != ref.view(as_int)) & ~both_nan).sum()
 
 
-class _Checker:
+class _Checker(PoolChecker):
     """Calls all_reduce on slices of the pools; counts, on the device, the elements that
     differ from the reference of the path the call must take (no host sync until the end)."""
 
-    def __init__(self, comm, pools):
-        from tpfuse import reference
-
-        self.comm, self.pools, self.reference = comm, pools, reference
-        self.rank = dist.get_rank()
-        self.bad = torch.zeros((), dtype=torch.int64, device="cuda")
-        self.calls = 0
-        self.first_bad = {}
-
-    def inputs(self, n, dtype, offset):
-        return [p[offset:offset + n] for p in self.pools[dtype]]
-
     def expect(self, out, xs, quant, quantized, what):
         ref = self.reference.quantized_all_reduce(xs, quant) if quantized else self.reference.all_reduce(xs)
-        bad = _mismatches(out, ref)
-        self.bad += bad
-        self.calls += 1
-        if len(self.first_bad) < 5:
-            self.first_bad[what] = bad
+        self.record(_mismatches(out, ref), what)
 
     def call(self, n, dtype, quant, offset=0, min_bytes=0, what=""):
         """One call; quant=None is the exact path, and so is a message below min_bytes."""
@@ -85,13 +70,6 @@ class _Checker:
         quantized = quant is not None and n * dtype.itemsize >= min_bytes
         self.expect(out, xs, quant, quantized, what or f"n={n} {dtype} {quant} offset={offset}")
         return out
-
-    def failures(self):
-        total = self.bad.item()
-        if total == 0:
-            return []
-        return [f"{total} mismatching elements over {self.calls} calls; first labels: "
-                + ", ".join(f"{k}: {v.item()}" for k, v in self.first_bad.items() if v.item())]
 
 
 def _sizes_codecs_dtypes(sizes, big):

@@ -78,6 +78,21 @@ def spawn_ranks(worker, world: int, opts: dict) -> int:
     return 0
 
 
+def run_workers(gpu_worker, cpu_worker, opts: dict) -> int:
+    """Run a collective benchmark where it can run: as this torchrun rank, on every visible
+    GPU (2 or more, one spawned process each), or else as two CPU ranks under Triton's
+    interpreter (``cpu_worker``, a correctness check). Returns the exit code."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
+        gpu_worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, opts)
+        return 0
+    ngpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if ngpu >= 2:
+        return spawn_ranks(gpu_worker, ngpu, opts)
+    print(f"{ngpu} CUDA GPU(s): running the CPU emulation instead")
+    os.environ["TRITON_INTERPRET"] = "1"  # the spawned ranks run the kernels on CPU
+    return spawn_ranks(cpu_worker, 2, opts)
+
+
 def init_rank(rank: int, world: int, port: int | None, backend: str) -> None:
     """Join the benchmark's process group: "nccl" on GPU LOCAL_RANK (default: rank), or
     "gloo" on CPU; port None means torchrun's environment."""
@@ -283,15 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         opts["min_bytes"] = opts["min_bytes"] or SIZES[0]
         opts["max_bytes"] = opts["max_bytes"] or SIZES[-1]
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
-        gpu_worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, opts)
-        return 0
-    ngpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if ngpu >= 2:
-        return spawn_ranks(gpu_worker, ngpu, opts)
-    print(f"{ngpu} CUDA GPU(s): running the CPU emulation instead")
-    os.environ["TRITON_INTERPRET"] = "1"  # the spawned ranks run the kernels on CPU
-    return spawn_ranks(cpu_worker, 2, opts)
+    return run_workers(gpu_worker, cpu_worker, opts)
 
 
 if __name__ == "__main__":

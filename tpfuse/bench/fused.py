@@ -16,7 +16,6 @@ interpreter check the bits on a few shapes (timings need GPUs).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
@@ -25,7 +24,7 @@ import torch.nn.functional as F
 
 import tpfuse
 from tpfuse import reference
-from tpfuse.bench.allreduce import _graph_us, _same_bits, init_rank, spawn_ranks
+from tpfuse.bench.allreduce import _graph_us, _same_bits, init_rank, run_workers
 from tpfuse.bench.common import header_markdown, rotation, run_header, write_results
 
 DECODE = [1, 2, 4, 8, 16, 32, 64, 128, 256]
@@ -163,16 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tpfuse bench fused", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench_out", help="directory for fused_*.json / .md")
     p.add_argument("--max-tokens", type=int, default=max(t for t, _ in SHAPES))
-    opts = vars(p.parse_args(argv))
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
-        _gpu_worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, opts)
-        return 0
-    ngpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if ngpu >= 2:
-        return spawn_ranks(_gpu_worker, ngpu, opts)
-    print(f"{ngpu} CUDA GPU(s): running the CPU emulation instead")
-    os.environ["TRITON_INTERPRET"] = "1"
-    return spawn_ranks(_cpu_worker, 2, opts)
+    return run_workers(_gpu_worker, _cpu_worker, vars(p.parse_args(argv)))
 
 
 if __name__ == "__main__":

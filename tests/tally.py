@@ -1,0 +1,48 @@
+"""Mismatch counting for the long GPU runs: counts stay on the device until the end."""
+
+import torch
+
+
+class MismatchTally:
+    """Counts mismatches on the device over many calls; ``failures()`` is the one host read,
+    so a run of thousands of calls never synchronises with the host before it ends. UNIT
+    names what is counted. No call at all is a failure too (a check that checked nothing)."""
+
+    UNIT = "elements"
+
+    def __init__(self):
+        self.bad = torch.zeros((), dtype=torch.int64, device="cuda")
+        self.calls = 0
+        self.first_bad = {}
+
+    def record(self, bad: torch.Tensor, what: str) -> None:
+        """Add one call's mismatch count (a device scalar) under the label ``what``."""
+        self.bad += bad
+        self.calls += 1
+        if len(self.first_bad) < 5:  # keep a few labels; read only at the end
+            self.first_bad[what] = bad
+
+    def failures(self) -> list[str]:
+        total = self.bad.item()
+        if total == 0 and self.calls > 0:
+            return []
+        return [f"{total} mismatching {self.UNIT} over {self.calls} calls; first labels: "
+                + ", ".join(f"{k}: {v.item()}" for k, v in self.first_bad.items() if v.item())]
+
+
+class PoolChecker(MismatchTally):
+    """A tally whose calls take every rank's input from slices of shared random pools
+    (``pools[dtype][rank]``, the same on every rank), so each rank can compute the reference
+    of every call itself."""
+
+    def __init__(self, comm, pools):
+        import torch.distributed as dist
+
+        from tpfuse import reference
+
+        super().__init__()
+        self.comm, self.pools, self.reference = comm, pools, reference
+        self.rank = dist.get_rank()
+
+    def inputs(self, n, dtype, offset):
+        return [p[offset:offset + n] for p in self.pools[dtype]]
