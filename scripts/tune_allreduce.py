@@ -14,6 +14,10 @@ already timed there is not timed again):
   gather GATHER (two-shot only): "push" (store the reduced chunk into every peer's gather
          slot, peers copy it out) or "pull" (peers load it from the owner's gather slot
          straight into their output).
+  ll     LL_MAX_BYTES (one-shot only): 0 (separate flags) or the largest size (the LL
+         protocol of tpfuse.kernels.ll at every one-shot size swept).
+--knobs '{"oneshot": {"warps": [16]}}' replaces knob lists, --algos and --sizes-kib narrow
+the sweep.
 
 Timing is tpfuse.bench.allreduce's: CUDA-graph replay of 20 calls, inputs rotated so small
 messages are not served from L2, every rank replays alike, slowest rank's median; fewer and
@@ -53,22 +57,24 @@ KiB, MiB = 1024, 1024 * 1024
 SIZES = [8 * KiB, 32 * MiB, 256 * KiB, 2 * MiB, 128 * MiB, 32 * KiB, 1 * MiB, 8 * MiB]
 ONESHOT_SIZES = [s for s in SIZES if s <= 2 * MiB]
 KNOBS = {
-    "oneshot": dict(ctas=[16, 32, 64, 128], tile=[8 * KiB, 16 * KiB, 32 * KiB], warps=[4, 8, 16], gather=["-"]),
+    "oneshot": dict(ctas=[16, 32, 64, 128], tile=[8 * KiB, 16 * KiB, 32 * KiB], warps=[4, 8, 16], gather=["-"],
+                    ll=[0, 2 * MiB]),
     "twoshot": dict(ctas=[32, 64, 96, 128], tile=[8 * KiB, 16 * KiB, 32 * KiB], warps=[4, 8, 16],
-                    gather=["push", "pull"]),
+                    gather=["push", "pull"], ll=["-"]),
 }
 B.REPEATS, B.MIN_SAMPLE_MS = 3, 5.0  # the bench's 5 x 20 ms per point would not fit
 
 
 def _configs(algo):
     k = KNOBS[algo]
-    return [dict(ctas=c, tile=t, warps=w, gather=g)
-            for c, t, w, g in itertools.product(k["ctas"], k["tile"], k["warps"], k["gather"])]
+    return [dict(ctas=c, tile=t, warps=w, gather=g, ll=ll)
+            for c, t, w, g, ll in itertools.product(k["ctas"], k["tile"], k["warps"], k["gather"], k["ll"])]
 
 
 def _fmt_cfg(cfg) -> str:
     g = "" if cfg.get("gather") in (None, "-") else f" {cfg['gather']}"
-    return f"c{cfg['ctas']} t{cfg['tile'] // KiB}K w{cfg['warps']}{g}"
+    ll = " ll" if cfg.get("ll") not in (None, "-", 0) else ""
+    return f"c{cfg['ctas']} t{cfg['tile'] // KiB}K w{cfg['warps']}{g}{ll}"
 
 
 class _Knobs:
@@ -79,17 +85,18 @@ class _Knobs:
 
     def __enter__(self):
         p = self.plan
-        self.saved = (dict(p.MAX_CTAS), dict(p.TILE_BYTES), dict(p.NUM_WARPS), p.GATHER)
+        self.saved = (dict(p.MAX_CTAS), dict(p.TILE_BYTES), dict(p.NUM_WARPS), p.GATHER, dict(p.LL_MAX_BYTES))
         p.MAX_CTAS[self.algo] = self.cfg["ctas"]
         p.TILE_BYTES[self.algo] = self.cfg["tile"]
         p.NUM_WARPS[self.algo] = self.cfg["warps"]
         if self.cfg["gather"] != "-":
             p.GATHER = self.cfg["gather"]
+        if self.cfg["ll"] != "-":
+            p.LL_MAX_BYTES = dict.fromkeys(p.LL_MAX_BYTES, self.cfg["ll"])
 
     def __exit__(self, *exc):
         p = self.plan
-        p.MAX_CTAS, p.TILE_BYTES, p.NUM_WARPS, p.GATHER = (self.saved[0], self.saved[1], self.saved[2],
-                                                           self.saved[3])
+        p.MAX_CTAS, p.TILE_BYTES, p.NUM_WARPS, p.GATHER, p.LL_MAX_BYTES = self.saved
 
 
 def _summary(records, world) -> str:
@@ -168,12 +175,16 @@ def _worker(rank: int, world: int, port: int, opts: dict) -> None:
     dtype = torch.bfloat16
     sizes = [s for s in SIZES if s <= opts["max_size"]]
     defaults = {a: dict(ctas=P.MAX_CTAS[a], tile=P.TILE_BYTES[a], warps=P.NUM_WARPS[a],
-                        gather=P.GATHER if a == "twoshot" else "-") for a in ("oneshot", "twoshot")}
+                        gather=P.GATHER if a == "twoshot" else "-",
+                        ll=P.LL_MAX_BYTES.get(world, P.LL_MAX_BYTES[8]) if a == "oneshot" else "-")
+                for a in ("oneshot", "twoshot")}
     header = run_header() | {"world_size": world, "dtype": "bf16", "knobs": KNOBS, "defaults": defaults,
                              "repeats": B.REPEATS, "min_sample_ms": B.MIN_SAMPLE_MS}
     records, stopped = [], None
     try:
-        with Communicator(max_bytes=max(sizes)) as comm:
+        saved_ll, P.LL_MAX_BYTES = P.LL_MAX_BYTES, dict.fromkeys(P.LL_MAX_BYTES, max(ONESHOT_SIZES, default=0))
+        with Communicator(max_bytes=max(sizes)) as comm:  # LL regions for every one-shot size
+            P.LL_MAX_BYTES = saved_ll
             for nbytes in sizes:
                 n = nbytes // dtype.itemsize
                 xs = B._inputs(n, dtype, world, "cpu" if smoke else "cuda", seed=nbytes)
@@ -188,7 +199,7 @@ def _worker(rank: int, world: int, port: int, opts: dict) -> None:
 
                 nccl_pool = [p.clone() for p in pool]
                 put("nccl", None, B._graph_us(lambda i: dist.all_reduce(nccl_pool[i]), len(nccl_pool)), False)
-                for algo in ("oneshot", "twoshot"):
+                for algo in opts["algos"]:
                     if algo == "oneshot" and nbytes not in ONESHOT_SIZES:
                         continue
                     seen = {}
@@ -199,7 +210,7 @@ def _worker(rank: int, world: int, port: int, opts: dict) -> None:
                             raise TimeoutError(stopped)
                         with _Knobs(P, algo, cfg):
                             plan = P.AllReducePlan.from_numel(n, world, dtype, comm.layout, algo)
-                            key = (plan.block, plan.grid, plan.num_warps, plan.gather)
+                            key = (plan.block, plan.grid, plan.num_warps, plan.gather, plan.ll)
                             if key in seen:
                                 r = seen[key]
                                 put(algo, cfg, r["us"], r["bitwise"], dict(grid=plan.grid, same_as=r["cfg"]))
@@ -261,11 +272,17 @@ def main(argv=None) -> int:
     p.add_argument("--max-size", type=int, default=max(SIZES), help="largest message to sweep (bytes)")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="check the sweep's logic on 2 CPU ranks (Triton's interpreter, tiny sizes, few knobs)")
+    p.add_argument("--algos", default="oneshot,twoshot", help="algorithms to sweep (comma-separated)")
+    p.add_argument("--sizes-kib", default=None, help="message sizes to sweep, KiB (comma-separated)")
+    p.add_argument("--knobs", default="{}", help='JSON replacing knob lists, e.g. {"oneshot": {"warps": [16]}}')
     opts = vars(p.parse_args(argv))
-    opts.update(sizes=SIZES, oneshot_sizes=ONESHOT_SIZES, knobs=KNOBS)
+    opts["algos"] = opts["algos"].split(",")
+    sizes = SIZES if opts["sizes_kib"] is None else [int(v) * KiB for v in opts["sizes_kib"].split(",")]
+    knobs = {a: k | json.loads(opts["knobs"]).get(a, {}) for a, k in KNOBS.items()}
+    opts.update(sizes=sizes, oneshot_sizes=[s for s in sizes if s <= 2 * MiB], knobs=knobs)
     if opts["cpu_smoke"]:
         os.environ["TRITON_INTERPRET"] = "1"  # the spawned ranks run the kernels on CPU
-        knobs = {a: k | dict(ctas=[1, 4], tile=[8 * KiB, 64 * KiB], warps=[4]) for a, k in KNOBS.items()}
+        knobs = {a: k | dict(ctas=[1, 4], tile=[8 * KiB, 64 * KiB], warps=[4]) for a, k in knobs.items()}
         opts.update(sizes=[8 * KiB, 64 * KiB], oneshot_sizes=[8 * KiB, 64 * KiB], knobs=knobs, max_size=64 * KiB)
         return B.spawn_ranks(_worker, 2, opts)
     world = torch.cuda.device_count() if torch.cuda.is_available() else 0

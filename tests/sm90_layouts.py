@@ -13,7 +13,8 @@ intercepted and compiled with Triton's own argument specialisation (alignment an
 divisibility of every argument, as on a GPU), for the H200's target.
 
 Usage: python tests/sm90_layouts.py '<json list of cases>'; prints one JSON object per case:
-{"case": ..., "norm": [layouts], "oneshot": [layouts], "twoshot": [layouts]}, a layout being
+{"case": ..., "norm": [layouts], "oneshot": [layouts], "oneshot_ll": [layouts], "twoshot":
+[layouts]} (oneshot_ll: the one-shot kernel over the LL protocol), a layout being
 the reduced operand's type with its layout attribute written out.
 """
 
@@ -84,14 +85,15 @@ def layouts_for(case: dict) -> dict:
     out = {"case": case}
     kernel, kwargs = _launch_args(lambda: rms_norm_fwd(x, weight, y, 1e-6, 0.0, res, res_out))
     out["norm"] = row_reduction_layouts(_compile_ttgir(kernel, kwargs))
-    layout = WorkspaceLayout(world, 1 << 24, 128)
+    layout = WorkspaceLayout(world, 1 << 24, 128, ll_max_bytes=1 << 22)
     table = torch.zeros(world, dtype=torch.int64)
     addrs = [(1 << 40) + r * (1 << 30) for r in range(world)]
-    for algo in ("oneshot", "twoshot"):
+    for name, algo, ll in (("oneshot", "oneshot", False), ("oneshot_ll", "oneshot", True),
+                           ("twoshot", "twoshot", False)):
         kernel, kwargs = _launch_args(lambda: all_reduce_norm_into(  # noqa: B023  (called right here)
             x, weight, res, y, res_out, 1e-6, 0.0, algo=algo, grid=1, rows_per_group=rows, table=table,
-            table_addrs=addrs, status_addr=1 << 36, rank=1, layout=layout, timeout_ns=10**9))
-        out[algo] = row_reduction_layouts(_compile_ttgir(kernel, kwargs))
+            table_addrs=addrs, status_addr=1 << 36, rank=1, layout=layout, timeout_ns=10**9, ll=ll))
+        out[name] = row_reduction_layouts(_compile_ttgir(kernel, kwargs))
     return out
 
 

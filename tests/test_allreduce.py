@@ -77,6 +77,22 @@ def test_workspace_regions_are_disjoint_aligned_and_inside(world, max_bytes):
     assert layout.twoshot_slot_bytes * world >= max_bytes
     assert layout.oneshot_slot_bytes * world == layout.data_bytes
     assert layout.gather_offset == world * layout.twoshot_slot_bytes
+    assert not any(name.startswith(("ll", "reduced")) for name, _, _ in regions)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("ll_max_bytes", [1, 4096, 300_000])
+def test_ll_regions_are_disjoint_and_hold_ll_max_bytes_as_words(world, ll_max_bytes):
+    layout = WorkspaceLayout(world, 1 << 20, max_blocks=128, ll_max_bytes=ll_max_bytes)
+    regions = sorted(layout.regions(), key=lambda r: r[1])
+    for (n0, o0, s0), (n1, o1, _) in zip(regions, regions[1:]):
+        assert o0 + s0 <= o1, f"{n0} overlaps {n1}"
+    assert regions[-1][1] + regions[-1][2] == layout.total_bytes
+    slots = {name: (offset, size) for name, offset, size in regions if name.startswith("ll")}
+    assert len(slots) == 2 * world
+    assert all(size == layout.ll_slot_bytes >= 2 * ll_max_bytes for _, size in slots.values())  # 4 data bytes per word
+    assert slots["ll[1].slot[0]"][0] == layout.ll_offset(1) == layout.ll_offset(0) + layout.ll_bytes
+    assert layout.reduced_bytes >= ll_max_bytes
 
 
 def test_workspace_layout_does_not_depend_on_messages_and_default_is_tens_of_mib():
@@ -107,6 +123,12 @@ def test_plan_picks_by_size_and_refuses_what_does_not_fit():
         AllReducePlan.from_numel(1 << 20, 4, bf16, layout, "oneshot")
     with pytest.raises(ValueError, match="algo must be"):
         AllReducePlan.from_numel(10, 4, bf16, layout, "ring")
+    # LL up to the workspace's LL capacity and LL_MAX_BYTES, separate flags above.
+    ll_layout = WorkspaceLayout(4, 1 << 20, max_blocks=128, ll_max_bytes=8192)
+    assert AllReducePlan.from_numel(4096, 4, bf16, ll_layout, "oneshot").ll
+    assert not AllReducePlan.from_numel(4097, 4, bf16, ll_layout, "oneshot").ll
+    assert not AllReducePlan.from_numel(4096, 4, bf16, layout, "oneshot").ll  # no LL regions
+    assert not AllReducePlan.from_numel(4096, 4, bf16, ll_layout, "twoshot").ll
     # The same size gives the same grid, whatever came before (nothing but the size counts).
     assert AllReducePlan.from_numel(12345, 4, bf16, layout) == AllReducePlan.from_numel(12345, 4, bf16, layout)
 
@@ -129,6 +151,12 @@ def test_plan_follows_the_knobs_in_plan_py(monkeypatch):
     assert AllReducePlan.from_numel((4 << 20) // 2, 4, bf16, layout).algo == "nccl"
     assert AllReducePlan.from_numel((4 << 20) // 2, 4, bf16, layout, "twoshot").algo == "twoshot"
     assert AllReducePlan.from_numel((4 << 20) // 2, 2, bf16, layout).algo == "twoshot"
+    ll_layout = WorkspaceLayout(4, 16 << 20, max_blocks=128, ll_max_bytes=64 << 10)
+    assert AllReducePlan.from_numel(4096, 4, bf16, ll_layout, "oneshot").ll
+    monkeypatch.setattr(P, "LL_MAX_BYTES", {2: 1 << 20, 4: 1000, 8: 1 << 20})
+    assert not AllReducePlan.from_numel(4096, 4, bf16, ll_layout, "oneshot").ll
+    assert AllReducePlan.from_numel(500, 4, bf16, ll_layout, "oneshot").ll
+    assert P.ll_max_bytes(4, 16 << 20) == 1000 and P.ll_max_bytes(2, 1024) == 1024  # capped by one-shot's
     monkeypatch.setattr(P, "GATHER", "ring")
     with pytest.raises(ValueError, match="GATHER"):
         AllReducePlan.from_numel(8 << 20, 4, bf16, layout, "twoshot")
@@ -159,7 +187,17 @@ def _stress(calls, seed):
             _check(comm, xs, f"call {call} n={n} {dtype} {algo}", failures, digests, algo)
             if len(failures) > 5:
                 break
+        failures += _ll_regions_not_zeroed(comm)
     return failures, digests
+
+
+def _ll_regions_not_zeroed(comm):
+    """Every LL word read is zeroed (tpfuse.kernels.ll): once this rank's calls are done,
+    its LL regions must be all zeros."""
+    layout = comm.layout
+    assert layout.ll_max_bytes > 0
+    nonzero = int((comm._peer.local[layout.ll_offset(0):layout.ll_offset(1) + layout.ll_bytes] != 0).sum())
+    return [f"{nonzero} bytes of the LL regions are not zero after the calls"] if nonzero else []
 
 
 def _with_gather(mode, fn, *args):

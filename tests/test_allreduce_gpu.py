@@ -104,7 +104,19 @@ def _stress(calls, seed):
                 torch.cuda._sleep(cycles)  # this rank's kernel starts up to ~1 ms late
             assert AllReducePlan.from_numel(n, world, dtype, comm.layout, algo).algo != "nccl"
             check.call(n, dtype, algo, offset, what=f"call {call}")
-        return check.failures()
+        failures = check.failures()
+        failures += _ll_regions_not_zeroed(comm)
+        return failures
+
+
+def _ll_regions_not_zeroed(comm):
+    """Every LL word read is zeroed (tpfuse.kernels.ll): once this rank's calls are done,
+    its LL regions must be all zeros."""
+    torch.cuda.synchronize()
+    layout = comm.layout
+    assert layout.ll_max_bytes > 0
+    nonzero = int((comm._peer.local[layout.ll_offset(0):layout.ll_offset(1) + layout.ll_bytes] != 0).sum())
+    return [f"{nonzero} bytes of the LL regions are not zero after the calls"] if nonzero else []
 
 
 def _graph_replays(replays):

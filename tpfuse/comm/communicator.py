@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from tpfuse import _runtime
 from tpfuse.comm.peer_memory import PeerMemory, PeerMemoryUnavailable
-from tpfuse.comm.plan import MAX_BLOCKS, AllReducePlan, FusedPlan, check_algo, check_fused_algo
+from tpfuse.comm.plan import MAX_BLOCKS, AllReducePlan, FusedPlan, check_algo, check_fused_algo, ll_max_bytes
 from tpfuse.comm.quant_plan import QuantPlan, check_quant, default_quant_min_bytes
 from tpfuse.comm.workspace import WorkspaceLayout
 from tpfuse.kernels.allreduce import OP_NAMES, all_reduce_into
@@ -118,7 +118,8 @@ class Communicator:
         elif self.world_size > MAX_WORLD_SIZE:
             self.fallback_reason = f"world size {self.world_size} > {MAX_WORLD_SIZE}"
         else:
-            layout = WorkspaceLayout(self.world_size, self.max_bytes, MAX_BLOCKS)
+            layout = WorkspaceLayout(self.world_size, self.max_bytes, MAX_BLOCKS,
+                                     ll_max_bytes(self.world_size, self.max_bytes))
             try:
                 self._peer = PeerMemory(self.group, layout.total_bytes, self.device)
                 self.layout = layout
@@ -205,9 +206,9 @@ class Communicator:
         src = _runtime.aligned_contiguous(x)
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         all_reduce_into(src, out, algo=plan.algo, grid=plan.grid, block=plan.block, num_warps=plan.num_warps,
-                        chunk=plan.chunk, gather=plan.gather, table=self._table, table_addrs=self._peer.buffer_ptrs,
-                        status_addr=self._status.data_ptr(), rank=self.rank, layout=self.layout,
-                        timeout_ns=int(self.timeout_s * 1e9))
+                        chunk=plan.chunk, gather=plan.gather, ll=plan.ll, table=self._table,
+                        table_addrs=self._peer.buffer_ptrs, status_addr=self._status.data_ptr(), rank=self.rank,
+                        layout=self.layout, timeout_ns=int(self.timeout_s * 1e9))
         if _runtime.INTERPRETER:
             self._check_usable()
         return out
@@ -306,7 +307,7 @@ class Communicator:
             res_out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
         all_reduce_norm_into(x2, None if weight is None else _runtime.aligned_contiguous(weight), res2,
                              y.view(-1, n), res_out, float(eps), float(weight_offset), algo=plan.algo, grid=plan.grid,
-                             rows_per_group=plan.rows_per_group, table=self._table,
+                             rows_per_group=plan.rows_per_group, ll=plan.ll, table=self._table,
                              table_addrs=self._peer.buffer_ptrs, status_addr=self._status.data_ptr(), rank=self.rank,
                              layout=self.layout, timeout_ns=int(self.timeout_s * 1e9))
         if _runtime.INTERPRETER:

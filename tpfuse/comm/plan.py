@@ -47,7 +47,14 @@ KiB = 1024
 #   (posted remote stores, local polls, one extra local copy). "pull": the owner stores it
 #   into its own gather slot only, and every peer loads it from there straight into its
 #   output (remote loads, no local copy).
+# LL_MAX_BYTES: largest message one-shot sends over the LL protocol (tpfuse.kernels.ll: flags
+#   inside the data words, twice the bytes on the links, no fence and no flag round trip), by
+#   world size (other sizes: W=8's); larger one-shot messages use separate flags. It also
+#   sizes the workspace's LL regions (2 * W * 2 * LL_MAX_BYTES per rank). The interpreter's
+#   value keeps both protocols inside the CPU tests' sizes.
 ONESHOT_MAX_BYTES = {2: 512 * KiB, 4: 512 * KiB, 8: 128 * KiB}
+LL_MAX_BYTES = ({2: 512 * KiB, 4: 512 * KiB, 8: 128 * KiB} if not INTERPRETER else
+                {2: 64 * KiB, 4: 64 * KiB, 8: 64 * KiB})
 NCCL_MIN_BYTES: dict[int, int | None] = {2: None, 4: None, 8: None}
 TILE_BYTES = {"oneshot": 8 * KiB, "twoshot": 8 * KiB} if not INTERPRETER else {"oneshot": 64 * KiB, "twoshot": 64 * KiB}
 NUM_WARPS = {"oneshot": 16, "twoshot": 16}
@@ -61,6 +68,18 @@ MAX_ELEMENTS = 2**31 - 1
 
 
 ALGOS = ("auto", "oneshot", "twoshot", "nccl")
+
+
+def ll_max_bytes(world_size: int, max_bytes: int) -> int:
+    """The LL capacity of a communicator's workspace (LL_MAX_BYTES, at most its one-shot capacity)."""
+    oneshot_capacity = WorkspaceLayout(world_size, max_bytes, 1).oneshot_slot_bytes
+    return min(LL_MAX_BYTES.get(world_size, LL_MAX_BYTES[8]), oneshot_capacity)
+
+
+def uses_ll(nbytes: int, world_size: int, layout: WorkspaceLayout) -> bool:
+    """Whether a one-shot message of nbytes goes over LL: LL_MAX_BYTES as it is now (tuning
+    scripts lower it at run time), within the LL capacity of the workspace."""
+    return nbytes <= min(layout.ll_max_bytes, LL_MAX_BYTES.get(world_size, LL_MAX_BYTES[8]))
 
 
 def check_algo(algo: str) -> None:
@@ -79,7 +98,8 @@ class AllReducePlan:
     algo: "oneshot", "twoshot" or "nccl" (the group's backend: NCCL on GPUs, gloo on CPU);
     reason: why "nccl" was chosen (empty otherwise); block: elements per tile; grid: CTAs;
     chunk: elements of each rank's share (two-shot; a multiple of ALIGN bytes); gather:
-    two-shot's all-gather mode (see GATHER).
+    two-shot's all-gather mode (see GATHER); ll: one-shot over the LL protocol (messages up to
+    the layout's ll_max_bytes, see LL_MAX_BYTES).
     """
 
     algo: str
@@ -88,6 +108,7 @@ class AllReducePlan:
     num_warps: int = 8
     chunk: int = 0
     gather: str = "push"
+    ll: bool = False
     reason: str = ""
 
     @classmethod
@@ -96,7 +117,8 @@ class AllReducePlan:
         """The plan for an all-reduce of ``numel`` elements of ``dtype`` over ``world_size``
         ranks whose workspaces have ``layout`` (None: no peer workspace).
 
-        ``algo="auto"`` picks one-shot up to ONESHOT_MAX_BYTES, else two-shot, else the
+        ``algo="auto"`` picks one-shot up to ONESHOT_MAX_BYTES (over LL up to the layout's
+        ll_max_bytes), else two-shot, else the
         backend from NCCL_MIN_BYTES on (never, by default) or when the message does not fit
         the workspace. An explicit "oneshot" or
         "twoshot" that the workspace cannot serve raises ValueError.
@@ -133,7 +155,7 @@ class AllReducePlan:
         tiles = _cdiv(numel if algo == "oneshot" else chunk, block)
         grid = max(1, min(tiles, MAX_CTAS[algo], layout.max_blocks))
         if algo == "oneshot":
-            return cls(algo, block=block, grid=grid, num_warps=NUM_WARPS[algo])
+            return cls(algo, block=block, grid=grid, num_warps=NUM_WARPS[algo], ll=uses_ll(nbytes, world_size, layout))
         if GATHER not in GATHER_MODES:
             raise ValueError(f"GATHER must be one of {GATHER_MODES}, got {GATHER!r}")
         return cls(algo, block=block, grid=grid, num_warps=NUM_WARPS[algo], chunk=chunk, gather=GATHER)
@@ -179,13 +201,15 @@ class FusedPlan:
 
     algo: "oneshot", "twoshot" or "split"; grid: CTAs; rows_per_group: rows each rank reduces
     in two-shot (rank g owns rows [g * rows_per_group, (g + 1) * rows_per_group); a multiple
-    of the norm's tile rows, so no tile spans two owners); reason: why "split" was chosen.
-    From (n_rows, n, dtype, world size, layout) only, like ``AllReducePlan``.
+    of the norm's tile rows, so no tile spans two owners); ll: one-shot over the LL protocol
+    (as ``AllReducePlan.ll``); reason: why "split" was chosen. From (n_rows, n, dtype, world
+    size, layout) only, like ``AllReducePlan``.
     """
 
     algo: str
     grid: int = 0
     rows_per_group: int = 0
+    ll: bool = False
     reason: str = ""
 
     @classmethod
@@ -232,4 +256,5 @@ class FusedPlan:
                              "or use algo='auto' or 'split'")
         tiles = _cdiv(rows_per_group[algo], tile_rows)
         grid = max(1, min(tiles, FUSED_MAX_CTAS, layout.max_blocks))
-        return cls(algo, grid=grid, rows_per_group=rows_per_group[algo])
+        return cls(algo, grid=grid, rows_per_group=rows_per_group[algo],
+                   ll=algo == "oneshot" and uses_ll(nbytes, world_size, layout))

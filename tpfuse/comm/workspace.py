@@ -15,6 +15,10 @@ Layout of one rank's buffer (every region starts at a multiple of ``ALIGN``)::
     flags[1]  phase-1 arrival flags (two-shot all-gather), same shape
     data[0]   message data of calls with even epoch
     data[1]   message data of calls with odd epoch
+    ll[0]     low-latency (LL) words of one-shot calls with even epoch: ``world_size``
+              slots of ``ll_slot_bytes``, slot s written only by rank s
+    ll[1]     the same for odd epochs
+    reduced   local only: the fused one-shot LL kernel's reduced rows
 
 Each data region (``data_bytes``) is cut into ``world_size`` one-shot slots (slot s holds
 rank s's whole input), or, for two-shot, into ``world_size`` scatter slots (slot s holds
@@ -23,6 +27,11 @@ holds the reduced chunk s). One-shot and two-shot use the same bytes: every call
 algorithm ends only after every peer has started it, so no peer is ever more than one call
 ahead, and two data regions rotated by call parity keep call k+1's writes off call k's data
 (section 2.3).
+
+The LL regions are used by nothing but LL one-shot calls (``tpfuse.kernels.ll``): a word
+there is 0 or carries the flag of the call that wrote it, which another use of the bytes
+would break. An LL word carries 4 bytes of data in 8, so a slot holds twice
+``ll_max_bytes``.
 """
 
 from __future__ import annotations
@@ -57,11 +66,13 @@ class WorkspaceLayout:
         max_bytes: the largest message two-shot serves; one-shot serves up to
             ``oneshot_max_bytes`` (= 2 * max_bytes / world_size, rounded down to ALIGN).
         max_blocks: the most CTAs one call may launch (flag slots per phase).
+        ll_max_bytes: the largest message the LL one-shot serves (0: no LL regions).
     """
 
     world_size: int
     max_bytes: int
     max_blocks: int
+    ll_max_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.world_size < 2:
@@ -70,6 +81,8 @@ class WorkspaceLayout:
             raise ValueError(f"max_bytes must be at least {ALIGN}, got {self.max_bytes}")
         if self.max_blocks < 1:
             raise ValueError(f"max_blocks must be >= 1, got {self.max_blocks}")
+        if self.ll_max_bytes < 0:
+            raise ValueError(f"ll_max_bytes must be >= 0, got {self.ll_max_bytes}")
 
     @property
     def ctrl_offset(self) -> int:
@@ -116,8 +129,33 @@ class WorkspaceLayout:
         return self.flag_offset(NUM_PHASES - 1) + self.flag_region_bytes + parity * self.data_bytes
 
     @property
+    def ll_slot_bytes(self) -> int:
+        """Bytes of one LL slot: one rank's message of up to ll_max_bytes as LL words."""
+        return _round_up(2 * self.ll_max_bytes, ALIGN)
+
+    @property
+    def ll_bytes(self) -> int:
+        """Bytes of one LL region (one parity): world_size slots."""
+        return self.world_size * self.ll_slot_bytes
+
+    def ll_offset(self, parity: int) -> int:
+        """Start of the LL region of calls whose epoch has this parity."""
+        if not 0 <= parity < NUM_PARITIES:
+            raise ValueError(f"parity must be 0 or 1, got {parity}")
+        return self.data_offset(NUM_PARITIES - 1) + self.data_bytes + parity * self.ll_bytes
+
+    @property
+    def reduced_offset(self) -> int:
+        """Start of the local region where the fused LL kernel keeps its reduced rows."""
+        return self.ll_offset(NUM_PARITIES - 1) + self.ll_bytes
+
+    @property
+    def reduced_bytes(self) -> int:
+        return _round_up(self.ll_max_bytes, ALIGN)
+
+    @property
     def total_bytes(self) -> int:
-        return self.data_offset(NUM_PARITIES - 1) + self.data_bytes
+        return self.reduced_offset + self.reduced_bytes
 
     def regions(self) -> list[tuple[str, int, int]]:
         """Every region and slot as (name, offset, size), for checks and debugging."""
@@ -128,4 +166,9 @@ class WorkspaceLayout:
             base = self.data_offset(parity)
             out += [(f"data[{parity}].scatter[{r}]", base + r * s, s) for r in range(w)]
             out += [(f"data[{parity}].gather[{r}]", base + self.gather_offset + r * s, s) for r in range(w)]
+        if self.ll_max_bytes:
+            for parity in range(NUM_PARITIES):
+                base, s = self.ll_offset(parity), self.ll_slot_bytes
+                out += [(f"ll[{parity}].slot[{r}]", base + r * s, s) for r in range(w)]
+            out.append(("reduced", self.reduced_offset, self.reduced_bytes))
         return out

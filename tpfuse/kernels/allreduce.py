@@ -10,6 +10,8 @@ every poll is of local memory and every remote access is a posted store.
 
 - one-shot: each rank writes its input into slot ``rank`` of every rank's data region, raises
   its flag there, waits for all W flags, and sums the W local slots. One flag round trip.
+  Small messages use the LL protocol instead (``tpfuse.kernels.ll``): the same slots hold
+  LL words in the LL regions, and the reader polls the words themselves.
 - two-shot: each rank writes chunk c of its input into scatter slot ``rank`` of rank c; rank
   c sums its W scatter slots (its chunk, in rank order), rounds once, and writes the result
   straight into its own output and, in the all-gather, to the other ranks: "push" stores it
@@ -35,6 +37,7 @@ import triton
 import triton.language as tl
 
 from tpfuse.kernels.common import EXACT_FP, round_to, to_f32
+from tpfuse.kernels.ll import ll_flag, ll_pack, ll_reduce
 from tpfuse.kernels.sync import begin_call, end_call, signal, wait
 
 # Operation codes of the status record (``sync.wait``), named for error messages.
@@ -126,6 +129,29 @@ def oneshot_all_reduce_kernel(x_ptr, out_ptr, numel, table_ptr, local, status_ad
 
 
 @triton.jit
+def ll_oneshot_all_reduce_kernel(x_ptr, out_ptr, numel, table_ptr, local, status_addr, rank, timeout_ns, ll_offset,
+                                 ll_bytes, slot_words, W: tl.constexpr, BLOCK: tl.constexpr):
+    """One-shot over LL words (``tpfuse.kernels.ll``); BLOCK elements per tile."""
+    ELEM: tl.constexpr = x_ptr.dtype.element_ty
+    WORDS: tl.constexpr = BLOCK * ELEM.primitive_bitwidth // 32
+    pid, grid, ctrl, status, epoch, region, n_tiles = _begin(local, status_addr, ll_offset, ll_bytes, numel, BLOCK)
+    flag = ll_flag(epoch)
+    for tile in range(pid, n_tiles, grid):
+        offs = tile * BLOCK + tl.arange(0, BLOCK)
+        woffs = tile * WORDS + tl.arange(0, WORDS)
+        words = ll_pack(tl.load(x_ptr + offs, mask=offs < numel), flag)
+        _push_to_all(table_ptr, region, words, rank * slot_words + woffs, woffs * (BLOCK // WORDS) < numel, W)
+    slot0 = _typed(local, region, tl.uint64)
+    for tile in range(pid, n_tiles, grid):
+        offs = tile * BLOCK + tl.arange(0, BLOCK)
+        woffs = tile * WORDS + tl.arange(0, WORDS)
+        acc = ll_reduce(slot0, slot_words, woffs, woffs * (BLOCK // WORDS) < numel, flag, ctrl, status, epoch, rank,
+                        timeout_ns, OP_ONESHOT, W, ELEM)
+        tl.store(out_ptr + offs, round_to(acc, ELEM), mask=offs < numel)
+    end_call(ctrl, epoch)
+
+
+@triton.jit
 def twoshot_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, status_addr, rank, timeout_ns,
                               flags_offset, flags_bytes, data_offset, data_bytes, gather_offset, slot_elems,
                               W: tl.constexpr, PEERS: tl.constexpr, BLOCK: tl.constexpr, GATHER_PULL: tl.constexpr):
@@ -175,7 +201,7 @@ def twoshot_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, st
 
 def all_reduce_into(x: torch.Tensor, out: torch.Tensor, *, algo: str, grid: int, block: int, num_warps: int,
                     chunk: int, table: torch.Tensor, table_addrs: list[int], status_addr: int, rank: int, layout,
-                    timeout_ns: int, gather: str = "push") -> None:
+                    timeout_ns: int, gather: str = "push", ll: bool = False) -> None:
     """Launch one all-reduce of contiguous, 16-byte aligned ``x`` into ``out`` (same shape
     and dtype, not aliasing x). Every rank must launch the same algo, grid, block and chunk
     (the caller derives them from the message size only) on one stream at a time.
@@ -184,9 +210,16 @@ def all_reduce_into(x: torch.Tensor, out: torch.Tensor, *, algo: str, grid: int,
     status_addr: address of the int64 status record (``sync.STATUS_WORDS``), which the device
     can write and the host read; layout: the ``WorkspaceLayout`` of the workspaces; chunk:
     elements per rank (two-shot); gather: two-shot's all-gather mode, "push" or "pull"
-    (``tpfuse.comm.plan.GATHER``).
+    (``tpfuse.comm.plan.GATHER``); ll: one-shot over the LL protocol (the message must fit
+    ``layout.ll_max_bytes``).
     """
     world = layout.world_size
+    if algo == "oneshot" and ll:
+        ll_oneshot_all_reduce_kernel[(grid,)](
+            x_ptr=x, out_ptr=out, numel=x.numel(), table_ptr=table, local=table_addrs[rank], status_addr=status_addr,
+            rank=rank, timeout_ns=timeout_ns, ll_offset=layout.ll_offset(0), ll_bytes=layout.ll_bytes,
+            slot_words=layout.ll_slot_bytes // 8, W=world, BLOCK=block, num_warps=num_warps, **EXACT_FP)
+        return
     common = dict(x_ptr=x, out_ptr=out, numel=x.numel(), table_ptr=table, local=table_addrs[rank],
                   status_addr=status_addr, rank=rank, timeout_ns=timeout_ns,
                   flags_offset=layout.flag_offset(0), data_offset=layout.data_offset(0), data_bytes=layout.data_bytes,

@@ -17,6 +17,9 @@ rank its own split result.
 
 - one-shot: each rank stores its rows into slot ``rank`` of every rank's data region,
   signals, waits for all W, and normalises every row from the sum of its W local slots.
+  Small messages use the LL protocol (``tpfuse.kernels.ll``): each block sums its rows from
+  the LL words, stores the rounded sums into the workspace's local ``reduced`` region, and
+  normalises them from there with ``norm_tile`` reading plain rows, as the norm kernel does.
 - two-shot: rows are cut into W groups of ``rows_per_group`` (whole tiles); rank s stores
   group g into scatter slot s of rank g; rank g sums its W scatter slots, rounds once and
   stores the reduced group into gather slot g of every rank; after the gather flags every
@@ -38,6 +41,7 @@ import triton.language as tl
 
 from tpfuse.kernels.allreduce import _begin, _flag_row, _push_to_all, _typed, sum_in_rank_order
 from tpfuse.kernels.common import EXACT_FP, round_to
+from tpfuse.kernels.ll import ll_flag, ll_pack, ll_reduce
 from tpfuse.kernels.norm import NormConfig, norm_tile
 from tpfuse.kernels.sync import end_call, signal, wait
 
@@ -87,6 +91,47 @@ def oneshot_all_reduce_norm_kernel(
             rows = tile * ROWS + tl.arange(0, ROWS)
             norm_tile(slot0, rows.to(tl.int64) * N, slot_elems, RES, W, Y, RES_OUT, rows, rows < n_rows, N, eps,
                       weight_offset, has_residual, True, BLOCK_N, NUM_CHUNKS, HAS_WEIGHT, WORLD)
+    end_call(ctrl, epoch)
+
+
+@triton.jit(do_not_specialize=_UNSPECIALISED)
+def ll_oneshot_all_reduce_norm_kernel(
+    X, RES, W, Y, RES_OUT, n_rows, N, eps, weight_offset, has_residual,
+    table_ptr, local, status_addr, rank, timeout_ns, ll_offset, ll_bytes, slot_words, reduced_offset,
+    BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    WORLD: tl.constexpr,
+):
+    """One-shot over LL words. A tile's ROWS rows are contiguous, so its elements move as
+    NUM_CHUNKS flat pieces of ROWS * BLOCK_N elements (N is a multiple of 16, so a tile starts
+    on a word)."""
+    ELEM: tl.constexpr = X.dtype.element_ty
+    PIECE: tl.constexpr = ROWS * BLOCK_N
+    PACK: tl.constexpr = 32 // ELEM.primitive_bitwidth
+    pid, grid, ctrl, status, epoch, region, n_tiles = _begin(local, status_addr, ll_offset, ll_bytes, n_rows, ROWS)
+    flag = ll_flag(epoch)
+    for tile in range(pid, n_tiles, grid):
+        start = tile * ROWS * N
+        end = tl.minimum(start + ROWS * N, n_rows * N)
+        for c in range(NUM_CHUNKS):
+            offs = start + c * PIECE + tl.arange(0, PIECE)
+            woffs = start // PACK + c * (PIECE // PACK) + tl.arange(0, PIECE // PACK)
+            words = ll_pack(tl.load(X + offs, mask=offs < end), flag)
+            _push_to_all(table_ptr, region, words, rank * slot_words + woffs, woffs * PACK < end, WORLD)
+    slot0 = _typed(local, region, tl.uint64)
+    reduced = _typed(local, reduced_offset, ELEM)
+    for tile in range(pid, n_tiles, grid):
+        start = tile * ROWS * N
+        end = tl.minimum(start + ROWS * N, n_rows * N)
+        for c in range(NUM_CHUNKS):
+            offs = start + c * PIECE + tl.arange(0, PIECE)
+            woffs = start // PACK + c * (PIECE // PACK) + tl.arange(0, PIECE // PACK)
+            acc = ll_reduce(slot0, slot_words, woffs, woffs * PACK < end, flag, ctrl, status, epoch, rank, timeout_ns,
+                            OP_FUSED_ONESHOT, WORLD, ELEM)
+            tl.store(reduced + offs, round_to(acc, ELEM), mask=offs < end)
+        tl.debug_barrier()  # the tile's reduced rows, stored by every thread, are read back by others
+        rows = tile * ROWS + tl.arange(0, ROWS)
+        norm_tile(reduced, rows.to(tl.int64) * N, 0, RES, W, Y, RES_OUT, rows, rows < n_rows, N, eps, weight_offset,
+                  has_residual, True, BLOCK_N, NUM_CHUNKS, HAS_WEIGHT, 0)
     end_call(ctrl, epoch)
 
 
@@ -143,7 +188,7 @@ def twoshot_all_reduce_norm_kernel(
 def all_reduce_norm_into(x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor | None,
                          y: torch.Tensor, residual_out: torch.Tensor, eps: float, weight_offset: float, *, algo: str,
                          grid: int, rows_per_group: int, table: torch.Tensor, table_addrs: list[int],
-                         status_addr: int, rank: int, layout, timeout_ns: int) -> None:
+                         status_addr: int, rank: int, layout, timeout_ns: int, ll: bool = False) -> None:
     """Launch one fused all-reduce + (residual add) + RMSNorm over 2-D [n_rows, N]
     contiguous, 16-byte aligned operands.
 
@@ -151,7 +196,8 @@ def all_reduce_norm_into(x: torch.Tensor, weight: torch.Tensor | None, residual:
     residual_out (round(all_reduce(x) + residual), or all_reduce(x) without a residual).
     residual_out may alias residual only when ``NormConfig.from_shape(N, dtype).num_chunks
     == 1`` (chunked rows re-read the residual). Every rank must launch the same algo, grid
-    and rows_per_group (``tpfuse.comm.plan.FusedPlan``, from the shape only). The rest as
+    and rows_per_group (``tpfuse.comm.plan.FusedPlan``, from the shape only); ll: one-shot
+    over the LL protocol (x must fit ``layout.ll_max_bytes``). The rest as
     ``tpfuse.kernels.allreduce.all_reduce_into``.
     """
     n_rows, n = x.shape
@@ -161,10 +207,16 @@ def all_reduce_norm_into(x: torch.Tensor, weight: torch.Tensor | None, residual:
         X=x, RES=residual if residual is not None else x, W=weight if weight is not None else x, Y=y,
         RES_OUT=residual_out, n_rows=n_rows, N=n, eps=eps, weight_offset=weight_offset,
         has_residual=int(residual is not None), table_ptr=table, local=table_addrs[rank], status_addr=status_addr,
-        rank=rank, timeout_ns=timeout_ns, flags_offset=layout.flag_offset(0), data_offset=layout.data_offset(0),
-        data_bytes=layout.data_bytes, BLOCK_N=cfg.block_n, NUM_CHUNKS=cfg.num_chunks, ROWS=cfg.rows,
-        HAS_WEIGHT=weight is not None, WORLD=world, PEERS=triton.next_power_of_2(world), num_warps=cfg.num_warps,
-        **EXACT_FP)
+        rank=rank, timeout_ns=timeout_ns,
+        BLOCK_N=cfg.block_n, NUM_CHUNKS=cfg.num_chunks, ROWS=cfg.rows, HAS_WEIGHT=weight is not None, WORLD=world,
+        num_warps=cfg.num_warps, **EXACT_FP)
+    if algo == "oneshot" and ll:
+        ll_oneshot_all_reduce_norm_kernel[(grid,)](
+            ll_offset=layout.ll_offset(0), ll_bytes=layout.ll_bytes, slot_words=layout.ll_slot_bytes // 8,
+            reduced_offset=layout.reduced_offset, **common)
+        return
+    common.update(flags_offset=layout.flag_offset(0), data_offset=layout.data_offset(0), data_bytes=layout.data_bytes,
+                  PEERS=triton.next_power_of_2(world))
     if algo == "oneshot":
         oneshot_all_reduce_norm_kernel[(grid,)](slot_elems=layout.oneshot_slot_bytes // x.element_size(), **common)
     elif algo == "twoshot":

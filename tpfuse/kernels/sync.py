@@ -113,11 +113,15 @@ def end_call(ctrl_ptr, epoch):
 
     Every block read the epoch before its acq_rel increment, so the last block's store
     cannot overtake any block's read. The next call (the next kernel on the stream) sees
-    both stores."""
-    finished = tl.atomic_add(ctrl_ptr + 1, 1, sem="acq_rel", scope="gpu")
-    if finished == tl.num_programs(0) - 1:
-        tl.store(ctrl_ptr + 1, 0)
+    both stores. A grid of one block has nothing to count: it stores the epoch without the
+    atomic's round trip to L2 (decode-sized calls are one block)."""
+    if tl.num_programs(0) == 1:
         tl.store(ctrl_ptr, epoch)
+    else:
+        finished = tl.atomic_add(ctrl_ptr + 1, 1, sem="acq_rel", scope="gpu")
+        if finished == tl.num_programs(0) - 1:
+            tl.store(ctrl_ptr + 1, 0)
+            tl.store(ctrl_ptr, epoch)
 
 
 @triton.jit
