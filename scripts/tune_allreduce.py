@@ -86,9 +86,10 @@ class _Knobs:
     def __enter__(self):
         p = self.plan
         self.saved = (dict(p.MAX_CTAS), dict(p.TILE_BYTES), dict(p.NUM_WARPS), p.GATHER, dict(p.LL_MAX_BYTES))
-        p.MAX_CTAS[self.algo] = self.cfg["ctas"]
-        p.TILE_BYTES[self.algo] = self.cfg["tile"]
-        p.NUM_WARPS[self.algo] = self.cfg["warps"]
+        knob = "oneshot_ll" if self.cfg["ll"] not in ("-", 0) else self.algo  # plan's keys for LL one-shot
+        p.MAX_CTAS[knob] = self.cfg["ctas"]
+        p.TILE_BYTES[knob] = self.cfg["tile"]
+        p.NUM_WARPS[knob] = self.cfg["warps"]
         if self.cfg["gather"] != "-":
             p.GATHER = self.cfg["gather"]
         if self.cfg["ll"] != "-":
@@ -174,7 +175,7 @@ def _worker(rank: int, world: int, port: int, opts: dict) -> None:
     t0 = time.monotonic()
     dtype = torch.bfloat16
     sizes = [s for s in SIZES if s <= opts["max_size"]]
-    defaults = {a: dict(ctas=P.MAX_CTAS[a], tile=P.TILE_BYTES[a], warps=P.NUM_WARPS[a],
+    defaults = {a: dict(ctas=P.MAX_CTAS[a], tile=P.TILE_BYTES[a], warps=P.NUM_WARPS[a],  # LL one-shot: see the md
                         gather=P.GATHER if a == "twoshot" else "-",
                         ll=P.LL_MAX_BYTES.get(world, P.LL_MAX_BYTES[8]) if a == "oneshot" else "-")
                 for a in ("oneshot", "twoshot")}

@@ -137,9 +137,9 @@ def test_plan_follows_the_knobs_in_plan_py(monkeypatch):
     from tpfuse.comm import plan as P
     layout = WorkspaceLayout(4, 16 << 20, max_blocks=128)
     bf16 = torch.bfloat16
-    monkeypatch.setattr(P, "TILE_BYTES", {"oneshot": 16384, "twoshot": 32768})
-    monkeypatch.setattr(P, "NUM_WARPS", {"oneshot": 4, "twoshot": 16})
-    monkeypatch.setattr(P, "MAX_CTAS", {"oneshot": 8, "twoshot": 96})
+    monkeypatch.setattr(P, "TILE_BYTES", {"oneshot": 16384, "oneshot_ll": 1024, "twoshot": 32768})
+    monkeypatch.setattr(P, "NUM_WARPS", {"oneshot": 4, "oneshot_ll": 2, "twoshot": 16})
+    monkeypatch.setattr(P, "MAX_CTAS", {"oneshot": 8, "oneshot_ll": 6, "twoshot": 96})
     monkeypatch.setattr(P, "GATHER", "pull")
     one = AllReducePlan.from_numel(1 << 20, 4, bf16, layout, "oneshot")
     assert (one.block, one.grid, one.num_warps) == (8192, 8, 4)
@@ -152,7 +152,8 @@ def test_plan_follows_the_knobs_in_plan_py(monkeypatch):
     assert AllReducePlan.from_numel((4 << 20) // 2, 4, bf16, layout, "twoshot").algo == "twoshot"
     assert AllReducePlan.from_numel((4 << 20) // 2, 2, bf16, layout).algo == "twoshot"
     ll_layout = WorkspaceLayout(4, 16 << 20, max_blocks=128, ll_max_bytes=64 << 10)
-    assert AllReducePlan.from_numel(4096, 4, bf16, ll_layout, "oneshot").ll
+    ll = AllReducePlan.from_numel(4096, 4, bf16, ll_layout, "oneshot")
+    assert ll.ll and (ll.block, ll.grid, ll.num_warps) == (512, 6, 2)  # 8 tiles, 6 CTAs
     monkeypatch.setattr(P, "LL_MAX_BYTES", {2: 1 << 20, 4: 1000, 8: 1 << 20})
     assert not AllReducePlan.from_numel(4096, 4, bf16, ll_layout, "oneshot").ll
     assert AllReducePlan.from_numel(500, 4, bf16, ll_layout, "oneshot").ll

@@ -16,6 +16,7 @@ import torch
 
 from tpfuse._runtime import INTERPRETER
 from tpfuse.comm.workspace import ALIGN, WorkspaceLayout
+from tpfuse.kernels.fused import ll_push_words
 from tpfuse.kernels.norm import NormConfig
 
 KiB = 1024
@@ -35,7 +36,8 @@ KiB = 1024
 #   5%: NCCL's results are not bitwise reproducible, so this trades the exactness contract
 #   of "auto" for speed on large messages.
 # TILE_BYTES: bytes of a tile; on GPUs 8 KiB = 512 threads (NUM_WARPS 16) x one 16-byte
-#   vector. The interpreter pays per operation, not per element, so it takes large tiles.
+#   vector. "oneshot_ll" (TILE_BYTES, NUM_WARPS, MAX_CTAS): one-shot over LL, whose 8-byte
+#   words carry 4 data bytes. The interpreter pays per operation, not per element, so it takes large tiles.
 # NUM_WARPS: warps per CTA, per algorithm.
 # MAX_CTAS: CTAs per call, per algorithm. Every CTA of a grid must be resident at once
 #   (block b waits for block b of every peer, see tpfuse.kernels.sync), so a grid must stay
@@ -56,9 +58,11 @@ ONESHOT_MAX_BYTES = {2: 512 * KiB, 4: 512 * KiB, 8: 128 * KiB}
 LL_MAX_BYTES = ({2: 512 * KiB, 4: 512 * KiB, 8: 128 * KiB} if not INTERPRETER else
                 {2: 64 * KiB, 4: 64 * KiB, 8: 64 * KiB})
 NCCL_MIN_BYTES: dict[int, int | None] = {2: None, 4: None, 8: None}
-TILE_BYTES = {"oneshot": 8 * KiB, "twoshot": 8 * KiB} if not INTERPRETER else {"oneshot": 64 * KiB, "twoshot": 64 * KiB}
-NUM_WARPS = {"oneshot": 16, "twoshot": 16}
-MAX_CTAS = {"oneshot": 32, "twoshot": 128} if not INTERPRETER else {"oneshot": 4, "twoshot": 4}
+TILE_BYTES = ({"oneshot": 8 * KiB, "oneshot_ll": 2 * KiB, "twoshot": 8 * KiB} if not INTERPRETER else
+              {"oneshot": 64 * KiB, "oneshot_ll": 64 * KiB, "twoshot": 64 * KiB})
+NUM_WARPS = {"oneshot": 16, "oneshot_ll": 16, "twoshot": 16}
+MAX_CTAS = ({"oneshot": 32, "oneshot_ll": 32, "twoshot": 128} if not INTERPRETER else
+            {"oneshot": 4, "oneshot_ll": 4, "twoshot": 4})
 GATHER = "push"
 GATHER_MODES = ("push", "pull")
 MAX_BLOCKS = 128
@@ -151,11 +155,13 @@ class AllReducePlan:
             raise ValueError(f"algo={algo!r} serves messages up to about {cap} bytes with this workspace "
                              f"(max_bytes={layout.max_bytes}); got {nbytes} bytes. Create the Communicator "
                              "with a larger max_bytes, or use algo='auto'")
-        block = TILE_BYTES[algo] // esize
+        ll = algo == "oneshot" and uses_ll(nbytes, world_size, layout)
+        knob = "oneshot_ll" if ll else algo
+        block = TILE_BYTES[knob] // esize
         tiles = _cdiv(numel if algo == "oneshot" else chunk, block)
-        grid = max(1, min(tiles, MAX_CTAS[algo], layout.max_blocks))
+        grid = max(1, min(tiles, MAX_CTAS[knob], layout.max_blocks))
         if algo == "oneshot":
-            return cls(algo, block=block, grid=grid, num_warps=NUM_WARPS[algo], ll=uses_ll(nbytes, world_size, layout))
+            return cls(algo, block=block, grid=grid, num_warps=NUM_WARPS[knob], ll=ll)
         if GATHER not in GATHER_MODES:
             raise ValueError(f"GATHER must be one of {GATHER_MODES}, got {GATHER!r}")
         return cls(algo, block=block, grid=grid, num_warps=NUM_WARPS[algo], chunk=chunk, gather=GATHER)
@@ -254,7 +260,13 @@ class FusedPlan:
             raise ValueError(f"algo={algo!r} cannot serve {n_rows} x {n} {dtype} with this workspace "
                              f"(max_bytes={layout.max_bytes}); create the Communicator with a larger max_bytes, "
                              "or use algo='auto' or 'split'")
-        tiles = _cdiv(rows_per_group[algo], tile_rows)
-        grid = max(1, min(tiles, FUSED_MAX_CTAS, layout.max_blocks))
-        return cls(algo, grid=grid, rows_per_group=rows_per_group[algo],
-                   ll=algo == "oneshot" and uses_ll(nbytes, world_size, layout))
+        ll = algo == "oneshot" and uses_ll(nbytes, world_size, layout)
+        work = _cdiv(rows_per_group[algo], tile_rows)  # row tiles
+        if ll:  # the LL kernel's pieces of stores (tpfuse.kernels.fused), which any CTA may take
+            work = max(work, _cdiv(nbytes // 4, ll_push_words(cfg.num_warps)))
+        grid = max(1, min(work, FUSED_MAX_CTAS, layout.max_blocks))
+        if ll and INTERPRETER:
+            # A CTA may wait for words another CTA of its rank stores, which the interpreter,
+            # running CTAs one after another, would never run: one CTA does all there.
+            grid = 1
+        return cls(algo, grid=grid, rows_per_group=rows_per_group[algo], ll=ll)

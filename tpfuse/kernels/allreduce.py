@@ -129,9 +129,11 @@ def oneshot_all_reduce_kernel(x_ptr, out_ptr, numel, table_ptr, local, status_ad
 
 
 @triton.jit
-def ll_oneshot_all_reduce_kernel(x_ptr, out_ptr, numel, table_ptr, local, status_addr, rank, timeout_ns, ll_offset,
-                                 ll_bytes, slot_words, W: tl.constexpr, BLOCK: tl.constexpr):
-    """One-shot over LL words (``tpfuse.kernels.ll``); BLOCK elements per tile."""
+def ll_oneshot_all_reduce_kernel(x_ptr, out_ptr, numel, n_words, table_ptr, local, status_addr, rank, timeout_ns,
+                                 ll_offset, ll_bytes, slot_words, W: tl.constexpr, BLOCK: tl.constexpr):
+    """One-shot over LL words (``tpfuse.kernels.ll``); BLOCK elements per tile. n_words, the
+    message's LL words, is an argument so that Triton specialises on its divisibility and the
+    word loads and stores are vectorised (a mask derived from numel would make them scalar)."""
     ELEM: tl.constexpr = x_ptr.dtype.element_ty
     WORDS: tl.constexpr = BLOCK * ELEM.primitive_bitwidth // 32
     pid, grid, ctrl, status, epoch, region, n_tiles = _begin(local, status_addr, ll_offset, ll_bytes, numel, BLOCK)
@@ -140,13 +142,13 @@ def ll_oneshot_all_reduce_kernel(x_ptr, out_ptr, numel, table_ptr, local, status
         offs = tile * BLOCK + tl.arange(0, BLOCK)
         woffs = tile * WORDS + tl.arange(0, WORDS)
         words = ll_pack(tl.load(x_ptr + offs, mask=offs < numel), flag)
-        _push_to_all(table_ptr, region, words, rank * slot_words + woffs, woffs * (BLOCK // WORDS) < numel, W)
+        _push_to_all(table_ptr, region, words, rank * slot_words + woffs, woffs < n_words, W)
     slot0 = _typed(local, region, tl.uint64)
     for tile in range(pid, n_tiles, grid):
         offs = tile * BLOCK + tl.arange(0, BLOCK)
         woffs = tile * WORDS + tl.arange(0, WORDS)
-        acc = ll_reduce(slot0, slot_words, woffs, woffs * (BLOCK // WORDS) < numel, flag, ctrl, status, epoch, rank,
-                        timeout_ns, OP_ONESHOT, W, ELEM)
+        acc = ll_reduce(slot0, slot_words, woffs, woffs < n_words, flag, ctrl, status, epoch, rank, timeout_ns,
+                        OP_ONESHOT, W, ELEM)
         tl.store(out_ptr + offs, round_to(acc, ELEM), mask=offs < numel)
     end_call(ctrl, epoch)
 
@@ -216,7 +218,8 @@ def all_reduce_into(x: torch.Tensor, out: torch.Tensor, *, algo: str, grid: int,
     world = layout.world_size
     if algo == "oneshot" and ll:
         ll_oneshot_all_reduce_kernel[(grid,)](
-            x_ptr=x, out_ptr=out, numel=x.numel(), table_ptr=table, local=table_addrs[rank], status_addr=status_addr,
+            x_ptr=x, out_ptr=out, numel=x.numel(), n_words=-(-x.numel() * x.element_size() // 4), table_ptr=table,
+            local=table_addrs[rank], status_addr=status_addr,
             rank=rank, timeout_ns=timeout_ns, ll_offset=layout.ll_offset(0), ll_bytes=layout.ll_bytes,
             slot_words=layout.ll_slot_bytes // 8, W=world, BLOCK=block, num_warps=num_warps, **EXACT_FP)
         return

@@ -99,33 +99,38 @@ def ll_oneshot_all_reduce_norm_kernel(
     X, RES, W, Y, RES_OUT, n_rows, N, eps, weight_offset, has_residual,
     table_ptr, local, status_addr, rank, timeout_ns, ll_offset, ll_bytes, slot_words, reduced_offset,
     BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    WORLD: tl.constexpr,
+    WORLD: tl.constexpr, PUSH_WORDS: tl.constexpr,
 ):
-    """One-shot over LL words. A tile's ROWS rows are contiguous, so its elements move as
-    NUM_CHUNKS flat pieces of ROWS * BLOCK_N elements (N is a multiple of 16, so a tile starts
-    on a word)."""
+    """One-shot over LL words.
+
+    LL words carry their own flags, so the CTA that stores a word need not be the one that
+    reads it: the whole grid, which may have more CTAs than row tiles, stores the message in
+    pieces of PUSH_WORDS words (a CTA's stores over NVLink are slow to drain, measured
+    below), while CTA b sums and normalises row tiles b, b + grid, ... A tile's ROWS rows
+    are contiguous and N is a multiple of 16, so a tile is NUM_CHUNKS flat pieces of whole
+    words; the masks say so to Triton (``tl.multiple_of``), or it would not vectorise the
+    word loads and stores."""
     ELEM: tl.constexpr = X.dtype.element_ty
     PIECE: tl.constexpr = ROWS * BLOCK_N
     PACK: tl.constexpr = 32 // ELEM.primitive_bitwidth
     pid, grid, ctrl, status, epoch, region, n_tiles = _begin(local, status_addr, ll_offset, ll_bytes, n_rows, ROWS)
     flag = ll_flag(epoch)
-    for tile in range(pid, n_tiles, grid):
-        start = tile * ROWS * N
-        end = tl.minimum(start + ROWS * N, n_rows * N)
-        for c in range(NUM_CHUNKS):
-            offs = start + c * PIECE + tl.arange(0, PIECE)
-            woffs = start // PACK + c * (PIECE // PACK) + tl.arange(0, PIECE // PACK)
-            words = ll_pack(tl.load(X + offs, mask=offs < end), flag)
-            _push_to_all(table_ptr, region, words, rank * slot_words + woffs, woffs * PACK < end, WORLD)
+    numel = n_rows * N
+    n_words = tl.multiple_of(numel // PACK, 8)
+    for piece in range(pid, tl.cdiv(n_words, PUSH_WORDS), grid):
+        offs = piece * PUSH_WORDS * PACK + tl.arange(0, PUSH_WORDS * PACK)
+        woffs = piece * PUSH_WORDS + tl.arange(0, PUSH_WORDS)
+        words = ll_pack(tl.load(X + offs, mask=offs < numel), flag)
+        _push_to_all(table_ptr, region, words, rank * slot_words + woffs, woffs < n_words, WORLD)
     slot0 = _typed(local, region, tl.uint64)
     reduced = _typed(local, reduced_offset, ELEM)
     for tile in range(pid, n_tiles, grid):
         start = tile * ROWS * N
-        end = tl.minimum(start + ROWS * N, n_rows * N)
+        end = tl.multiple_of(tl.minimum(start + ROWS * N, numel), 16)
         for c in range(NUM_CHUNKS):
             offs = start + c * PIECE + tl.arange(0, PIECE)
             woffs = start // PACK + c * (PIECE // PACK) + tl.arange(0, PIECE // PACK)
-            acc = ll_reduce(slot0, slot_words, woffs, woffs * PACK < end, flag, ctrl, status, epoch, rank, timeout_ns,
+            acc = ll_reduce(slot0, slot_words, woffs, woffs < tl.multiple_of(end // PACK, 8), flag, ctrl, status, epoch, rank, timeout_ns,
                             OP_FUSED_ONESHOT, WORLD, ELEM)
             tl.store(reduced + offs, round_to(acc, ELEM), mask=offs < end)
         tl.debug_barrier()  # the tile's reduced rows, stored by every thread, are read back by others
@@ -185,6 +190,11 @@ def twoshot_all_reduce_norm_kernel(
     end_call(ctrl, epoch)
 
 
+def ll_push_words(num_warps: int) -> int:
+    """LL words a CTA of the fused one-shot stores per piece: one 16-byte vector per thread."""
+    return num_warps * 32 * 2
+
+
 def all_reduce_norm_into(x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor | None,
                          y: torch.Tensor, residual_out: torch.Tensor, eps: float, weight_offset: float, *, algo: str,
                          grid: int, rows_per_group: int, table: torch.Tensor, table_addrs: list[int],
@@ -212,8 +222,9 @@ def all_reduce_norm_into(x: torch.Tensor, weight: torch.Tensor | None, residual:
         num_warps=cfg.num_warps, **EXACT_FP)
     if algo == "oneshot" and ll:
         ll_oneshot_all_reduce_norm_kernel[(grid,)](
-            ll_offset=layout.ll_offset(0), ll_bytes=layout.ll_bytes, slot_words=layout.ll_slot_bytes // 8,
-            reduced_offset=layout.reduced_offset, **common)
+            ll_offset=layout.ll_offset(0), ll_bytes=layout.ll_bytes,
+            slot_words=layout.ll_slot_bytes // 8, reduced_offset=layout.reduced_offset,
+            PUSH_WORDS=ll_push_words(cfg.num_warps), **common)
         return
     common.update(flags_offset=layout.flag_offset(0), data_offset=layout.data_offset(0), data_bytes=layout.data_bytes,
                   PEERS=triton.next_power_of_2(world))
