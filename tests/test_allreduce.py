@@ -77,7 +77,7 @@ def test_workspace_regions_are_disjoint_aligned_and_inside(world, max_bytes):
     assert layout.twoshot_slot_bytes * world >= max_bytes
     assert layout.oneshot_slot_bytes * world == layout.data_bytes
     assert layout.gather_offset == world * layout.twoshot_slot_bytes
-    assert not any(name.startswith(("ll", "reduced")) for name, _, _ in regions)
+    assert not any(name.startswith(("ll", "reduced", "handoff")) for name, _, _ in regions)
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])

@@ -16,7 +16,7 @@ import torch
 
 from tpfuse._runtime import INTERPRETER
 from tpfuse.comm.workspace import ALIGN, WorkspaceLayout
-from tpfuse.kernels.fused import ll_push_words
+from tpfuse.kernels.fused import ll_pieces
 from tpfuse.kernels.norm import NormConfig
 
 KiB = 1024
@@ -53,15 +53,19 @@ KiB = 1024
 #   inside the data words, twice the bytes on the links, no fence and no flag round trip), by
 #   world size (other sizes: W=8's); larger one-shot messages use separate flags. It also
 #   sizes the workspace's LL regions (2 * W * 2 * LL_MAX_BYTES per rank). The interpreter's
-#   value keeps both protocols inside the CPU tests' sizes.
+#   value keeps both protocols inside the CPU tests' sizes. 4x H200 sweep (W=4 bf16):
+#   LL with 1 KiB tiles on 4 warps (2 words per thread), up to 64 CTAs: 8 KiB 3.65 us (flags
+#   5.06), 64 KiB 5.12 (6.04), 128 KiB 6.71 (6.9), 256 KiB LL 10.6, flags 8.4. A tile of
+#   4 KiB on one CTA took 8.5 us at 8 KiB: a CTA drains its NVLink stores slowly, so LL
+#   wants many small CTAs. W=8 is not measured (its LL sends 7 peers twice the bytes).
 ONESHOT_MAX_BYTES = {2: 512 * KiB, 4: 512 * KiB, 8: 128 * KiB}
-LL_MAX_BYTES = ({2: 512 * KiB, 4: 512 * KiB, 8: 128 * KiB} if not INTERPRETER else
+LL_MAX_BYTES = ({2: 128 * KiB, 4: 128 * KiB, 8: 64 * KiB} if not INTERPRETER else
                 {2: 64 * KiB, 4: 64 * KiB, 8: 64 * KiB})
 NCCL_MIN_BYTES: dict[int, int | None] = {2: None, 4: None, 8: None}
-TILE_BYTES = ({"oneshot": 8 * KiB, "oneshot_ll": 2 * KiB, "twoshot": 8 * KiB} if not INTERPRETER else
+TILE_BYTES = ({"oneshot": 8 * KiB, "oneshot_ll": 1 * KiB, "twoshot": 8 * KiB} if not INTERPRETER else
               {"oneshot": 64 * KiB, "oneshot_ll": 64 * KiB, "twoshot": 64 * KiB})
-NUM_WARPS = {"oneshot": 16, "oneshot_ll": 16, "twoshot": 16}
-MAX_CTAS = ({"oneshot": 32, "oneshot_ll": 32, "twoshot": 128} if not INTERPRETER else
+NUM_WARPS = {"oneshot": 16, "oneshot_ll": 4, "twoshot": 16}
+MAX_CTAS = ({"oneshot": 32, "oneshot_ll": 64, "twoshot": 128} if not INTERPRETER else
             {"oneshot": 4, "oneshot_ll": 4, "twoshot": 4})
 GATHER = "push"
 GATHER_MODES = ("push", "pull")
@@ -262,8 +266,10 @@ class FusedPlan:
                              "or use algo='auto' or 'split'")
         ll = algo == "oneshot" and uses_ll(nbytes, world_size, layout)
         work = _cdiv(rows_per_group[algo], tile_rows)  # row tiles
-        if ll:  # the LL kernel's pieces of stores (tpfuse.kernels.fused), which any CTA may take
-            work = max(work, _cdiv(nbytes // 4, ll_push_words(cfg.num_warps)))
+        if ll:  # the LL kernel's pieces (tpfuse.kernels.fused), which any CTA may take
+            pieces = work * ll_pieces(n, dtype)[1]
+            ll = (pieces + 1) * 8 <= layout.handoff_bytes
+            work = max(work, pieces) if ll else work
         grid = max(1, min(work, FUSED_MAX_CTAS, layout.max_blocks))
         if ll and INTERPRETER:
             # A CTA may wait for words another CTA of its rank stores, which the interpreter,

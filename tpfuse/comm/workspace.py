@@ -19,6 +19,7 @@ Layout of one rank's buffer (every region starts at a multiple of ``ALIGN``)::
               slots of ``ll_slot_bytes``, slot s written only by rank s
     ll[1]     the same for odd epochs
     reduced   local only: the fused one-shot LL kernel's reduced rows
+    handoff   local only: that kernel's int64 flags, one per piece of reduced rows
 
 Each data region (``data_bytes``) is cut into ``world_size`` one-shot slots (slot s holds
 rank s's whole input), or, for two-shot, into ``world_size`` scatter slots (slot s holds
@@ -154,8 +155,18 @@ class WorkspaceLayout:
         return _round_up(self.ll_max_bytes, ALIGN)
 
     @property
-    def total_bytes(self) -> int:
+    def handoff_offset(self) -> int:
+        """Start of the fused LL kernel's piece flags: room for one int64 per 128 bytes of message
+        (pieces hold at least 64 words, 256 bytes, and a row tile's last piece may be short)."""
         return self.reduced_offset + self.reduced_bytes
+
+    @property
+    def handoff_bytes(self) -> int:
+        return _round_up((self.ll_max_bytes // 128 + 1) * FLAG_BYTES, ALIGN) if self.ll_max_bytes else 0
+
+    @property
+    def total_bytes(self) -> int:
+        return self.handoff_offset + self.handoff_bytes
 
     def regions(self) -> list[tuple[str, int, int]]:
         """Every region and slot as (name, offset, size), for checks and debugging."""
@@ -171,4 +182,5 @@ class WorkspaceLayout:
                 base, s = self.ll_offset(parity), self.ll_slot_bytes
                 out += [(f"ll[{parity}].slot[{r}]", base + r * s, s) for r in range(w)]
             out.append(("reduced", self.reduced_offset, self.reduced_bytes))
+            out.append(("handoff", self.handoff_offset, self.handoff_bytes))
         return out
