@@ -184,8 +184,11 @@ def _worker(rank: int, world: int, port: int, opts: dict) -> None:
     records, stopped = [], None
     try:
         saved_ll, P.LL_MAX_BYTES = P.LL_MAX_BYTES, dict.fromkeys(P.LL_MAX_BYTES, max(ONESHOT_SIZES, default=0))
-        with Communicator(max_bytes=max(sizes)) as comm:  # LL regions for every one-shot size
+        try:
+            comm = Communicator(max_bytes=max(sizes))  # LL regions for every one-shot size
+        finally:
             P.LL_MAX_BYTES = saved_ll
+        with comm:
             for nbytes in sizes:
                 n = nbytes // dtype.itemsize
                 xs = B._inputs(n, dtype, world, "cpu" if smoke else "cuda", seed=nbytes)

@@ -85,11 +85,13 @@ def layouts_for(case: dict) -> dict:
     out = {"case": case}
     kernel, kwargs = _launch_args(lambda: rms_norm_fwd(x, weight, y, 1e-6, 0.0, res, res_out))
     out["norm"] = row_reduction_layouts(_compile_ttgir(kernel, kwargs))
-    layout = WorkspaceLayout(world, 1 << 24, 128, ll_max_bytes=1 << 22)
+    layout = WorkspaceLayout(world, 1 << 24, 128, ll_max_bytes=1 << 24)  # offsets only: nothing is allocated
     table = torch.zeros(world, dtype=torch.int64)
     addrs = [(1 << 40) + r * (1 << 30) for r in range(world)]
     for name, algo, ll in (("oneshot", "oneshot", False), ("oneshot_ll", "oneshot", True),
                            ("twoshot", "twoshot", False)):
+        if ll and n % 16:
+            continue  # the LL kernel needs whole-word rows (its launcher refuses)
         kernel, kwargs = _launch_args(lambda: all_reduce_norm_into(  # noqa: B023  (called right here)
             x, weight, res, y, res_out, 1e-6, 0.0, algo=algo, grid=1, rows_per_group=rows, table=table,
             table_addrs=addrs, status_addr=1 << 36, rank=1, layout=layout, timeout_ns=10**9, ll=ll))

@@ -46,3 +46,14 @@ class PoolChecker(MismatchTally):
 
     def inputs(self, n, dtype, offset):
         return [p[offset:offset + n] for p in self.pools[dtype]]
+
+
+def ll_regions_not_zeroed(comm) -> list[str]:
+    """Every LL word read is zeroed (tpfuse.kernels.ll): once this rank's calls are done,
+    its LL regions must be all zeros. A failure message, or none."""
+    if comm.device.type == "cuda":
+        torch.cuda.synchronize()
+    layout = comm.layout
+    assert layout.ll_max_bytes > 0
+    nonzero = int((comm._peer.local[layout.ll_offset(0):layout.ll_offset(1) + layout.ll_bytes] != 0).sum())
+    return [f"{nonzero} bytes of the LL regions are not zero after the calls"] if nonzero else []

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from tests.multiproc import run_ranks
+from tests.tally import ll_regions_not_zeroed
 from tpfuse import reference
 from tpfuse.comm import CommTimeoutError, Communicator
 from tpfuse.comm.plan import AllReducePlan
@@ -188,17 +189,9 @@ def _stress(calls, seed):
             _check(comm, xs, f"call {call} n={n} {dtype} {algo}", failures, digests, algo)
             if len(failures) > 5:
                 break
-        failures += _ll_regions_not_zeroed(comm)
+        failures += ll_regions_not_zeroed(comm)
     return failures, digests
 
-
-def _ll_regions_not_zeroed(comm):
-    """Every LL word read is zeroed (tpfuse.kernels.ll): once this rank's calls are done,
-    its LL regions must be all zeros."""
-    layout = comm.layout
-    assert layout.ll_max_bytes > 0
-    nonzero = int((comm._peer.local[layout.ll_offset(0):layout.ll_offset(1) + layout.ll_bytes] != 0).sum())
-    return [f"{nonzero} bytes of the LL regions are not zero after the calls"] if nonzero else []
 
 
 def _with_gather(mode, fn, *args):
@@ -240,15 +233,16 @@ def _late_rank(late):
     return failures, digests
 
 
-def _missing_peer(algo):
-    """The last rank never calls: every other rank must fail with a timeout naming it."""
+def _missing_peer(algo, numel=100):
+    """The last rank never calls: every other rank must fail with a timeout naming it.
+    numel picks the protocol of one-shot: 100 elements go over LL, 20000 fp32 over flags."""
     rank, world, failures = dist.get_rank(), dist.get_world_size(), []
     comm = Communicator(timeout_s=2.0)
     dist.barrier()  # the live ranks enter the call together: the only late one is the last
     if rank != world - 1:
         start = time.monotonic()
         try:
-            comm.all_reduce(torch.ones(100), algo=algo)
+            comm.all_reduce(torch.ones(numel), algo=algo)
             failures.append("all_reduce returned without the last rank")
         except CommTimeoutError as e:
             if (e.rank, e.peer) != (rank, world - 1) or f"rank {world - 1}" not in str(e) or "all_reduce" not in e.op:
@@ -352,6 +346,22 @@ def _fallback_is_logged_once():
     return failures
 
 
+def _ll_flags_across_the_32_bit_wrap():
+    """LL flags are the epoch modulo 2**32 - 1, plus 1: calls across that wrap must still
+    find their words (the epoch is set just below it on every rank before any call)."""
+    world, failures, digests = dist.get_world_size(), [], []
+    with Communicator(timeout_s=20) as comm:
+        comm._peer.local[:8].view(torch.int64)[0] = 2**32 - 4
+        dist.barrier()
+        for call in range(6):  # epochs 2**32 - 3 .. 2**32 + 2: flags 2**32 - 2, 2**32 - 1, 1, 2, 3, 4
+            xs = _inputs(300 + call, 999 + call, torch.bfloat16, world)
+            _check(comm, xs, f"call {call}", failures, digests, "oneshot")
+        if int(comm._peer.local[:8].view(torch.int64)[0]) != 2**32 + 2:
+            failures.append("the epoch did not advance once per call")
+        failures += ll_regions_not_zeroed(comm)
+    return failures, digests
+
+
 # ---------------------------------------------------------------- tests
 
 def _assert_ok(results):
@@ -404,14 +414,19 @@ def test_twoshot_pull_gather_is_bitwise_equal_too():
     _assert_ok(run_ranks(2, _with_gather, "pull", _stress, 300, 5))
 
 
+def test_ll_flags_wrap_at_32_bits():
+    _assert_ok(run_ranks(2, _ll_flags_across_the_32_bit_wrap))
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_late_rank_is_waited_for(world):
     _assert_ok(run_ranks(world, _late_rank, world - 1))
 
 
-@pytest.mark.parametrize("world, algo", [(2, "oneshot"), (2, "twoshot"), (4, "auto")])
-def test_missing_peer_ends_in_timeout_error_not_a_hang(world, algo):
-    failures = run_ranks(world, _missing_peer, algo, timeout_s=60)
+@pytest.mark.parametrize("world, algo, numel", [(2, "oneshot", 100), (2, "oneshot", 20000), (2, "twoshot", 100),
+                                                (4, "auto", 100)])
+def test_missing_peer_ends_in_timeout_error_not_a_hang(world, algo, numel):
+    failures = run_ranks(world, _missing_peer, algo, numel, timeout_s=60)
     assert not [f for fs in failures for f in fs], failures
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from tests.multiproc import run_ranks
-from tests.tally import PoolChecker
+from tests.tally import PoolChecker, ll_regions_not_zeroed
 
 pytestmark = pytest.mark.multigpu
 
@@ -105,18 +105,9 @@ def _stress(calls, seed):
             assert AllReducePlan.from_numel(n, world, dtype, comm.layout, algo).algo != "nccl"
             check.call(n, dtype, algo, offset, what=f"call {call}")
         failures = check.failures()
-        failures += _ll_regions_not_zeroed(comm)
+        failures += ll_regions_not_zeroed(comm)
         return failures
 
-
-def _ll_regions_not_zeroed(comm):
-    """Every LL word read is zeroed (tpfuse.kernels.ll): once this rank's calls are done,
-    its LL regions must be all zeros."""
-    torch.cuda.synchronize()
-    layout = comm.layout
-    assert layout.ll_max_bytes > 0
-    nonzero = int((comm._peer.local[layout.ll_offset(0):layout.ll_offset(1) + layout.ll_bytes] != 0).sum())
-    return [f"{nonzero} bytes of the LL regions are not zero after the calls"] if nonzero else []
 
 
 def _graph_replays(replays):

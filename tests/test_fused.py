@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import tpfuse
 from tests.multiproc import run_ranks
+from tests.tally import ll_regions_not_zeroed
 from tests.test_allreduce import _assert_ok, _digest, _inputs, _same_bits
 from tests.test_quant import _poisoned_empty
 from tpfuse import reference
@@ -26,8 +27,9 @@ from tpfuse.kernels.norm import NormConfig
 
 FUSED_ALGOS = ["oneshot", "twoshot", "auto"]
 # (tokens, hidden): a row per rank and fewer rows than ranks, row tiles of 1..16 rows, hidden
-# sizes padded to wider tiles, 2880, and rows longer than the register limit (chunked).
-SHAPES = [(1, 64), (3, 208), (5, 1008), (17, 256), (2, 2880), (40, 96), (2, 20000)]
+# sizes padded to wider tiles, 2880, and rows longer than the register limit (chunked; over
+# separate flags at 2 x 20000, over LL at 1 x 9008 fp32).
+SHAPES = [(1, 64), (3, 208), (5, 1008), (17, 256), (2, 2880), (40, 96), (2, 20000), (4, 48), (1, 9008)]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
@@ -172,6 +174,7 @@ def _changing_shapes_without_barriers(calls, seed):
             if not _same_bits(fused[1], want[1]):
                 failures.append(f"call {call} {tokens}x{hidden} {dtype} {algo}: residual_out wrong")
             digests.append(_digest(fused[0]))
+        failures += ll_regions_not_zeroed(comm)
     return failures, digests
 
 
@@ -205,8 +208,7 @@ def test_fused_plan_picks_by_size_and_keeps_groups_whole_tiles(monkeypatch):
     assert FusedPlan.from_shape(4, 4096, 4, bf16, ll_layout).algo == "split"
     one = FusedPlan.from_shape(4, 4096, 4, bf16, ll_layout, "oneshot")
     pieces = ll_pieces(4096, bf16)[1]
-    assert one.ll and pieces == 8  # GPUs: every piece on a CTA of its own; the interpreter: one CTA
-    assert one.grid == (1 if plan.INTERPRETER else min(4 * pieces, plan.FUSED_MAX_CTAS))
+    assert one.ll and pieces == 8 and one.grid == min(4 * pieces, plan.FUSED_MAX_CTAS)  # a CTA per piece
     assert FusedPlan.from_shape(32, 4096, 4, bf16, ll_layout).algo == "oneshot"  # 256 KiB: flags
     monkeypatch.setattr(plan, "FUSED_ONESHOT_LL", True)
     assert FusedPlan.from_shape(4, 4096, 4, bf16, ll_layout).algo == "oneshot"

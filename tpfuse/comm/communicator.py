@@ -52,7 +52,8 @@ class Communicator:
 
     ``Communicator(group=None, *, max_bytes=None, timeout_s=30.0)`` is collective: every rank
     of ``group`` (default: the world group) constructs it, with the same arguments. It
-    allocates its peer workspace once (``workspace_bytes`` per rank, about 4 * max_bytes;
+    allocates its peer workspace once (``workspace_bytes`` per rank, about 4 * max_bytes, plus
+    about 4 * world_size * ``plan.LL_MAX_BYTES`` for the LL one-shot (2 MiB at W=4);
     ``max_bytes`` defaults to 16 MiB on GPUs, 1 MiB on CPU). ``close()`` releases it (local,
     after the rank's last call); the communicator is also a context manager.
 

@@ -36,8 +36,9 @@ KiB = 1024
 #   5%: NCCL's results are not bitwise reproducible, so this trades the exactness contract
 #   of "auto" for speed on large messages.
 # TILE_BYTES: bytes of a tile; on GPUs 8 KiB = 512 threads (NUM_WARPS 16) x one 16-byte
-#   vector. "oneshot_ll" (TILE_BYTES, NUM_WARPS, MAX_CTAS): one-shot over LL, whose 8-byte
-#   words carry 4 data bytes. The interpreter pays per operation, not per element, so it takes large tiles.
+#   vector. The "oneshot_ll" entries of TILE_BYTES, NUM_WARPS and MAX_CTAS serve one-shot
+#   over LL, whose 8-byte words carry 4 data bytes. The interpreter pays per operation, not
+#   per element, so it takes large tiles.
 # NUM_WARPS: warps per CTA, per algorithm.
 # MAX_CTAS: CTAs per call, per algorithm. Every CTA of a grid must be resident at once
 #   (block b waits for block b of every peer, see tpfuse.kernels.sync), so a grid must stay
@@ -52,7 +53,8 @@ KiB = 1024
 # LL_MAX_BYTES: largest message one-shot sends over the LL protocol (tpfuse.kernels.ll: flags
 #   inside the data words, twice the bytes on the links, no fence and no flag round trip), by
 #   world size (other sizes: W=8's); larger one-shot messages use separate flags. It also
-#   sizes the workspace's LL regions (2 * W * 2 * LL_MAX_BYTES per rank). The interpreter's
+#   sizes the workspace's LL regions (2 * W * 2 * LL_MAX_BYTES per rank, plus LL_MAX_BYTES
+#   for the fused kernel's reduced rows; at most the one-shot capacity). The interpreter's
 #   value keeps both protocols inside the CPU tests' sizes. 4x H200 sweep (W=4 bf16):
 #   LL with 1 KiB tiles on 4 warps (2 words per thread), up to 64 CTAs: 8 KiB 3.65 us (flags
 #   5.06), 64 KiB 5.12 (6.04), 128 KiB 6.71 (6.9), 256 KiB LL 10.6, flags 8.4. A tile of
@@ -81,13 +83,17 @@ ALGOS = ("auto", "oneshot", "twoshot", "nccl")
 def ll_max_bytes(world_size: int, max_bytes: int) -> int:
     """The LL capacity of a communicator's workspace (LL_MAX_BYTES, at most its one-shot capacity)."""
     oneshot_capacity = WorkspaceLayout(world_size, max_bytes, 1).oneshot_slot_bytes
-    return min(LL_MAX_BYTES.get(world_size, LL_MAX_BYTES[8]), oneshot_capacity)
+    return min(_ll_max(world_size), oneshot_capacity)
+
+
+def _ll_max(world_size: int) -> int:
+    return LL_MAX_BYTES.get(world_size, LL_MAX_BYTES[8])
 
 
 def uses_ll(nbytes: int, world_size: int, layout: WorkspaceLayout) -> bool:
     """Whether a one-shot message of nbytes goes over LL: LL_MAX_BYTES as it is now (tuning
     scripts lower it at run time), within the LL capacity of the workspace."""
-    return nbytes <= min(layout.ll_max_bytes, LL_MAX_BYTES.get(world_size, LL_MAX_BYTES[8]))
+    return nbytes <= min(layout.ll_max_bytes, _ll_max(world_size))
 
 
 def check_algo(algo: str) -> None:
@@ -232,7 +238,8 @@ class FusedPlan:
     def from_shape(cls, n_rows: int, n: int, world_size: int, dtype: torch.dtype, layout: WorkspaceLayout | None,
                    algo: str = "auto") -> "FusedPlan":
         """"auto" picks one-shot up to FUSED_ONESHOT_MAX_BYTES (for hidden sizes with at most
-        FUSED_ONESHOT_MAX_VECTORS vectors per thread, and not over LL unless FUSED_ONESHOT_LL), two-shot up to FUSED_TWOSHOT_MAX_BYTES,
+        FUSED_ONESHOT_MAX_VECTORS vectors per thread, and not over LL unless
+        FUSED_ONESHOT_LL), two-shot up to FUSED_TWOSHOT_MAX_BYTES,
         else "split" (also when the workspace cannot hold the message, or n is not a multiple
         of FUSED_HIDDEN_MULTIPLE). An explicit "oneshot" or "twoshot" that cannot serve the
         shape raises ValueError."""
@@ -274,12 +281,6 @@ class FusedPlan:
         ll = algo == "oneshot" and uses_ll(nbytes, world_size, layout)
         work = _cdiv(rows_per_group[algo], tile_rows)  # row tiles
         if ll:  # the LL kernel's pieces (tpfuse.kernels.fused), which any CTA may take
-            pieces = work * ll_pieces(n, dtype)[1]
-            ll = (pieces + 1) * 8 <= layout.handoff_bytes
-            work = max(work, pieces) if ll else work
+            work = max(work, work * ll_pieces(n, dtype)[1])
         grid = max(1, min(work, FUSED_MAX_CTAS, layout.max_blocks))
-        if ll and INTERPRETER:
-            # A CTA may wait for words another CTA of its rank stores, which the interpreter,
-            # running CTAs one after another, would never run: one CTA does all there.
-            grid = 1
         return cls(algo, grid=grid, rows_per_group=rows_per_group[algo], ll=ll)

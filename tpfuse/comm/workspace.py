@@ -19,7 +19,7 @@ Layout of one rank's buffer (every region starts at a multiple of ``ALIGN``)::
               slots of ``ll_slot_bytes``, slot s written only by rank s
     ll[1]     the same for odd epochs
     reduced   local only: the fused one-shot LL kernel's reduced rows
-    handoff   local only: that kernel's int64 flags, one per piece of reduced rows
+    handoff   local only: that kernel's int64 arrival counters, one per row tile
 
 Each data region (``data_bytes``) is cut into ``world_size`` one-shot slots (slot s holds
 rank s's whole input), or, for two-shot, into ``world_size`` scatter slots (slot s holds
@@ -156,13 +156,14 @@ class WorkspaceLayout:
 
     @property
     def handoff_offset(self) -> int:
-        """Start of the fused LL kernel's piece flags: room for one int64 per 128 bytes of message
-        (pieces hold at least 64 words, 256 bytes, and a row tile's last piece may be short)."""
+        """Start of the fused LL kernel's arrival counters, one int64 per row tile. A tile
+        holds at least 1 KiB (16 elements of 2 bytes, times the norm's 32-row cap, for the
+        smallest hidden size the fused kernels serve), so one word per KiB of message."""
         return self.reduced_offset + self.reduced_bytes
 
     @property
     def handoff_bytes(self) -> int:
-        return _round_up((self.ll_max_bytes // 128 + 1) * FLAG_BYTES, ALIGN) if self.ll_max_bytes else 0
+        return _round_up((self.ll_max_bytes // 1024 + 1) * FLAG_BYTES, ALIGN) if self.ll_max_bytes else 0
 
     @property
     def total_bytes(self) -> int:

@@ -49,7 +49,6 @@ OP_NAMES = {1: "one-shot all_reduce", 2: "two-shot all_reduce (reduce-scatter ph
             4: "fused all_reduce + rms_norm (one-shot)",  # codes 4-6 of fused.py
             5: "fused all_reduce + rms_norm (reduce-scatter phase)",
             6: "fused all_reduce + rms_norm (all-gather phase)",
-            7: "fused all_reduce + rms_norm (one-shot, handing reduced rows between this rank's CTAs)",
             10: "quantized all_reduce (reduce-scatter phase)",  # codes of quant_allreduce.py
             11: "quantized all_reduce (all-gather phase)"}
 
@@ -218,6 +217,9 @@ def all_reduce_into(x: torch.Tensor, out: torch.Tensor, *, algo: str, grid: int,
     """
     world = layout.world_size
     if algo == "oneshot" and ll:
+        if x.numel() * x.element_size() > layout.ll_max_bytes:
+            raise ValueError(f"the LL one-shot serves up to {layout.ll_max_bytes} bytes with this layout, got "
+                             f"{x.numel() * x.element_size()}")
         ll_oneshot_all_reduce_kernel[(grid,)](
             x_ptr=x, out_ptr=out, numel=x.numel(), n_words=-(-x.numel() * x.element_size() // 4), table_ptr=table,
             local=table_addrs[rank], status_addr=status_addr,

@@ -17,9 +17,10 @@ rank its own split result.
 
 - one-shot: each rank stores its rows into slot ``rank`` of every rank's data region,
   signals, waits for all W, and normalises every row from the sum of its W local slots.
-  Small messages use the LL protocol (``tpfuse.kernels.ll``): each block sums its rows from
-  the LL words, stores the rounded sums into the workspace's local ``reduced`` region, and
-  normalises them from there with ``norm_tile`` reading plain rows, as the norm kernel does.
+  Small messages use the LL protocol (``tpfuse.kernels.ll``) and a different split of the
+  work: row tiles are cut into pieces spread over the grid, each piece is summed into the
+  workspace's local ``reduced`` region, and the CTA that finishes a tile's last piece
+  normalises the tile from there (``ll_oneshot_all_reduce_norm_kernel``).
 - two-shot: rows are cut into W groups of ``rows_per_group`` (whole tiles); rank s stores
   group g into scatter slot s of rank g; rank g sums its W scatter slots, rounds once and
   stores the reduced group into gather slot g of every rank; after the gather flags every
@@ -30,7 +31,8 @@ rank its own split result.
 
 The synchronisation (epochs, flags, timeouts, parity-rotated data regions) is
 ``tpfuse.kernels.sync`` over the workspace of ``tpfuse.comm.workspace``, as for the plain
-all-reduce: block b handles tiles b, b + grid, ... and waits only for block b of its peers.
+all-reduce: block b handles tiles b, b + grid, ... and waits only for block b of its peers
+(over LL, only for its peers' words).
 """
 
 from __future__ import annotations
@@ -49,7 +51,6 @@ from tpfuse.kernels.sync import end_call, signal, wait
 OP_FUSED_ONESHOT = tl.constexpr(4)
 OP_FUSED_SCATTER = tl.constexpr(5)
 OP_FUSED_GATHER = tl.constexpr(6)
-OP_FUSED_HANDOFF = tl.constexpr(7)
 
 # Counts and flags are not specialised, so every batch size and both residual modes run one
 # compiled kernel per (N, dtype, world size), like the norm kernel.
@@ -95,58 +96,61 @@ def oneshot_all_reduce_norm_kernel(
     end_call(ctrl, epoch)
 
 
+@triton.jit
+def _piece_words(piece, tile_words, n_words, PIECE_WORDS: tl.constexpr, PIECES: tl.constexpr):
+    """Word offsets and mask of ``piece`` (piece % PIECES of row tile piece // PIECES)."""
+    lanes = (piece % PIECES) * PIECE_WORDS + tl.arange(0, PIECE_WORDS)
+    woffs = (piece // PIECES) * tile_words + lanes
+    return woffs, (woffs < n_words) & (lanes < tile_words)
+
+
 @triton.jit(do_not_specialize=_UNSPECIALISED)
 def ll_oneshot_all_reduce_norm_kernel(
     X, RES, W, Y, RES_OUT, n_rows, N, eps, weight_offset, has_residual,
     table_ptr, local, status_addr, rank, timeout_ns, ll_offset, ll_bytes, slot_words, reduced_offset, handoff_offset,
     BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    WORLD: tl.constexpr, PIECE_WORDS: tl.constexpr, PIECES: tl.constexpr, PIECES_POW2: tl.constexpr,
+    WORLD: tl.constexpr, PIECE_WORDS: tl.constexpr, PIECES: tl.constexpr,
 ):
-    """One-shot over LL words, in three steps.
+    """One-shot over LL words.
 
     Each row tile (ROWS contiguous rows; N is a multiple of 16, so a tile is whole words) is
     cut into PIECES pieces of PIECE_WORDS words, spread over the whole grid, which has more
     CTAs than row tiles: one CTA cannot drain a row's NVLink stores or poll its W slots
-    quickly (4x H200: an 8 KiB all-reduce takes 3.6 us on 8 CTAs, 6.4 us on 2).
-    1. every CTA stores its pieces, as LL words, into every rank's slot;
-    2. it sums its pieces from the LL words, rounds them into the local ``reduced`` region and
-       raises each piece's handoff flag to the epoch (release, after a CTA barrier);
-    3. CTA b then waits for the flags of tile b's pieces (and tiles b + grid, ...) and
-       normalises the tile from ``reduced`` with ``norm_tile``, reading plain rows as the norm
-       kernel does (the layout test compares the reductions).
-    Step 3 waits on other CTAs of this rank, so every CTA must be resident (as for every
-    grid here); under the interpreter, which runs CTAs one after another, the plan launches
-    one CTA."""
+    quickly (4x H200: an 8 KiB all-reduce takes 3.6 us on 8 CTAs, 6.4 us on 2). Every CTA
+    first stores its pieces, as LL words, into every rank's slot; then, per piece, it sums
+    the piece from the LL words, rounds it into the local ``reduced`` region and counts it
+    in the tile's handoff counter. The CTA that counts a tile's last piece normalises the
+    tile from ``reduced`` with ``norm_tile``, reading plain rows as the norm kernel does (the
+    layout test compares the reductions), and resets the counter. No CTA waits for another
+    CTA of its rank, so the kernel needs no more residency than the others, and runs under
+    the interpreter, which runs CTAs one after another."""
     ELEM: tl.constexpr = X.dtype.element_ty
     PACK: tl.constexpr = 32 // ELEM.primitive_bitwidth
     pid, grid, ctrl, status, epoch, region, n_tiles = _begin(local, status_addr, ll_offset, ll_bytes, n_rows, ROWS)
     flag = ll_flag(epoch)
     tile_words = ROWS * N // PACK
     n_words = tl.multiple_of(n_rows * N // PACK, 8)
-    lanes = tl.arange(0, PIECE_WORDS)
+    packs = tl.arange(0, PACK)[None, :]
     for piece in range(pid, n_tiles * PIECES, grid):
-        woffs = (piece // PIECES) * tile_words + (piece % PIECES) * PIECE_WORDS + lanes
-        wmask = (woffs < n_words) & ((piece % PIECES) * PIECE_WORDS + lanes < tile_words)
-        offs = woffs[:, None] * PACK + tl.arange(0, PACK)[None, :]
-        vals = tl.reshape(tl.load(X + offs, mask=wmask[:, None]), [PIECE_WORDS * PACK])
+        woffs, wmask = _piece_words(piece, tile_words, n_words, PIECE_WORDS, PIECES)
+        vals = tl.reshape(tl.load(X + woffs[:, None] * PACK + packs, mask=wmask[:, None]), [PIECE_WORDS * PACK])
         _push_to_all(table_ptr, region, ll_pack(vals, flag), rank * slot_words + woffs, wmask, WORLD)
     slot0 = _typed(local, region, tl.uint64)
     reduced = _typed(local, reduced_offset, ELEM)
-    handoff = (local + handoff_offset).to(tl.pointer_type(tl.int64))
+    arrived = (local + handoff_offset).to(tl.pointer_type(tl.int64))
     for piece in range(pid, n_tiles * PIECES, grid):
-        woffs = (piece // PIECES) * tile_words + (piece % PIECES) * PIECE_WORDS + lanes
-        wmask = (woffs < n_words) & ((piece % PIECES) * PIECE_WORDS + lanes < tile_words)
+        woffs, wmask = _piece_words(piece, tile_words, n_words, PIECE_WORDS, PIECES)
         acc = ll_reduce(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns,
                         OP_FUSED_ONESHOT, WORLD, ELEM)
-        offs = woffs[:, None] * PACK + tl.arange(0, PACK)[None, :]
-        tl.store(reduced + offs, tl.reshape(round_to(acc, ELEM), [PIECE_WORDS, PACK]), mask=wmask[:, None])
-        tl.debug_barrier()  # every thread's stores of the piece precede its flag
-        tl.atomic_xchg(handoff + piece, epoch, sem="release", scope="gpu")
-    for tile in range(pid, n_tiles, grid):
-        wait(handoff + tile * PIECES, ctrl, status, epoch, rank, timeout_ns, OP_FUSED_HANDOFF, PIECES, PIECES_POW2)
-        rows = tile * ROWS + tl.arange(0, ROWS)
-        norm_tile(reduced, rows.to(tl.int64) * N, 0, RES, W, Y, RES_OUT, rows, rows < n_rows, N, eps, weight_offset,
-                  has_residual, True, BLOCK_N, NUM_CHUNKS, HAS_WEIGHT, 0)
+        tl.store(reduced + woffs[:, None] * PACK + packs, tl.reshape(round_to(acc, ELEM), [PIECE_WORDS, PACK]),
+                 mask=wmask[:, None])
+        tl.debug_barrier()  # every thread's stores of the piece precede the count (release)
+        tile = piece // PIECES
+        if tl.atomic_add(arrived + tile, 1, sem="acq_rel", scope="gpu") == PIECES - 1:
+            tl.store(arrived + tile, 0)  # the next call counts after this kernel has ended
+            rows = tile * ROWS + tl.arange(0, ROWS)
+            norm_tile(reduced, rows.to(tl.int64) * N, 0, RES, W, Y, RES_OUT, rows, rows < n_rows, N, eps,
+                      weight_offset, has_residual, True, BLOCK_N, NUM_CHUNKS, HAS_WEIGHT, 0)
     end_call(ctrl, epoch)
 
 
@@ -234,11 +238,15 @@ def all_reduce_norm_into(x: torch.Tensor, weight: torch.Tensor | None, residual:
         BLOCK_N=cfg.block_n, NUM_CHUNKS=cfg.num_chunks, ROWS=cfg.rows, HAS_WEIGHT=weight is not None, WORLD=world,
         num_warps=cfg.num_warps, **EXACT_FP)
     if algo == "oneshot" and ll:
+        tiles = triton.cdiv(n_rows, cfg.rows)
+        if x.numel() * x.element_size() > layout.ll_max_bytes or n % 16 or 8 * tiles > layout.handoff_bytes:
+            raise ValueError(f"the LL one-shot cannot serve {n_rows} x {n} {x.dtype} with this layout "
+                             f"(ll_max_bytes={layout.ll_max_bytes}; hidden sizes must be multiples of 16)")
         piece_words, pieces = ll_pieces(n, x.dtype)
         ll_oneshot_all_reduce_norm_kernel[(grid,)](
             ll_offset=layout.ll_offset(0), ll_bytes=layout.ll_bytes, slot_words=layout.ll_slot_bytes // 8,
             reduced_offset=layout.reduced_offset, handoff_offset=layout.handoff_offset, PIECE_WORDS=piece_words,
-            PIECES=pieces, PIECES_POW2=triton.next_power_of_2(pieces), **common)
+            PIECES=pieces, **common)
         return
     common.update(flags_offset=layout.flag_offset(0), data_offset=layout.data_offset(0), data_bytes=layout.data_bytes,
                   PEERS=triton.next_power_of_2(world))

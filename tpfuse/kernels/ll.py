@@ -4,10 +4,13 @@ With a separate flag, a one-shot all-reduce has this chain on its latency path: 
 the peers, a system-scope release (which waits until the peers acknowledge those stores over
 NVLink), the flag store, the peer's poll of the flag, then the peer's loads of the data. In LL
 each 8-byte word holds 4 bytes of data and a 4-byte flag naming the call, written by one
-8-byte store, which is single-copy atomic: a reader that sees the flag sees the data beside
-it. The reader polls the data words themselves, so there is no fence, no flag store and no
-second load. The price is twice the bytes on the links, so LL serves small messages only
-(``tpfuse.comm.plan.LL_MAX_BYTES``).
+aligned 8-byte store: a reader that sees the flag sees the data beside it. (The stores are
+Triton's plain ``st.global``, the polls ``ld.volatile``; the PTX memory model promises
+single-copy atomicity to strong accesses only, and NCCL's LL uses ``st.volatile``. Aligned
+8-byte stores are not split on NVIDIA GPUs or over NVLink, which NCCL's LL relies on too,
+and the bitwise GPU suites check every word.) The reader polls the data words themselves,
+so there is no fence, no flag store and no second load. The price is twice the bytes on the
+links, so LL serves small messages only (``tpfuse.comm.plan.LL_MAX_BYTES``).
 
 **Words.** ``word = bits | flag << 32`` (uint64); bits are one fp32 element or two 16-bit
 elements (the lower-addressed one in the low half); ``flag = epoch % (2**32 - 1) + 1``,

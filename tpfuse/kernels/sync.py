@@ -114,7 +114,9 @@ def end_call(ctrl_ptr, epoch):
     Every block read the epoch before its acq_rel increment, so the last block's store
     cannot overtake any block's read. The next call (the next kernel on the stream) sees
     both stores. A grid of one block has nothing to count: it stores the epoch without the
-    atomic's round trip to L2 (decode-sized calls are one block)."""
+    atomic's round trip to L2. Both paths assume what every kernel here does: a CTA barrier
+    between ``begin_call`` and ``end_call`` (in ``signal``, ``wait`` or an LL poll), so no
+    thread's store of the new epoch can precede another thread's read of the old one."""
     if tl.num_programs(0) == 1:
         tl.store(ctrl_ptr, epoch)
     else:
