@@ -202,9 +202,12 @@ def test_fused_plan_picks_by_size_and_keeps_groups_whole_tiles(monkeypatch):
         FusedPlan.from_shape(1, 64, 4, bf16, layout, "nccl")
     cfg = NormConfig.from_shape(96, bf16)
     assert FusedPlan.from_shape(40, 96, 2, bf16, layout, "twoshot").rows_per_group % cfg.rows == 0
-    # Over LL (the workspace's LL regions, LL_MAX_BYTES) auto splits unless FUSED_ONESHOT_LL.
+    # Over LL (the workspace's LL regions, LL_MAX_BYTES) auto takes the LL kernel whatever the
+    # vectors per thread, unless FUSED_ONESHOT_LL is off.
     ll_layout = WorkspaceLayout(4, 1 << 20, max_blocks=128, ll_max_bytes=64 << 10)
     monkeypatch.setitem(plan.FUSED_TWOSHOT_MAX_BYTES, 4, 0)
+    assert FusedPlan.from_shape(1, 8192, 4, bf16, ll_layout).algo == "oneshot"
+    monkeypatch.setattr(plan, "FUSED_ONESHOT_LL", False)
     assert FusedPlan.from_shape(4, 4096, 4, bf16, ll_layout).algo == "split"
     one = FusedPlan.from_shape(4, 4096, 4, bf16, ll_layout, "oneshot")
     pieces = ll_pieces(4096, bf16)[1]
@@ -212,6 +215,7 @@ def test_fused_plan_picks_by_size_and_keeps_groups_whole_tiles(monkeypatch):
     assert FusedPlan.from_shape(32, 4096, 4, bf16, ll_layout).algo == "oneshot"  # 256 KiB: flags
     monkeypatch.setattr(plan, "FUSED_ONESHOT_LL", True)
     assert FusedPlan.from_shape(4, 4096, 4, bf16, ll_layout).algo == "oneshot"
+    assert FusedPlan.from_shape(20, 8192, 4, bf16, ll_layout).algo == "split"  # 320 KiB: flags, 4 vectors
     # Hidden sizes off the multiple of 16 take the split path (tests/test_fused_layouts.py says why).
     assert FusedPlan.from_shape(4, 1000, 4, bf16, layout).algo == "split"
     with pytest.raises(ValueError, match="multiple of 16"):

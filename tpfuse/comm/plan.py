@@ -189,10 +189,10 @@ class AllReducePlan:
 #   flag protocol, before LL: hidden 4096 bf16, 2 vectors per thread, 1.10-1.14x faster than
 #   split for 1-32 tokens, 1.03x at 64; hidden 8192, 4 vectors per thread, 0.97x at 1 token).
 # FUSED_ONESHOT_LL: whether "auto" takes the fused one-shot for messages that go over LL
-#   (up to LL_MAX_BYTES). Off: with the LL all-reduce the split path is as fast (hidden 4096,
-#   1-16 tokens: fused 5.8-8.6 us, split 5.6-8.6 us), so the fused one-shot is chosen only
-#   above LL_MAX_BYTES, where it saves the flag round trip of the split's all-reduce (hidden
-#   4096, 32 tokens: 9.7 vs 10.7 us).
+#   (up to LL_MAX_BYTES), whatever FUSED_ONESHOT_MAX_VECTORS says: that kernel spreads each
+#   row over several CTAs (commit d9ff098: hidden 4096, 1-16 tokens, fused 5.2-8.0 us, split
+#   5.5-8.6; hidden 8192, 1 token, 5.9 vs 6.6). Above LL_MAX_BYTES the flag kernel and the
+#   vectors rule apply (hidden 4096, 32 tokens: 9.7 vs 10.5 us).
 # FUSED_TWOSHOT_MAX_BYTES: largest message "auto" sends to the fused two-shot kernel (0: never;
 #   it measured 0.91-0.98x of split from 128 to 1024 tokens).
 #   Above both, "split" (tpfuse all_reduce, then add_rms_norm: the same bits).
@@ -200,7 +200,7 @@ class AllReducePlan:
 #   the norm's tiles use at most 8 warps, so 128 CTAs fit H200's 132 SMs.
 FUSED_ONESHOT_MAX_BYTES = {2: 512 * KiB, 4: 512 * KiB, 8: 128 * KiB}
 FUSED_ONESHOT_MAX_VECTORS = 2
-FUSED_ONESHOT_LL = False
+FUSED_ONESHOT_LL = True
 FUSED_TWOSHOT_MAX_BYTES = {2: 0, 4: 0, 8: 0}
 FUSED_MAX_CTAS = 128 if not INTERPRETER else 4
 FUSED_HIDDEN_MULTIPLE = 16
@@ -266,9 +266,9 @@ class FusedPlan:
             fits = {"oneshot": False, "twoshot": False}
         if algo == "auto":
             vectors_per_thread = cfg.rows * cfg.block_n * esize // 16 / (cfg.num_warps * 32)
+            over_ll = uses_ll(nbytes, world_size, layout)
             if (nbytes <= FUSED_ONESHOT_MAX_BYTES.get(world_size, FUSED_ONESHOT_MAX_BYTES[8]) and fits["oneshot"]
-                    and vectors_per_thread <= FUSED_ONESHOT_MAX_VECTORS
-                    and (FUSED_ONESHOT_LL or not uses_ll(nbytes, world_size, layout))):
+                    and (FUSED_ONESHOT_LL if over_ll else vectors_per_thread <= FUSED_ONESHOT_MAX_VECTORS)):
                 algo = "oneshot"
             elif nbytes <= FUSED_TWOSHOT_MAX_BYTES.get(world_size, FUSED_TWOSHOT_MAX_BYTES[8]) and fits["twoshot"]:
                 algo = "twoshot"
