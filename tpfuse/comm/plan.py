@@ -237,12 +237,11 @@ class FusedPlan:
     @classmethod
     def from_shape(cls, n_rows: int, n: int, world_size: int, dtype: torch.dtype, layout: WorkspaceLayout | None,
                    algo: str = "auto") -> "FusedPlan":
-        """"auto" picks one-shot up to FUSED_ONESHOT_MAX_BYTES (for hidden sizes with at most
-        FUSED_ONESHOT_MAX_VECTORS vectors per thread, and not over LL unless
-        FUSED_ONESHOT_LL), two-shot up to FUSED_TWOSHOT_MAX_BYTES,
-        else "split" (also when the workspace cannot hold the message, or n is not a multiple
-        of FUSED_HIDDEN_MULTIPLE). An explicit "oneshot" or "twoshot" that cannot serve the
-        shape raises ValueError."""
+        """"auto" picks one-shot up to FUSED_ONESHOT_MAX_BYTES (over LL when FUSED_ONESHOT_LL;
+        above LL for hidden sizes with at most FUSED_ONESHOT_MAX_VECTORS vectors per thread),
+        two-shot up to FUSED_TWOSHOT_MAX_BYTES, else "split" (also when the workspace cannot
+        hold the message, or n is not a multiple of FUSED_HIDDEN_MULTIPLE). An explicit
+        "oneshot" or "twoshot" that cannot serve the shape raises ValueError."""
         check_fused_algo(algo)
         if algo == "split":
             return cls("split", reason="algo='split' was requested")
@@ -264,9 +263,9 @@ class FusedPlan:
                 "twoshot": rows_per_group["twoshot"] * n * esize <= layout.twoshot_slot_bytes}
         if n_rows * n > MAX_ELEMENTS:
             fits = {"oneshot": False, "twoshot": False}
+        over_ll = uses_ll(nbytes, world_size, layout)
         if algo == "auto":
             vectors_per_thread = cfg.rows * cfg.block_n * esize // 16 / (cfg.num_warps * 32)
-            over_ll = uses_ll(nbytes, world_size, layout)
             if (nbytes <= FUSED_ONESHOT_MAX_BYTES.get(world_size, FUSED_ONESHOT_MAX_BYTES[8]) and fits["oneshot"]
                     and (FUSED_ONESHOT_LL if over_ll else vectors_per_thread <= FUSED_ONESHOT_MAX_VECTORS)):
                 algo = "oneshot"
@@ -278,9 +277,9 @@ class FusedPlan:
             raise ValueError(f"algo={algo!r} cannot serve {n_rows} x {n} {dtype} with this workspace "
                              f"(max_bytes={layout.max_bytes}); create the Communicator with a larger max_bytes, "
                              "or use algo='auto' or 'split'")
-        ll = algo == "oneshot" and uses_ll(nbytes, world_size, layout)
+        ll = algo == "oneshot" and over_ll
         work = _cdiv(rows_per_group[algo], tile_rows)  # row tiles
         if ll:  # the LL kernel's pieces (tpfuse.kernels.fused), which any CTA may take
-            work = max(work, work * ll_pieces(n, dtype)[1])
+            work *= ll_pieces(n, dtype)[1]
         grid = max(1, min(work, FUSED_MAX_CTAS, layout.max_blocks))
         return cls(algo, grid=grid, rows_per_group=rows_per_group[algo], ll=ll)
