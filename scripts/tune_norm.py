@@ -1,11 +1,18 @@
-"""Time RMSNorm kernel variants (warps, tile rows, dW partials) on a GPU, to choose the
-values in tpfuse/kernels/norm.py. Not part of the library: it patches the config functions.
+"""Time RMSNorm kernel variants on a GPU, to choose the values in tpfuse/kernels/norm.py.
+Not part of the library: it patches ``NormConfig.from_shape`` and the dW partial count.
 
-    python3 scripts/tune_norm.py > tune.txt
+    python3 scripts/tune_norm.py [bwd|fwd ...] > tune.txt
+
+bwd: tile rows x warps x prefetch x joint reduction per N (M=32768, bf16), then the best
+three per N again with 512 dW partials; fwd: warps x rows per N; chunk: chunk bytes x
+warps for rows too long for registers (N=65536), forward and backward; dw: rows per dW
+partial x combine mode at small M; fp32: warps for fp32 rows of 16384 held in registers. Every backward
+variant's dx and dW are checked against an fp32 torch computation before it is timed.
 """
 
 import dataclasses
 import itertools
+import sys
 
 import torch
 
@@ -13,37 +20,148 @@ from tpfuse.bench.common import copy_bandwidth_gbps, graph_time_us
 from tpfuse.kernels import norm as K
 
 base_from_shape = K.NormConfig.from_shape
+DT = torch.bfloat16
+M = 32768
 
 
-def with_config(warps=None, rows=None):
+def use_config(**fields):
     def from_shape(n, dtype):
-        cfg = base_from_shape(n, dtype)
-        return dataclasses.replace(cfg, num_warps=warps or cfg.num_warps, rows=rows or cfg.rows)
+        return dataclasses.replace(base_from_shape(n, dtype), **fields)
     K.NormConfig.from_shape = staticmethod(from_shape)
 
 
-copy = copy_bandwidth_gbps()
-print(f"copy {copy:.0f} GB/s")
-dt = torch.bfloat16
-for n, m in itertools.product([1024, 2048, 4096, 5120, 8192, 16384], [4096, 32768]):
-    x = torch.randn(m, n, device="cuda", dtype=dt)
-    dy, w = torch.randn_like(x), torch.randn(n, device="cuda", dtype=dt)
+def pct(nbytes, us, copy):
+    return 100 * nbytes / (us * 1e-6) / 1e9 / copy
+
+
+def bwd_variants(n):
+    base = base_from_shape(n, DT)
+    tile_rows = [r for r in (1, 2, 4, 8, 16, 32) if r >= base.rows and r * base.block_n <= max(8192, base.block_n)]
+    warps = [w for w in (4, 8, 16, 32) if w * 32 * 8 <= tile_rows[-1] * base.block_n * 2 or w == 4]
+    for rows, w, prefetch, joint in itertools.product(tile_rows, warps, (False, True), (False, True)):
+        if w * 32 * 8 > rows * base.block_n * 2 and w > 4:  # more threads than 16-byte vectors
+            continue
+        if prefetch and (base.num_chunks > 1 or rows * base.block_n > 8192):
+            continue
+        yield dict(bwd_rows=rows, bwd_num_warps=w, bwd_prefetch=prefetch, bwd_joint_reduce=joint)
+
+
+def check_bwd(x, dy, w, dx, dw):
+    xf, dyf, wf = x.float(), dy.float(), w.float()
+    inv = torch.rsqrt(xf.pow(2).mean(1, keepdim=True) + 1e-6)
+    g = dyf * wf
+    ref_dx = inv * (g - xf * inv * (g * xf).mean(1, keepdim=True) * inv)
+    ref_dw = (dyf * xf * inv).sum(0)
+    return (torch.allclose(dx.float(), ref_dx, rtol=2e-2, atol=2e-2)
+            and (dw is None or torch.allclose(dw.float(), ref_dw, rtol=2e-2, atol=2e-2 * ref_dw.abs().max().item())))
+
+
+def tune_bwd(copy):
+    for n in [256, 512, 1024, 2048, 2880, 4096, 5120, 8192, 16384]:
+        x = torch.randn(M, n, device="cuda", dtype=DT)
+        dy, w = torch.randn_like(x), torch.randn(n, device="cuda", dtype=DT)
+        dx, dw = torch.empty_like(x), torch.empty_like(w)
+        base = base_from_shape(n, DT)
+        print(f"bwd N={n} base rows={base.bwd_rows} warps={base.bwd_num_warps} prefetch={base.bwd_prefetch} "
+              f"joint={base.bwd_joint_reduce}", flush=True)
+        timed = []
+        for fields in bwd_variants(n):
+            use_config(**fields)
+            dx.fill_(float("nan"))
+            dw.fill_(float("nan"))
+            K.rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0)
+            ok = check_bwd(x, dy, w, dx, dw)
+            us = graph_time_us(lambda i: K.rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0))
+            timed.append((us, fields))
+            print(f"  {fields} {us:.1f}us {pct(3 * M * n * 2, us, copy):.0f}%{'' if ok else ' WRONG'}", flush=True)
+        for us, fields in sorted(timed, key=lambda t: t[0])[:3]:
+            use_config(**fields)
+            K._MAX_DW_PARTIALS = 512
+            us512 = graph_time_us(lambda i: K.rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0))
+            K._MAX_DW_PARTIALS = 256
+            print(f"  partials 512: {fields} {us512:.1f}us {pct(3 * M * n * 2, us512, copy):.0f}% "
+                  f"(256: {us:.1f}us)", flush=True)
+    K.NormConfig.from_shape = staticmethod(base_from_shape)
+
+
+def tune_fwd(copy):
+    for n in [2880, 5120, 65536]:
+        m = M if n < 65536 else 4096
+        x = torch.randn(m, n, device="cuda", dtype=DT)
+        y, w = torch.empty_like(x), torch.randn(n, device="cuda", dtype=DT)
+        base = base_from_shape(n, DT)
+        for warps, rows in itertools.product([4, 8, 16, 32], sorted({1, 2, base.rows})):
+            use_config(num_warps=warps, rows=rows)
+            us = graph_time_us(lambda i: K.rms_norm_fwd(x, w, y, 1e-6, 0.0))
+            print(f"fwd N={n} M={m} warps={warps} rows={rows} base=({base.num_warps},{base.rows}) {us:.1f}us "
+                  f"{pct(2 * m * n * 2, us, copy):.0f}%", flush=True)
+    K.NormConfig.from_shape = staticmethod(base_from_shape)
+
+
+def tune_chunk(copy):
+    n = 65536
+    x = torch.randn(M, n, device="cuda", dtype=DT)
+    y, dy, w = torch.empty_like(x), torch.randn_like(x), torch.randn(n, device="cuda", dtype=DT)
     dx, dw = torch.empty_like(x), torch.empty_like(w)
-    base = base_from_shape(n, dt)
-    for warps, partials in itertools.product([4, 8, 16], [256, 1024]):
-        with_config(warps=warps)
-        K._MAX_DW_PARTIALS = partials
-        us = graph_time_us(lambda i: K.rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0))
-        print(f"bwd N={n} M={m} warps={warps} partials={partials} base_warps={base.num_warps} "
-              f"{us:.1f}us {100 * 3 * m * n * 2 / (us * 1e-6) / 1e9 / copy:.0f}%", flush=True)
-K._MAX_DW_PARTIALS = 256
-for n in [512, 1024, 2880, 4096, 5120, 7168, 16384]:
-    m = 32768
-    x = torch.randn(m, n, device="cuda", dtype=dt)
-    y, w = torch.empty_like(x), torch.randn(n, device="cuda", dtype=dt)
-    base = base_from_shape(n, dt)
-    for warps, rows in itertools.product([2, 4, 8, 16], sorted({1, 2, base.rows})):
-        with_config(warps=warps, rows=rows)
+    for chunk_bytes in (8192, 16384, 32768):
+        K._CHUNK_BYTES = chunk_bytes
+        base_from_shape.cache_clear()
+        for warps in (8, 16, 32):
+            use_config(num_warps=warps, bwd_num_warps=warps)
+            us = graph_time_us(lambda i: K.rms_norm_fwd(x, w, y, 1e-6, 0.0))
+            print(f"fwd N={n} M={M} chunk={chunk_bytes} warps={warps} {us:.1f}us {pct(2 * M * n * 2, us, copy):.0f}%",
+                  flush=True)
+            K.rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0)
+            ok = check_bwd(x[:4096], dy[:4096], w, dx[:4096], None)
+            us = graph_time_us(lambda i: K.rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0))
+            print(f"bwd N={n} M={M} chunk={chunk_bytes} warps={warps} {us:.1f}us {pct(3 * M * n * 2, us, copy):.0f}%"
+                  f"{'' if ok else ' WRONG'}", flush=True)
+    K.NormConfig.from_shape = staticmethod(base_from_shape)
+
+
+def tune_dw(copy):
+    base_plan = K.DwPlan.from_shape
+    for m, n in itertools.product([16, 128, 1024], [2048, 4096, 8192, 16384]):
+        x = torch.randn(m, n, device="cuda", dtype=DT)
+        dy, w = torch.randn_like(x), torch.randn(n, device="cuda", dtype=DT)
+        dx, dw = torch.empty_like(x), torch.empty_like(w)
+        base = base_plan(m, n, DT)
+        tile_rows = base_from_shape(n, DT).bwd_rows
+        print(f"dw M={m} N={n} plan {base}", flush=True)
+        for rows, combine in itertools.product([1, 2, 4], ["tree", "columns", "launch"]):
+            rows = -(-max(rows, -(-m // K._MAX_DW_PARTIALS)) // tile_rows) * tile_rows
+            plan = dataclasses.replace(base, num_partials=-(-m // rows), rows_per_partial=rows,
+                                       combine="columns" if combine == "launch" else combine)
+            if plan.combine == "tree" and base_from_shape(n, DT).num_chunks > 1:
+                continue
+            K.DwPlan.from_shape = staticmethod(lambda m_, n_, d_, plan=plan: plan)
+            dx.fill_(float("nan"))
+            dw.fill_(float("nan"))
+            K.rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0, fused_combine=combine != "launch")
+            ok = check_bwd(x, dy, w, dx, dw)
+            us = graph_time_us(lambda i: K.rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0,
+                                                        fused_combine=combine != "launch"))
+            K.DwPlan.from_shape = staticmethod(base_plan)
+            print(f"  rows_per_partial={rows} partials={plan.num_partials} {combine} {us:.1f}us"
+                  f"{'' if ok else ' WRONG'}", flush=True)
+
+
+def tune_fp32(copy):
+    m, n = M, 16384
+    x = torch.randn(m, n, device="cuda")
+    y, dy, w = torch.empty_like(x), torch.randn_like(x), torch.randn(n, device="cuda")
+    dx, dw = torch.empty_like(x), torch.empty_like(w)
+    for warps in (8, 16, 32):
+        use_config(num_warps=warps, bwd_num_warps=warps)
         us = graph_time_us(lambda i: K.rms_norm_fwd(x, w, y, 1e-6, 0.0))
-        print(f"fwd N={n} warps={warps} rows={rows} base=({base.num_warps},{base.rows}) {us:.1f}us "
-              f"{100 * 2 * m * n * 2 / (us * 1e-6) / 1e9 / copy:.0f}%", flush=True)
+        print(f"fp32 fwd N={n} warps={warps} {us:.1f}us {pct(2 * m * n * 4, us, copy):.0f}%", flush=True)
+        us = graph_time_us(lambda i: K.rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0))
+        print(f"fp32 bwd N={n} warps={warps} {us:.1f}us {pct(3 * m * n * 4, us, copy):.0f}%", flush=True)
+    K.NormConfig.from_shape = staticmethod(base_from_shape)
+
+
+if __name__ == "__main__":
+    copy = copy_bandwidth_gbps()
+    print(f"copy {copy:.0f} GB/s")
+    for what in sys.argv[1:] or ["bwd", "fwd"]:
+        {"bwd": tune_bwd, "fwd": tune_fwd, "chunk": tune_chunk, "dw": tune_dw, "fp32": tune_fp32}[what](copy)

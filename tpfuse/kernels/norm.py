@@ -28,30 +28,44 @@ from tpfuse._runtime import INTERPRETER
 from tpfuse.kernels.allreduce import sum_in_rank_order
 from tpfuse.kernels.common import EXACT_FP, round_to, to_f32
 
-# A row of up to 32 KiB is held in registers and read from memory once; longer rows are
-# processed in 8 KiB chunks and read twice (the second read mostly hits L2).
-_MAX_REGISTER_ROW_BYTES = 32 * 1024
+# A row of up to 16384 elements is held in registers and read from memory once (fp32 rows of
+# 16384 in 8 KiB chunks instead reached 69% of copy bandwidth forward and 44% backward on H200,
+# M=32768); longer rows are processed in 8 KiB chunks and read twice (the second read mostly
+# hits L2), by 32 warps in the forward (bf16 N=65536 M=32768: 8 warps 68%, 16 66%, 32 80%;
+# 16 or 32 KiB chunks 69-79%).
+_MAX_REGISTER_ROW_ELEMS = 16384
 _CHUNK_BYTES = 8 * 1024
+_CHUNKED_FWD_WARPS = 32
 # Short rows are stacked into tiles of at least 2 KiB (H200, M=32768 bf16: N=512 reached 91%
 # of copy bandwidth with 2-row tiles on 2 warps, 85% with 8-row tiles on 8 warps).
 _MIN_TILE_BYTES = 2 * 1024
 _MAX_TILE_ROWS = 32
+# Backward tiles stack short rows up to 8 KiB: with 256 programs (the dW partials) one row
+# per tile left too few bytes in flight per SM (H200 bf16 M=32768, % of copy, 2 KiB-minimum
+# tiles -> 8 KiB: N=256 31 -> 45, N=512 41 -> 63, N=1024 45 -> 79, N=2048 68 -> 86). Their
+# warps follow the row (a warp per 32 vectors of a row, 4 to 16), not the tile: stacked rows
+# go to more vectors per thread (N=1024 in 4-row tiles: 4 warps 79%, 8 72%, 16 45%).
+_MIN_BWD_TILE_BYTES = 8 * 1024
 # Backward tiles of up to this many elements prefetch the next tile (two tiles in flight);
 # larger ones run out of registers (H200 bf16 M=32768: N=4096 311 -> 219 us with prefetch,
 # N=16384 1151 -> 2005 us).
 _MAX_PREFETCH_TILE = 8192
-# Backward tiles (elements) where two separate row reductions beat one tuple reduction (H200
-# bf16 M=32768, % of copy: N=4096 85 vs 71, N=2880 68 vs 56, N=16384 63 vs 59; at 8192-element
-# tiles the tuple wins, N=8192 90 vs 73, N=5120 73 vs 52, and at small tiles, N=256 38 vs 31).
-_BWD_TWO_REDUCTION_TILES = (4096, 16384)
+# Two separate row reductions beat one tuple reduction on single rows of 4096 columns (H200
+# bf16 M=32768, % of copy: N=4096 90 vs 70, N=2880 71 vs 55); the tuple wins elsewhere
+# (N=16384 71 vs 69, N=5120 70 vs 68, N=1024 in 4-row tiles 79 vs 69).
+_BWD_TWO_REDUCTION_BLOCK_N = 4096
 
-# Backward dW: at most this many per-program partial rows, combined in a fixed two-level
-# tree (groups of DW_GROUP_SIZE summed in order, then the group sums in order). Constants,
-# never the SM count, so dW has the same bits on every GPU of the arch. 256 beat 1024 at
-# every swept shape on H200.
+# Backward dW: per-program partial rows, combined in a fixed two-level order (groups of
+# DW_GROUP_SIZE summed in order, then the group sums in order). Their number depends on M
+# only, never the SM count, so dW has the same bits on every GPU of the arch: half the rows,
+# at least 16 (or one per row), at most 256. 256 beat 1024 at every swept shape on H200;
+# at small M more programs of fewer rows win (bf16, N=16384: M=16 in 16 one-row partials
+# 8.2 us, 8 two-row 10.2, 4 four-row 14.6; M=128 in 64 two-row partials 13.8, 128 one-row
+# 14.3, 32 four-row 16.4).
 _MAX_DW_PARTIALS = 256
+_MIN_DW_PARTIALS = 16
 _DW_GROUP_SIZE = 16
-_MIN_ROWS_PER_PARTIAL = 4
+_COMBINE_BLOCK = 1024  # dW columns per program of a column-parallel combine
 
 
 def _pow2_warps(threads: int, cap: int) -> int:
@@ -63,8 +77,9 @@ class NormConfig:
     """Tile shape and launch parameters for one (N, dtype); shared by every norm kernel.
 
     Warp counts come from sweeps on H200 (scripts/tune_norm.py, benchmarks/NOTES.md): the
-    forward runs 2 16-byte vectors per thread, at most 8 warps; the backward (more live
-    values per element) one vector per thread, at most 16 warps. The forward's warps also
+    forward runs 2 16-byte vectors per thread, at most 8 warps (32 on chunked rows); the
+    backward a warp per 32 vectors of a row, 4 to 16, on tiles of at least 8 KiB (stacked
+    short rows). The forward's warps also
     set the fused all-reduce + RMSNorm's (tpfuse.kernels.fused), which shares its tiles:
     at decode sizes that kernel is one CTA whose per-thread work is on the critical path
     (4x H200, 1 token of 4096: 8.1 us on 4 warps, 6.8 us on 8).
@@ -72,8 +87,9 @@ class NormConfig:
 
     block_n: int  # columns per tile (a power of two)
     num_chunks: int  # column chunks per row; 1 = the row stays in registers
-    rows: int  # rows per tile
+    rows: int  # rows per tile (forward)
     num_warps: int  # forward
+    bwd_rows: int  # rows per backward tile
     bwd_num_warps: int
     bwd_prefetch: bool  # backward keeps the next tile's loads in flight
     bwd_joint_reduce: bool  # backward reduces x^2 and g*x in one tuple reduction
@@ -82,7 +98,7 @@ class NormConfig:
     @functools.lru_cache(maxsize=None)
     def from_shape(n: int, dtype: torch.dtype) -> "NormConfig":
         esize = torch.empty((), dtype=dtype).element_size()
-        if n * esize <= _MAX_REGISTER_ROW_BYTES:
+        if n <= _MAX_REGISTER_ROW_ELEMS:
             block_n = triton.next_power_of_2(max(n, 1))
         else:
             block_n = _CHUNK_BYTES // esize
@@ -91,12 +107,16 @@ class NormConfig:
         while rows < _MAX_TILE_ROWS and rows * block_n * esize < _MIN_TILE_BYTES:
             rows *= 2
         vectors = rows * block_n // (16 // esize)
+        bwd_rows = rows
+        while bwd_rows < _MAX_TILE_ROWS and bwd_rows * block_n * esize < _MIN_BWD_TILE_BYTES:
+            bwd_rows *= 2
         return NormConfig(
             block_n=block_n, num_chunks=num_chunks, rows=rows,
-            num_warps=_pow2_warps(vectors // 2, 8),
-            bwd_num_warps=_pow2_warps(vectors, 16),
-            bwd_prefetch=num_chunks == 1 and rows * block_n <= _MAX_PREFETCH_TILE,
-            bwd_joint_reduce=rows * block_n not in _BWD_TWO_REDUCTION_TILES,
+            num_warps=_pow2_warps(vectors // 2, 8) if num_chunks == 1 else _CHUNKED_FWD_WARPS,
+            bwd_rows=bwd_rows,
+            bwd_num_warps=max(4, _pow2_warps(block_n // (16 // esize), 16)),
+            bwd_prefetch=num_chunks == 1 and bwd_rows * block_n <= _MAX_PREFETCH_TILE,
+            bwd_joint_reduce=not (bwd_rows == 1 and block_n == _BWD_TWO_REDUCTION_BLOCK_N),
         )
 
 
@@ -241,35 +261,50 @@ class DwPlan:
     ``num_partials`` programs each own ``rows_per_partial`` consecutive rows (a multiple of
     the tile height) and write one fp32 partial row. The partials are summed in a fixed
     two-level order: within groups of ``group_size`` in index order, then the group sums in
-    index order. ``fused`` says whether the backward kernel's last programs do the sum
-    (saving a launch) or a separate column-parallel kernel does; both run the same order,
-    so the choice never changes a bit. Depends on (M, N, dtype) only.
+    index order. ``combine`` says which programs of the backward launch do the sum, both in
+    that order, so the choice never changes a bit (nor does ``rms_norm_bwd``'s separate
+    combine launch, kept for comparison):
+
+    - "tree": the last program to finish in each group sums the group, and the last of
+      those sums the group sums (``_finish_dw``). The finishers overlap with programs still
+      running, which wins with many partials, but each reads whole partial rows alone.
+    - "columns": ``num_combine_programs`` extra programs, one per ``_COMBINE_BLOCK``
+      columns, wait for every partial row and sum their columns (``_combine_when_done``).
+
+    Depends on (M, N, dtype) only.
     """
 
     num_partials: int
     rows_per_partial: int
     group_size: int
-    fused: bool
+    combine: str
+    num_combine_programs: int
 
     @property
     def num_groups(self) -> int:
         return triton.cdiv(self.num_partials, self.group_size)
 
+    @property
+    def grid(self) -> int:
+        return self.num_partials + (self.num_combine_programs if self.combine == "columns" else 0)
+
     @staticmethod
     def from_shape(m: int, n: int, dtype: torch.dtype) -> "DwPlan":
         cfg = NormConfig.from_shape(n, dtype)
-        min_rows = max(_MIN_ROWS_PER_PARTIAL, cfg.rows)
-        num_partials = max(1, min(_MAX_DW_PARTIALS, triton.cdiv(m, min_rows)))
-        rows_per_partial = triton.cdiv(triton.cdiv(m, num_partials), cfg.rows) * cfg.rows
+        num_partials = max(1, min(_MAX_DW_PARTIALS, max(min(m, _MIN_DW_PARTIALS), m // 2)))
+        rows_per_partial = triton.cdiv(triton.cdiv(m, num_partials), cfg.bwd_rows) * cfg.bwd_rows
         num_partials = triton.cdiv(m, rows_per_partial)
-        # In-kernel combine measured on H200 (bf16): 1.35-1.6x faster than the separate
-        # launch with one partial and 1.3-6.4x with 256 partials (16 group finishers share
-        # the work); with few partials one finisher reads every partial row alone: at M=16
-        # (4 partials) it wins to N=1024 and loses 5-20% beyond, at M=128 (32 partials) it
-        # wins to N=4096 and loses 13-27% beyond; chunked rows (N=65536) lose 16-30%.
-        fused = cfg.num_chunks == 1 and (num_partials == 1 or num_partials >= 64 or n <= 1024
-                                         or (num_partials >= 32 and n <= 4096))
-        return DwPlan(num_partials, rows_per_partial, _DW_GROUP_SIZE, fused)
+        # The tree's finishers overlap with programs still running but read whole partial
+        # rows alone; the column programs share the columns but start after the last
+        # partial. H200, bf16, us, tree vs columns: N=2048 M=16 3.7 vs 4.5, M=1024 10.7 vs
+        # 17.6; N=4096 M=16 6.1 vs 5.4, M=128 8.9 vs 8.1, M=1024 17.0 vs 25.3; N=8192 M=1024
+        # 32.1 vs 31.3; N=16384 M=1024 66.9 vs 58.3; but fp32 M=32768 (256 partials) went
+        # from 93-96% of copy bandwidth at N=5120-8192 to 70-84% with the columns. Chunked
+        # rows go to the columns (the tree lost 16-30% to a separate combine launch at
+        # N=65536).
+        tree = cfg.num_chunks == 1 and (num_partials == 1 or n <= 2048 or (n <= 8192 and num_partials >= 128))
+        return DwPlan(num_partials, rows_per_partial, _DW_GROUP_SIZE, "tree" if tree else "columns",
+                      triton.cdiv(n, _COMBINE_BLOCK))
 
 
 @triton.jit
@@ -327,16 +362,39 @@ def _finish_dw(PARTIAL, GROUP_SUM, COUNTERS, DW, pid, num_partials, N,
 
 
 @triton.jit
-def dw_combine_kernel(PARTIAL, DW, num_partials, N, GROUP_SIZE: tl.constexpr, BLOCK: tl.constexpr):
-    """The separate-launch combine: the same order as _finish_dw (group sums from the first
-    row, then the group sums from the first group), so the same bits, with the columns
-    spread over programs instead of done by the last finisher."""
-    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+def _combine_columns(PARTIAL, DW, block, num_partials, N, GROUP_SIZE: tl.constexpr, BLOCK: tl.constexpr):
+    """dW at column block ``block``: the same order as _finish_dw (group sums from the first
+    row, then the group sums from the first group), so the same bits."""
+    cols = block * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
     total = _group_sum(PARTIAL, 0, num_partials, N, cols, mask, GROUP_SIZE)
     for g in range(1, tl.cdiv(num_partials, GROUP_SIZE)):
         total += _group_sum(PARTIAL, g, num_partials, N, cols, mask, GROUP_SIZE)
     tl.store(DW + cols, round_to(total, DW.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _combine_when_done(PARTIAL, COUNTERS, DW, block, num_partials, num_blocks, N,
+                       GROUP_SIZE: tl.constexpr, BLOCK: tl.constexpr):
+    """The "columns" combine, run by the program holding ticket ``num_partials + block``:
+    wait until every partial program has counted its row in COUNTERS[1], then sum the
+    partials at this block's columns. The waiting cannot deadlock: tickets are drawn in
+    order, so every partial ticket went to a program that is already running. The last
+    combine program to finish resets the three counters (tickets, partial rows, finished
+    combine programs), leaving them zero for the next call."""
+    while tl.atomic_add(COUNTERS + 1, 0, sem="acquire", scope="gpu") < num_partials:
+        pass
+    _combine_columns(PARTIAL, DW, block, num_partials, N, GROUP_SIZE, BLOCK)
+    tl.debug_barrier()
+    if tl.atomic_add(COUNTERS + 2, 1, sem="acq_rel", scope="gpu") == num_blocks - 1:
+        for c in tl.static_range(3):
+            tl.atomic_xchg(COUNTERS + c, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def dw_combine_kernel(PARTIAL, DW, num_partials, N, GROUP_SIZE: tl.constexpr, BLOCK: tl.constexpr):
+    """The separate-launch combine, one program per column block."""
+    _combine_columns(PARTIAL, DW, tl.program_id(0), num_partials, N, GROUP_SIZE, BLOCK)
 
 
 @triton.jit
@@ -371,19 +429,12 @@ def _bwd_tile(x, dy, W, DX, DRES, offs, cols, mask, N, eps, weight_offset,
     return dy * x * inv
 
 
-# Row counts are not specialised: one compiled kernel per (N, dtype) serves every M.
-@triton.jit(do_not_specialize=["n_rows", "rows_per_partial", "num_partials"])
-def rms_norm_bwd_kernel(
-    DY, X, W, DX, DRES, PARTIAL, GROUP_SUM, COUNTERS, DW,
-    n_rows, N, rows_per_partial, num_partials, eps, weight_offset,
-    BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr, HAS_DRES: tl.constexpr, FUSED_COMBINE: tl.constexpr,
-    GROUP_SIZE: tl.constexpr, PREFETCH: tl.constexpr, JOINT_REDUCE: tl.constexpr,
-):
-    """DX = d rms_norm(X) / dX applied to DY (+ DRES, the gradient arriving on residual_out).
-    With HAS_WEIGHT, program p also writes PARTIAL[p] = sum over its rows of DY * x_hat, and
-    with FUSED_COMBINE the last programs to finish reduce the partials into DW."""
-    pid = tl.program_id(0)
+@triton.jit
+def _bwd_rows(DY, X, W, DX, DRES, PARTIAL, DW, pid, n_rows, N, rows_per_partial, num_partials, eps, weight_offset,
+              BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+              HAS_DRES: tl.constexpr, TREE: tl.constexpr, PREFETCH: tl.constexpr, JOINT_REDUCE: tl.constexpr):
+    """dx for partial ``pid``'s rows and, with HAS_WEIGHT, its partial row PARTIAL[pid] of dW
+    (dW itself when TREE and there is one partial)."""
     row_start = pid * rows_per_partial
     row_end = tl.minimum(row_start + rows_per_partial, n_rows)  # masks, never a loop bound
     tile_rows = tl.arange(0, ROWS)
@@ -417,7 +468,7 @@ def rms_norm_bwd_kernel(
                                     HAS_WEIGHT, HAS_DRES, JOINT_REDUCE)
         if HAS_WEIGHT:
             w_cols = tl.arange(0, BLOCK_N)
-            if FUSED_COMBINE and num_partials == 1:  # dW is this program's partial
+            if TREE and num_partials == 1:  # dW is this program's partial
                 tl.store(DW + w_cols, round_to(tl.sum(dw_acc, axis=0), DW.dtype.element_ty), mask=w_cols < N)
             else:
                 tl.store(partial_row + w_cols, tl.sum(dw_acc, axis=0), mask=w_cols < N)
@@ -461,16 +512,45 @@ def rms_norm_bwd_kernel(
                 if HAS_WEIGHT:
                     p_ptr = partial_row + ccols
                     tl.store(p_ptr, tl.load(p_ptr, mask=mask, other=0.0) + dy * x * inv, mask=mask)
-    if HAS_WEIGHT and FUSED_COMBINE and (NUM_CHUNKS > 1 or num_partials > 1):
-        _finish_dw(PARTIAL, GROUP_SUM, COUNTERS, DW, pid, num_partials, N, GROUP_SIZE, BLOCK_N)
 
 
-_COMBINE_BLOCK = 1024
+# Row counts are not specialised: one compiled kernel per (N, dtype) serves every M.
+@triton.jit(do_not_specialize=["n_rows", "rows_per_partial", "num_partials", "num_combine_programs"])
+def rms_norm_bwd_kernel(
+    DY, X, W, DX, DRES, PARTIAL, GROUP_SUM, COUNTERS, DW,
+    n_rows, N, rows_per_partial, num_partials, num_combine_programs, eps, weight_offset,
+    BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_DRES: tl.constexpr, COMBINE: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, PREFETCH: tl.constexpr, JOINT_REDUCE: tl.constexpr, COMBINE_BLOCK: tl.constexpr,
+):
+    """DX = d rms_norm(X) / dX applied to DY (+ DRES, the gradient arriving on residual_out).
+    With HAS_WEIGHT, partial program p also writes PARTIAL[p] = sum over its rows of
+    DY * x_hat, and COMBINE (``DwPlan.combine``: 0 a separate launch, 1 "tree", 2 "columns")
+    says which programs reduce the partials into DW."""
+    if COMBINE == 2:
+        # Roles by ticket, not program id (see _combine_when_done).
+        pid = tl.atomic_add(COUNTERS, 1, sem="relaxed", scope="gpu")
+    else:
+        pid = tl.program_id(0)
+    if pid < num_partials:
+        _bwd_rows(DY, X, W, DX, DRES, PARTIAL, DW, pid, n_rows, N, rows_per_partial, num_partials, eps,
+                  weight_offset, BLOCK_N, NUM_CHUNKS, ROWS, HAS_WEIGHT, HAS_DRES, COMBINE == 1, PREFETCH,
+                  JOINT_REDUCE)
+        if COMBINE == 1 and (NUM_CHUNKS > 1 or num_partials > 1):
+            _finish_dw(PARTIAL, GROUP_SUM, COUNTERS, DW, pid, num_partials, N, GROUP_SIZE, BLOCK_N)
+        if COMBINE == 2:
+            tl.debug_barrier()
+            tl.atomic_add(COUNTERS + 1, 1, sem="release", scope="gpu")
+    elif COMBINE == 2:  # only a "columns" grid has programs beyond the partials
+        _combine_when_done(PARTIAL, COUNTERS, DW, pid - num_partials, num_partials, num_combine_programs, N,
+                           GROUP_SIZE, COMBINE_BLOCK)
+
+
 _dw_counters: dict[torch.device, torch.Tensor] = {}
 
 
 def _dw_counters_for(device: torch.device, max_groups: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters for the in-kernel dW tree, one set per device.
+    """Zeroed int32 counters for the in-kernel dW combine, one set per device.
 
     The kernels leave them at zero, so they are allocated once and reused by every later
     call, eager or inside CUDA graphs. Consequences: backward calls that combine dW in the
@@ -500,12 +580,13 @@ def rms_norm_bwd(
     eps: float,
     weight_offset: float,
     dresidual_out: torch.Tensor | None = None,
-    fused_combine: bool | None = None,
+    fused_combine: bool = True,
 ) -> None:
     """Launch the backward on 2-D contiguous aligned operands; writes dx and dweight.
 
-    ``fused_combine`` overrides the plan's choice of where dW is combined (same bits either
-    way); the benchmark uses it to compare the two.
+    dW is combined inside the backward launch as ``DwPlan.combine`` says, or with
+    ``fused_combine=False`` by a second, column-parallel launch (the same bits; the
+    benchmark compares the two).
     """
     if (weight is None) != (dweight is None):
         raise ValueError("rms_norm_bwd: weight and dweight go together")
@@ -516,29 +597,29 @@ def rms_norm_bwd(
         return
     cfg = NormConfig.from_shape(n, x.dtype)
     plan = DwPlan.from_shape(n_rows, n, x.dtype)
-    if fused_combine is None:
-        fused_combine = plan.fused
     has_weight = weight is not None
+    combine = {"tree": 1, "columns": 2}[plan.combine] if has_weight and fused_combine else 0
     partial = group_sum = counters = None
     if has_weight:
         partial = torch.empty((plan.num_partials, n), dtype=torch.float32, device=x.device)
-        if fused_combine:
+        if combine == 1:
             group_sum = torch.empty((plan.num_groups, n), dtype=torch.float32, device=x.device)
+        if combine:
             counters = _dw_counters_for(x.device, triton.cdiv(_MAX_DW_PARTIALS, _DW_GROUP_SIZE))
-    rms_norm_bwd_kernel[(plan.num_partials,)](
+    rms_norm_bwd_kernel[(plan.grid if combine == 2 else plan.num_partials,)](
         DY=dy, X=x, W=weight if has_weight else x, DX=dx,
         DRES=dresidual_out if dresidual_out is not None else dx,
         PARTIAL=partial if has_weight else dx, GROUP_SUM=group_sum if group_sum is not None else dx,
         COUNTERS=counters if counters is not None else dx, DW=dweight if dweight is not None else dx,
         n_rows=n_rows, N=n, rows_per_partial=plan.rows_per_partial, num_partials=plan.num_partials,
-        eps=eps, weight_offset=weight_offset,
-        BLOCK_N=cfg.block_n, NUM_CHUNKS=cfg.num_chunks, ROWS=cfg.rows,
-        HAS_WEIGHT=has_weight, HAS_DRES=dresidual_out is not None, FUSED_COMBINE=fused_combine,
+        num_combine_programs=plan.num_combine_programs, eps=eps, weight_offset=weight_offset,
+        BLOCK_N=cfg.block_n, NUM_CHUNKS=cfg.num_chunks, ROWS=cfg.bwd_rows,
+        HAS_WEIGHT=has_weight, HAS_DRES=dresidual_out is not None, COMBINE=combine,
         GROUP_SIZE=plan.group_size, PREFETCH=cfg.bwd_prefetch, JOINT_REDUCE=cfg.bwd_joint_reduce,
-        num_warps=cfg.bwd_num_warps, **EXACT_FP,
+        COMBINE_BLOCK=_COMBINE_BLOCK, num_warps=cfg.bwd_num_warps, **EXACT_FP,
     )
-    if has_weight and not fused_combine:
-        dw_combine_kernel[(triton.cdiv(n, _COMBINE_BLOCK),)](
+    if has_weight and not combine:
+        dw_combine_kernel[(plan.num_combine_programs,)](
             PARTIAL=partial, DW=dweight, num_partials=plan.num_partials, N=n,
             GROUP_SIZE=plan.group_size, BLOCK=_COMBINE_BLOCK, num_warps=4, **EXACT_FP,
         )
