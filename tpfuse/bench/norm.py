@@ -89,7 +89,7 @@ def _time_shape(impls, op, m, n, dtype):
 
 
 def _time_dw_combine(m, n, dtype):
-    """Backward kernel (dx + dW) with the in-kernel dW tree vs the separate combine launch."""
+    """Backward kernel (dx + dW) with the in-kernel dW combine (``DwPlan.combine``) vs a separate combine launch."""
     x = torch.randn(m, n, device="cuda", dtype=dtype)
     dy = torch.randn_like(x)
     w = torch.randn(n, device="cuda", dtype=dtype)
@@ -175,7 +175,7 @@ def summary_markdown(records: list[dict]) -> str:
             return {"fused us": f"{f['us']:.1f}", "separate us": f"{s['us']:.1f}",
                     "speedup": f"{s['us'] / f['us']:.2f}x"}[col]
         text += table(dw, ["fused us", "separate us", "speedup"], cell_dw,
-                      "backward dx+dW, bf16: in-kernel dW tree vs separate combine launch (same bits)", "(M, N)")
+                      "backward dx+dW, bf16: in-kernel dW combine vs separate combine launch (same bits)", "(M, N)")
     return text
 
 
