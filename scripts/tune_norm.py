@@ -116,6 +116,8 @@ def tune_chunk(copy):
             us = graph_time_us(lambda i: K.rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0))
             print(f"bwd N={n} M={M} chunk={chunk_bytes} warps={warps} {us:.1f}us {pct(3 * M * n * 2, us, copy):.0f}%"
                   f"{'' if ok else ' WRONG'}", flush=True)
+    K._CHUNK_BYTES = 8192
+    base_from_shape.cache_clear()
     K.NormConfig.from_shape = staticmethod(base_from_shape)
 
 

@@ -197,7 +197,8 @@ class AllReducePlan:
 #   it measured 0.91-0.98x of split from 128 to 1024 tokens).
 #   Above both, "split" (tpfuse all_reduce, then add_rms_norm: the same bits).
 # FUSED_MAX_CTAS: CTAs per fused call. Every CTA must be resident at once (as for MAX_CTAS):
-#   the norm's tiles use at most 8 warps, so 128 CTAs fit H200's 132 SMs.
+#   the norm's tiles use at most 32 warps (chunked rows; 8 otherwise), so 128 CTAs fit
+#   H200's 132 SMs at one CTA per SM.
 FUSED_ONESHOT_MAX_BYTES = {2: 512 * KiB, 4: 512 * KiB, 8: 128 * KiB}
 FUSED_ONESHOT_MAX_VECTORS = 2
 FUSED_ONESHOT_LL = True

@@ -56,9 +56,10 @@ _MAX_PREFETCH_TILE = 8192
 _BWD_TWO_REDUCTION_BLOCK_N = 4096
 
 # Backward dW: per-program partial rows, combined in a fixed two-level order (groups of
-# DW_GROUP_SIZE summed in order, then the group sums in order). Their number depends on M
-# only, never the SM count, so dW has the same bits on every GPU of the arch: half the rows,
-# at least 16 (or one per row), at most 256. 256 beat 1024 at every swept shape on H200;
+# DW_GROUP_SIZE summed in order, then the group sums in order). Their number depends on
+# (M, N, dtype) only, never the SM count, so dW has the same bits on every GPU of the arch:
+# half the rows, at least 16 (or one per row), at most 256, then rows per partial rounded
+# up to the backward tile's. 256 beat 1024 at every swept shape on H200;
 # at small M more programs of fewer rows win (bf16, N=16384: M=16 in 16 one-row partials
 # 8.2 us, 8 two-row 10.2, 4 four-row 14.6; M=128 in 64 two-row partials 13.8, 128 one-row
 # 14.3, 32 four-row 16.4).
@@ -384,6 +385,7 @@ def _combine_when_done(PARTIAL, COUNTERS, DW, block, num_partials, num_blocks, N
     combine programs), leaving them zero for the next call."""
     while tl.atomic_add(COUNTERS + 1, 0, sem="acquire", scope="gpu") < num_partials:
         pass
+    tl.debug_barrier()  # every thread's loads of the partials after the acquire
     _combine_columns(PARTIAL, DW, block, num_partials, N, GROUP_SIZE, BLOCK)
     tl.debug_barrier()
     if tl.atomic_add(COUNTERS + 2, 1, sem="acq_rel", scope="gpu") == num_blocks - 1:
@@ -514,7 +516,8 @@ def _bwd_rows(DY, X, W, DX, DRES, PARTIAL, DW, pid, n_rows, N, rows_per_partial,
                     tl.store(p_ptr, tl.load(p_ptr, mask=mask, other=0.0) + dy * x * inv, mask=mask)
 
 
-# Row counts are not specialised: one compiled kernel per (N, dtype) serves every M.
+# Row counts are not specialised: one compiled kernel per (N, dtype, combine mode) serves
+# every M (the modes reduce rows in the same layouts, so dx has the same bits in each).
 @triton.jit(do_not_specialize=["n_rows", "rows_per_partial", "num_partials", "num_combine_programs"])
 def rms_norm_bwd_kernel(
     DY, X, W, DX, DRES, PARTIAL, GROUP_SUM, COUNTERS, DW,
@@ -555,8 +558,11 @@ def _dw_counters_for(device: torch.device, max_groups: int) -> torch.Tensor:
     The kernels leave them at zero, so they are allocated once and reused by every later
     call, eager or inside CUDA graphs. Consequences: backward calls that combine dW in the
     kernel must not run concurrently on two streams of one device (two graphs replayed at
-    once included), and the first such call on a device must not be under graph capture
-    (memory allocated there would belong to the graph and be zeroed only by its replays).
+    once included): with the tree they would compute a wrong dW, with the column programs
+    (``DwPlan.combine == "columns"``) they can also skip dx rows or hang the GPU, as one
+    call's reset can hide the other's partial count from its waiting programs. And the
+    first such call on a device must not be under graph capture (memory allocated there
+    would belong to the graph and be zeroed only by its replays).
     """
     counters = _dw_counters.get(device)
     if counters is None or counters.numel() < max_groups + 1:
