@@ -56,7 +56,14 @@ def test_forward_and_backward_match_reference(n, dtype, weight_kind):
             assert rel_err(xg.grad, dx_ref) <= 2 * budget
         assert (xg.grad.double() - dx_ref).abs().max().item() <= 1e-2 * max(1.0, dx_ref.abs().max().item())
         if w is not None:
-            assert rel_err(wg.grad, dw_ref) <= 2 * budget
+            # dW sums M terms dy * x_hat of both signs: its fp32 accumulation error scales with
+            # the terms' magnitudes, not with |dW| (at N=1 a cancelling sum failed a purely
+            # relative check), so allow 16 fp32 ulps of sum |dy * x_hat| on top of the budget.
+            xd = x.double()
+            terms = dy.double() * xd * torch.rsqrt(xd.pow(2).mean(1, keepdim=True) + 1e-6)
+            slack = 16 * 2.0**-24 * terms.abs().sum(0).norm().item()
+            err = (wg.grad.double() - dw_ref.double()).norm().item()
+            assert err <= 2 * budget * dw_ref.double().norm().item() + slack
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
