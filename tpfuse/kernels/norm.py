@@ -67,6 +67,11 @@ _MAX_DW_PARTIALS = 256
 _MIN_DW_PARTIALS = 16
 _DW_GROUP_SIZE = 16
 _COMBINE_BLOCK = 1024  # dW columns per program of a column-parallel combine
+# Where the backward kernel's dW partials are combined (its COMBINE argument): by a separate
+# dw_combine_kernel launch, or inside the launch as DwPlan.combine says.
+COMBINE_LAUNCH = tl.constexpr(0)
+COMBINE_TREE = tl.constexpr(1)
+COMBINE_COLUMNS = tl.constexpr(2)
 
 
 def _pow2_warps(threads: int, cap: int) -> int:
@@ -528,23 +533,23 @@ def rms_norm_bwd_kernel(
 ):
     """DX = d rms_norm(X) / dX applied to DY (+ DRES, the gradient arriving on residual_out).
     With HAS_WEIGHT, partial program p also writes PARTIAL[p] = sum over its rows of
-    DY * x_hat, and COMBINE (``DwPlan.combine``: 0 a separate launch, 1 "tree", 2 "columns")
-    says which programs reduce the partials into DW."""
-    if COMBINE == 2:
+    DY * x_hat, and COMBINE (COMBINE_LAUNCH, COMBINE_TREE or COMBINE_COLUMNS) says which
+    programs reduce the partials into DW."""
+    if COMBINE == COMBINE_COLUMNS:
         # Roles by ticket, not program id (see _combine_when_done).
         pid = tl.atomic_add(COUNTERS, 1, sem="relaxed", scope="gpu")
     else:
         pid = tl.program_id(0)
     if pid < num_partials:
         _bwd_rows(DY, X, W, DX, DRES, PARTIAL, DW, pid, n_rows, N, rows_per_partial, num_partials, eps,
-                  weight_offset, BLOCK_N, NUM_CHUNKS, ROWS, HAS_WEIGHT, HAS_DRES, COMBINE == 1, PREFETCH,
+                  weight_offset, BLOCK_N, NUM_CHUNKS, ROWS, HAS_WEIGHT, HAS_DRES, COMBINE == COMBINE_TREE, PREFETCH,
                   JOINT_REDUCE)
-        if COMBINE == 1 and (NUM_CHUNKS > 1 or num_partials > 1):
+        if COMBINE == COMBINE_TREE and (NUM_CHUNKS > 1 or num_partials > 1):
             _finish_dw(PARTIAL, GROUP_SUM, COUNTERS, DW, pid, num_partials, N, GROUP_SIZE, BLOCK_N)
-        if COMBINE == 2:
+        if COMBINE == COMBINE_COLUMNS:
             tl.debug_barrier()
             tl.atomic_add(COUNTERS + 1, 1, sem="release", scope="gpu")
-    elif COMBINE == 2:  # only a "columns" grid has programs beyond the partials
+    elif COMBINE == COMBINE_COLUMNS:  # only a "columns" grid has programs beyond the partials
         _combine_when_done(PARTIAL, COUNTERS, DW, pid - num_partials, num_partials, num_combine_programs, N,
                            GROUP_SIZE, COMBINE_BLOCK)
 
@@ -604,15 +609,17 @@ def rms_norm_bwd(
     cfg = NormConfig.from_shape(n, x.dtype)
     plan = DwPlan.from_shape(n_rows, n, x.dtype)
     has_weight = weight is not None
-    combine = {"tree": 1, "columns": 2}[plan.combine] if has_weight and fused_combine else 0
+    combine = COMBINE_LAUNCH
+    if has_weight and fused_combine:
+        combine = COMBINE_TREE if plan.combine == "tree" else COMBINE_COLUMNS
     partial = group_sum = counters = None
     if has_weight:
         partial = torch.empty((plan.num_partials, n), dtype=torch.float32, device=x.device)
-        if combine == 1:
+        if combine == COMBINE_TREE:
             group_sum = torch.empty((plan.num_groups, n), dtype=torch.float32, device=x.device)
-        if combine:
+        if combine != COMBINE_LAUNCH:
             counters = _dw_counters_for(x.device, triton.cdiv(_MAX_DW_PARTIALS, _DW_GROUP_SIZE))
-    rms_norm_bwd_kernel[(plan.grid if combine == 2 else plan.num_partials,)](
+    rms_norm_bwd_kernel[(plan.grid if combine == COMBINE_COLUMNS else plan.num_partials,)](
         DY=dy, X=x, W=weight if has_weight else x, DX=dx,
         DRES=dresidual_out if dresidual_out is not None else dx,
         PARTIAL=partial if has_weight else dx, GROUP_SUM=group_sum if group_sum is not None else dx,
@@ -620,11 +627,11 @@ def rms_norm_bwd(
         n_rows=n_rows, N=n, rows_per_partial=plan.rows_per_partial, num_partials=plan.num_partials,
         num_combine_programs=plan.num_combine_programs, eps=eps, weight_offset=weight_offset,
         BLOCK_N=cfg.block_n, NUM_CHUNKS=cfg.num_chunks, ROWS=cfg.bwd_rows,
-        HAS_WEIGHT=has_weight, HAS_DRES=dresidual_out is not None, COMBINE=combine,
+        HAS_WEIGHT=has_weight, HAS_DRES=dresidual_out is not None, COMBINE=combine.value,
         GROUP_SIZE=plan.group_size, PREFETCH=cfg.bwd_prefetch, JOINT_REDUCE=cfg.bwd_joint_reduce,
         COMBINE_BLOCK=_COMBINE_BLOCK, num_warps=cfg.bwd_num_warps, **EXACT_FP,
     )
-    if has_weight and not combine:
+    if has_weight and combine == COMBINE_LAUNCH:
         dw_combine_kernel[(plan.num_combine_programs,)](
             PARTIAL=partial, DW=dweight, num_partials=plan.num_partials, N=n,
             GROUP_SIZE=plan.group_size, BLOCK=_COMBINE_BLOCK, num_warps=4, **EXACT_FP,
