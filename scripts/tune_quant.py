@@ -1,6 +1,6 @@
 """Sweep the quantized all-reduce's launch knobs (tpfuse/comm/quant_plan.py) on GPUs.
 
-    python scripts/tune_quant.py [--bytes N ...] [--out DIR]
+    python scripts/tune_quant.py [--bytes N ...] [--configs TILE,WARPS,CTAS ...] [--out DIR]
 
 For each (QUANT_TILE, QUANT_NUM_WARPS, QUANT_MAX_CTAS) it runs `tpfuse bench allreduce --quant`'s
 GPU worker on every visible GPU at the given sizes (bits and error are checked there) and
@@ -33,9 +33,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--bytes", type=int, nargs="+", default=[32 << 20, 256 << 20])
     p.add_argument("--out", default="tune_quant_out")
+    p.add_argument("--configs", nargs="+", metavar="TILE,WARPS,CTAS",
+                   help="configurations to run instead of the built-in list")
     args = p.parse_args()
+    configs = [tuple(map(int, c.split(","))) for c in args.configs] if args.configs else CONFIGS
     world = torch.cuda.device_count()
-    for config in CONFIGS:
+    for config in configs:
         out = os.path.join(args.out, "_".join(map(str, config)))
         opts = dict(dtype="bf16", min_bytes=min(args.bytes), max_bytes=max(args.bytes), quant_max_bytes=None,
                     out=out, plot=False, config=config)

@@ -159,6 +159,28 @@ def test_quantization_is_half_to_even_and_extreme_values_are_exact():
     assert torch.equal(tpfuse.dequantize(tpfuse.quantize(x, "fp8"), "fp8", x.shape, torch.float32), x)
 
 
+def test_e4m3_rounding_ties_and_binade_edges_match_torch():
+    """The kernels round to e4m3 on two paths (normal values on the fp32 bits, subnormal
+    ones as integers) and the reference on one (a variable shift); torch's own e4m3 cast is
+    a third. Groups led by 448 have scale 1, so every other value is rounded as it is."""
+    g = torch.Generator().manual_seed(11)
+    # Few significand bits, so ties are common; exponents across the subnormal and normal
+    # ranges, and below the smallest e4m3 value (2**-9).
+    sig = torch.randint(0, 64, (31 * 512,), generator=g).float() / 32 + 1
+    exp = torch.randint(-13, 9, sig.shape, generator=g).float()
+    v = sig * torch.exp2(exp) * (torch.randint(0, 2, sig.shape, generator=g).float() * 2 - 1)
+    v = v.clamp(-448, 448)
+    edges = torch.tensor([15 * 2.0 ** -10, -15 * 2.0 ** -10, 3 * 2.0 ** -10, 2.0 ** -10, 1.9375, 1.0625, 432.0,
+                          -440.0, 2.0 ** -6, 7 * 2.0 ** -9, 2.0 ** -11, -0.0, 0.0, 17 * 2.0 ** -10, 1.5 * 2.0 ** -9])
+    v[:edges.numel()] = edges
+    x = torch.cat([torch.full((512, 1), 448.0), v.view(512, 31)], 1).reshape(-1)
+    packed = tpfuse.quantize(x, "fp8")
+    assert torch.equal(packed, reference.quantize(x, "fp8"))
+    y = tpfuse.dequantize(packed, "fp8", x.shape, torch.float32)
+    expect = x.to(torch.float8_e4m3fn).float()
+    assert torch.equal(y.abs(), expect.abs()) and torch.equal(y[y != 0].sign(), expect[y != 0].sign())
+
+
 @pytest.mark.parametrize("codec", CODECS)
 def test_error_budget_on_gaussian_inputs(codec):
     """The reference's error (the kernels are bitwise equal to it) against float64, on

@@ -151,8 +151,9 @@ _SCALE_NAN = 0x7FC0
 _FP32_INF_BITS = 0x7F800000
 _E4M3_MAX = 0x7E
 """448, the largest finite e4m3 value."""
-_RINT_MAGIC = 6755399441055744.0
-"""1.5 * 2**52: (v + M) - M rounds a float64 |v| < 2**51 to an integer, half to even."""
+_RINT_MAGIC = 12582912.0
+"""1.5 * 2**23: in fp32, (v + M) - M rounds |v| < 2**22 to an integer, half to even (M is
+even, so the tie rule of the sum is the tie rule of v)."""
 
 
 def _check_codec(codec: str) -> None:
@@ -201,12 +202,15 @@ def _encode(xg: torch.Tensor, codec: str) -> tuple[torch.Tensor, torch.Tensor]:
     - int codecs: with m the group's value of largest magnitude (the negative one on a tie),
       ``s = -m / 2**(b-1)`` truncated to bf16 (at least 2**-117 in magnitude), so m maps to
       the extra negative level and no decoded value exceeds the group's largest magnitude;
-      ``q = clamp(rint(f64(x) * f64(1 / s)), -2**(b-1), 2**(b-1) - 1)``, rint half to even.
+      ``q = clamp(rint(x * r), -2**(b-1), 2**(b-1) - 1)`` with ``r = 1 / s`` and the product
+      each rounded once in fp32, rint half to even.
     - fp8: ``s = max|x| / 448`` truncated to bf16 (at least 2**-117), computed exactly
       with an integer division of the 24-bit significand by 7 (448 = 7 * 2**6); the code is
-      ``fp32(f64(x) * f64(1 / s))`` rounded to e4m3 to nearest even, at most 448 in magnitude.
+      ``x * r`` (r and the product rounded once in fp32) rounded to e4m3 to nearest even, at
+      most 448 in magnitude.
     Truncating the scale keeps every decoded magnitude at or below the group's largest one
-    (finite inputs never decode to Inf).
+    (finite inputs never decode to Inf). Every step is one fp32 operation, so the kernels run
+    at the fp32 rate: r is at least 2**-125 (normal) and x * r never overflows.
     """
     bits = xg.view(torch.int32).to(torch.int64)
     mag = bits & 0x7FFFFFFF
@@ -225,8 +229,8 @@ def _encode(xg: torch.Tensor, codec: str) -> tuple[torch.Tensor, torch.Tensor]:
         s_mag = ((amax - (k << 23)).clamp_min(_SCALE_MIN_BITS) & 0x7FFF0000) >> 16
         scale = s_mag | torch.where(neg >= pos, 0, 0x8000)
     scale = torch.where(bad, _SCALE_NAN, scale)
-    recip = 1.0 / _bf16_bits_to_f32(scale).double()
-    v = xg.double() * recip[:, None]
+    recip = 1.0 / _bf16_bits_to_f32(scale)
+    v = xg * recip[:, None]
     v = torch.where(bad[:, None], 0.0, v)
     if codec == "fp8":
         codes = _e4m3_rne(v)
@@ -244,10 +248,10 @@ def _bf16_bits_to_f32(b: torch.Tensor) -> torch.Tensor:
 
 
 def _e4m3_rne(v: torch.Tensor) -> torch.Tensor:
-    """float64 v (|v| < 452) -> e4m3 byte: rounded to fp32, then to e4m3 to nearest even on
-    the bits, at most 448 in magnitude. Values below 2**-11 round to zero either way; zeroing
-    them first keeps subnormal fp32 values out."""
-    v32 = torch.where(v.abs() < 2.0**-11, 0.0, v).float()
+    """fp32 v (|v| < 452) -> e4m3 byte: rounded to e4m3 to nearest even on the bits, at most
+    448 in magnitude. Values below 2**-11 round to zero either way; zeroing them first keeps
+    subnormal fp32 values out."""
+    v32 = torch.where(v.abs() < 2.0**-11, 0.0, v)
     b = v32.view(torch.int32).to(torch.int64)
     a = b & 0x7FFFFFFF
     e = a >> 23

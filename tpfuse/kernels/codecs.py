@@ -8,14 +8,20 @@ the same order, so kernels and reference agree on every bit:
 - scales are computed from the fp32 bits with integer operations (max of the magnitudes,
   exponent arithmetic, truncation to bf16): no float rounding, no reciprocal that could
   overflow for tiny groups, and a NaN or Inf anywhere in a group shows in its magnitude;
-- the one division, ``1 / s``, is done once per group in float64 (``div.rn.f64`` on GPUs,
-  IEEE division under the interpreter: both correctly rounded), and ``f64(x) * (1 / s)``
-  cannot overflow or become subnormal for any fp32 x and any scale;
-- rounding to an integer is ``(v + 1.5 * 2**52) - 1.5 * 2**52`` in float64 (half to even),
+- the one division, ``r = 1 / s``, is done once per group in fp32 (``div.rn.f32`` on GPUs,
+  IEEE division under the interpreter: both correctly rounded), then ``x * r`` is one
+  rounded fp32 product per value, which cannot overflow for any fp32 x and any scale;
+- rounding to an integer is ``(v + 1.5 * 2**23) - 1.5 * 2**23`` in fp32 (half to even),
   rounding to e4m3 is integer arithmetic on the fp32 bits (Triton's fp8 conversions are
   not used: the interpreter's and the GPU's need not agree on ties and saturation);
+- a group's statistics (largest magnitude, the sign that attains it, NaN or Inf) come from
+  one unsigned integer maximum over the rotated bits;
 - decoding is one exact fp32 product of a small integer (or e4m3 value) and the scale, and
   never subnormal (scales are at least 2**-117).
+
+Nothing here converts between float and int or touches float64: on H200 those run at an
+eighth of the fp32 rate (or less), and the encode once cost about 75 instruction slots per
+value, which made the quantized all-reduce compute-bound (benchmarks/NOTES.md).
 
 Kernels are launched with ``EXACT_FP`` like every tpfuse kernel. The device functions work
 on a tile of GB groups as a [GB, 32] fp32 tensor; the all-reduce (``quant_allreduce.py``)
@@ -41,8 +47,8 @@ _INF_BITS = tl.constexpr(0x7F800000)
 _SCALE_NAN = tl.constexpr(0x7FC0)
 _SCALE_MIN_BITS = tl.constexpr((127 - 117) << 23)  # 2**-117 as fp32 bits (reference._SCALE_MIN_EXP)
 _SCALE_MIN_BF16 = tl.constexpr((127 - 117) << 7)
-_RINT_MAGIC = tl.constexpr(6755399441055744.0)  # 1.5 * 2**52
-_E4M3_TINY = tl.constexpr(2.0**-11)
+_RINT_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23
+_RINT_MAGIC_BITS = tl.constexpr(0x4B400000)
 _E4M3_MAX = tl.constexpr(0x7E)
 
 TILE_ELEMS = 8192 if _runtime.INTERPRETER else 2048
@@ -59,28 +65,31 @@ def bf16_bits_to_f32(b):
 
 @triton.jit
 def _e4m3_rne(v):
-    """float64 v (|v| < 452) -> e4m3 code (int32 0..255): rounded to fp32, then to e4m3 on
-    the bits, to nearest even, at most 448 in magnitude, +0 for zero (``reference._e4m3_rne``)."""
-    v32 = tl.where(tl.abs(v) < _E4M3_TINY, 0.0, v).to(tl.float32)
-    b = v32.to(tl.int32, bitcast=True)
+    """fp32 v (|v| < 452) -> e4m3 code (int32 0..255): rounded to e4m3 to nearest even, at
+    most 448 in magnitude, +0 for a zero code (``reference._e4m3_rne``, which rounds on the
+    bits with a variable shift). Here: normal e4m3 values (|v| >= 2**-6) round on the fp32
+    bits at a fixed shift of 20 (a carry moves into the exponent, as it should); subnormal
+    ones are multiples of 2**-9 and round as the integer |v| * 2**9 in fp32 (exact scaling)."""
+    b = v.to(tl.int32, bitcast=True)
     a = b & 0x7FFFFFFF
-    e = a >> 23
-    shift = 20 + tl.minimum(tl.maximum(121 - e, 0), 11)
-    sig = (a & 0x7FFFFF) | 0x800000
-    r = (sig + (1 << (shift - 1)) - 1 + ((sig >> shift) & 1)) >> shift
-    code = tl.where(e >= 121, ((e - 120) << 3) + r - 8, r)
-    code = tl.where(a == 0, 0, tl.minimum(code, _E4M3_MAX))
+    normal = (a + 0x7FFFF + ((a >> 20) & 1)) >> 20
+    sub = (tl.abs(v) * 512.0 + _RINT_MAGIC).to(tl.int32, bitcast=True) - _RINT_MAGIC_BITS
+    code = tl.minimum(tl.where(a >= (121 << 23), normal - (120 << 3), sub), _E4M3_MAX)
     return code | tl.where((b < 0) & (code != 0), 0x80, 0)
 
 
 @triton.jit
 def encode_groups(x, CODEC: tl.constexpr):
     """(codes [GB, 32] int32, scales [GB] int32 bf16 bits) of fp32 groups x [GB, 32]
-    (``reference._encode``)."""
+    (``reference._encode``). The codes of a group with NaN or Inf are undefined here:
+    ``store_packed`` stores them as zeros, and its NaN scale decodes them to NaN."""
     K: tl.constexpr = (5 if CODEC == 2 else 3) if CODEC >= 2 else 7  # bits - 1
-    bits = x.to(tl.int32, bitcast=True)
-    mag = bits & 0x7FFFFFFF
-    amax = tl.max(mag, axis=1)
+    # The fp32 bits rotated left by one, (magnitude << 1) | sign, compare as unsigned ints by
+    # magnitude, negative on a tie: one maximum gives the largest magnitude (NaN and Inf
+    # included), and whether a negative value attains it.
+    bits = x.to(tl.uint32, bitcast=True)
+    top = tl.max((bits << 1) | (bits >> 31), axis=1)
+    amax = (top >> 1).to(tl.int32)
     bad = amax >= _INF_BITS
     if CODEC == 0:
         e = amax >> 23
@@ -89,19 +98,16 @@ def encode_groups(x, CODEC: tl.constexpr):
         scale = ((e - 8 - low) << 7) | ((quot >> (14 - low)) - 128)
         scale = tl.maximum(scale, _SCALE_MIN_BF16)
     else:
-        pos = tl.max(tl.where(bits >= 0, mag, 0), axis=1)
-        neg = tl.max(tl.where(bits < 0, mag, 0), axis=1)
         s_mag = (tl.maximum(amax - (K << 23), _SCALE_MIN_BITS) & 0x7FFF0000) >> 16
-        scale = s_mag | tl.where(neg >= pos, 0, 0x8000)
+        # The sign flips where only positive values attain a non-zero largest magnitude.
+        scale = s_mag | tl.where(((top & 1) == 0) & (amax != 0), 0x8000, 0)
     scale = tl.where(bad, _SCALE_NAN, scale)
-    recip = 1.0 / bf16_bits_to_f32(scale).to(tl.float64)
-    v = x.to(tl.float64) * recip[:, None]
-    v = tl.where(bad[:, None], 0.0, v)
+    v = x * tl.math.div_rn(1.0, bf16_bits_to_f32(scale))[:, None]
     if CODEC == 0:
         codes = _e4m3_rne(v)
     else:
-        q = ((v + _RINT_MAGIC) - _RINT_MAGIC).to(tl.int32)
-        codes = tl.minimum(tl.maximum(q, -(1 << K)), (1 << K) - 1)
+        t = tl.minimum(tl.maximum(v + _RINT_MAGIC, _RINT_MAGIC - (1 << K)), _RINT_MAGIC + ((1 << K) - 1))
+        codes = t.to(tl.int32, bitcast=True) - _RINT_MAGIC_BITS
     return codes, scale
 
 
@@ -124,23 +130,34 @@ def decode_groups(codes, scale, CODEC: tl.constexpr):
 @triton.jit
 def _pack_plane(codes, SHIFT: tl.constexpr, BITS: tl.constexpr):
     """[GB, BITS] uint32 words holding bits SHIFT..SHIFT+BITS-1 of every code, 32 // BITS
-    codes per word, the first in the lowest bits."""
+    codes per word, the first in the lowest bits.
+
+    Neighbouring codes are merged pairwise with ``tl.split`` (first pairs, then pairs of
+    pairs), never with a reduction: a split keeps both halves in the thread that holds them,
+    where a sum over the codes of a word made Triton spread them across threads and cost
+    shuffles."""
     GB: tl.constexpr = codes.shape[0]
     PER: tl.constexpr = 32 // BITS
     field = ((codes >> SHIFT) & ((1 << BITS) - 1)).to(tl.uint32)
-    field = tl.reshape(field, [GB, BITS, PER])
-    shifts = (tl.arange(0, PER) * BITS).to(tl.uint32)
-    # The fields are disjoint, so the sum is their bitwise or (and never carries).
-    return tl.sum(field << shifts[None, None, :], axis=2)
+    for level in tl.static_range(PER.bit_length() - 1):
+        lo, hi = tl.split(tl.reshape(field, [GB, BITS, PER >> (level + 1), 2]))
+        field = lo | (hi << (BITS << level))
+    return tl.reshape(field, [GB, BITS])
 
 
 @triton.jit
 def _unpack_plane(words, BITS: tl.constexpr):
+    """The inverse of ``_pack_plane``: [GB, 32] int32 fields of [GB, BITS] words, halving
+    each word's bits with ``tl.join`` (which keeps them in the word's thread)."""
     GB: tl.constexpr = words.shape[0]
     PER: tl.constexpr = 32 // BITS
-    shifts = (tl.arange(0, PER) * BITS).to(tl.uint32)
-    fields = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
-    return tl.reshape(fields, [GB, 32]).to(tl.int32)
+    LEVELS: tl.constexpr = PER.bit_length() - 1
+    field = tl.reshape(words, [GB, BITS, 1])
+    for level in tl.static_range(LEVELS):
+        width = BITS << (LEVELS - 1 - level)
+        field = tl.join(field & ((1 << width) - 1), field >> width)
+        field = tl.reshape(field, [GB, BITS, 2 << level])
+    return tl.reshape(field, [GB, 32]).to(tl.int32)
 
 
 @triton.jit
@@ -152,13 +169,16 @@ def _plane_ptrs(addr, gidx, BITS: tl.constexpr):
 @triton.jit
 def store_packed(addr, p0, p1, psc, gidx, gmask, codes, scale, CODEC: tl.constexpr):
     """Store groups ``gidx`` ([GB], those with gmask) of a packed buffer at int64 address
-    ``addr`` whose planes and scales start at byte offsets p0, p1 (int6 only) and psc."""
+    ``addr`` whose planes and scales start at byte offsets p0, p1 (int6 only) and psc. A
+    group with a NaN scale is stored with zero codes."""
+    bad = (scale == _SCALE_NAN)[:, None]
     if CODEC == 2:
-        tl.store(_plane_ptrs(addr + p0, gidx, 4), _pack_plane(codes, 0, 4), mask=gmask[:, None])
-        tl.store(_plane_ptrs(addr + p1, gidx, 2), _pack_plane(codes, 4, 2), mask=gmask[:, None])
+        tl.store(_plane_ptrs(addr + p0, gidx, 4), tl.where(bad, 0, _pack_plane(codes, 0, 4)), mask=gmask[:, None])
+        tl.store(_plane_ptrs(addr + p1, gidx, 2), tl.where(bad, 0, _pack_plane(codes, 4, 2)), mask=gmask[:, None])
     else:
         BITS: tl.constexpr = 4 if CODEC == 3 else 8
-        tl.store(_plane_ptrs(addr + p0, gidx, BITS), _pack_plane(codes, 0, BITS), mask=gmask[:, None])
+        tl.store(_plane_ptrs(addr + p0, gidx, BITS), tl.where(bad, 0, _pack_plane(codes, 0, BITS)),
+                 mask=gmask[:, None])
     scale_ptr = (addr + psc).to(tl.pointer_type(tl.uint16))
     tl.store(scale_ptr + gidx, scale.to(tl.uint16), mask=gmask)
 
