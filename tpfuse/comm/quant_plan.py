@@ -51,6 +51,10 @@ MiB = 1024 * 1024
 #   ``quant_min_bytes=`` forces a codec from any size.
 # QUANT_TILE: elements per tile (a multiple of 32: a tile is TILE / 32 groups). The
 #   interpreter pays per operation, so it takes large tiles.
+# QUANT_SMALL_TILE, QUANT_SMALL_TILE_MAX_CHUNK: segments of at most this many elements per
+#   rank use the smaller tile, so that every CTA still gets several tiles (at 32 MiB, W=4,
+#   a chunk of 4 M elements is 2 tiles of 16384 per CTA; 8192 was 6-12% faster for every
+#   codec, 16384 0-5% faster at 256 MiB; 2026-11-21, after the fp32 codecs).
 # QUANT_NUM_WARPS: warps per CTA.
 # QUANT_MAX_CTAS: CTAs per launch; every CTA must be resident at once (see
 #   tpfuse.kernels.sync), so it stays at or below the SM count (132 on H200).
@@ -61,6 +65,8 @@ QUANT_MIN_BYTES: dict[str, dict[int, int | None]] = {
     "fp8": {2: None, 4: 64 * MiB, 8: None},
 }
 QUANT_TILE = 8192 if INTERPRETER else 16384
+QUANT_SMALL_TILE = 4096 if INTERPRETER else 8192
+QUANT_SMALL_TILE_MAX_CHUNK = 1 << 14 if INTERPRETER else 1 << 23
 QUANT_NUM_WARPS = 16
 QUANT_MAX_CTAS = 4 if INTERPRETER else 128
 
@@ -90,11 +96,12 @@ def _cdiv(a: int, b: int) -> int:
 @dataclass(frozen=True)
 class QuantSegment:
     """One launch: elements [start, start + numel) of the message, ``chunk`` elements per
-    rank, ``grid`` CTAs."""
+    rank, tiles of ``block`` elements on ``grid`` CTAs."""
 
     start: int
     numel: int
     chunk: int
+    block: int
     grid: int
 
 
@@ -104,7 +111,8 @@ class QuantPlan:
 
     seg_chunk: elements per rank of a full segment; planes, scale_offset: byte offsets of the
     packed planes and scales inside every slot (``packed_layout`` of seg_chunk elements);
-    block: elements per tile; unit: chunks are multiples of it.
+    block, small_block, small_max_chunk: elements per tile, ``small_block`` for segments of
+    at most ``small_max_chunk`` elements per rank; unit: chunks are multiples of it.
     """
 
     codec: str
@@ -113,6 +121,8 @@ class QuantPlan:
     planes: tuple[int, ...]
     scale_offset: int
     block: int
+    small_block: int
+    small_max_chunk: int
     unit: int
     num_warps: int
     max_ctas: int
@@ -122,17 +132,18 @@ class QuantPlan:
         """The plan for ``codec`` on messages of ``dtype`` over workspaces of ``layout``.
         Raises ValueError when a slot cannot hold even one chunk unit."""
         # Cached per knob values too, so that changing a knob (tests, tuning) takes effect.
-        return cls._build(layout, dtype, codec, QUANT_TILE, QUANT_NUM_WARPS, QUANT_MAX_CTAS)
+        return cls._build(layout, dtype, codec, QUANT_TILE, QUANT_SMALL_TILE, QUANT_SMALL_TILE_MAX_CHUNK,
+                          QUANT_NUM_WARPS, QUANT_MAX_CTAS)
 
     @classmethod
     @functools.lru_cache(maxsize=None)
-    def _build(cls, layout: WorkspaceLayout, dtype: torch.dtype, codec: str, block: int, num_warps: int,
-               max_ctas: int) -> "QuantPlan":
+    def _build(cls, layout: WorkspaceLayout, dtype: torch.dtype, codec: str, block: int, small_block: int,
+               small_max_chunk: int, num_warps: int, max_ctas: int) -> "QuantPlan":
         if codec not in QUANT_CODECS:
             raise ValueError(f"unknown codec {codec!r}")
         unit = max(QUANT_GROUP, ALIGN // dtype.itemsize)
-        if block % unit:
-            raise ValueError(f"QUANT_TILE={block} must be a multiple of {unit}")
+        if block % unit or small_block % unit:
+            raise ValueError(f"QUANT_TILE={block} and QUANT_SMALL_TILE={small_block} must be multiples of {unit}")
         slot = layout.twoshot_slot_bytes
         # The most groups whose packed form fits a slot (packed_layout is monotone in groups).
         lo, hi = 0, slot
@@ -148,8 +159,8 @@ class QuantPlan:
         if seg_chunk == 0:
             raise ValueError(f"the workspace slots ({slot} bytes) are too small for a quantized chunk")
         planes, scale_offset, _ = packed_layout(seg_chunk, codec)
-        return cls(codec, layout.world_size, seg_chunk, planes, scale_offset, block, unit, num_warps,
-                   max(1, min(max_ctas, layout.max_blocks)))
+        return cls(codec, layout.world_size, seg_chunk, planes, scale_offset, block, small_block, small_max_chunk,
+                   unit, num_warps, max(1, min(max_ctas, layout.max_blocks)))
 
     def segments(self, numel: int) -> list[QuantSegment]:
         """The launches of a message of ``numel`` elements, in order."""
@@ -158,5 +169,6 @@ class QuantPlan:
         for start in range(0, numel, full):
             n = min(full, numel - start)
             chunk = self.seg_chunk if n == full else _cdiv(_cdiv(n, self.world_size), self.unit) * self.unit
-            out.append(QuantSegment(start, n, chunk, max(1, min(_cdiv(chunk, self.block), self.max_ctas))))
+            block = self.small_block if chunk <= self.small_max_chunk else self.block
+            out.append(QuantSegment(start, n, chunk, block, max(1, min(_cdiv(chunk, block), self.max_ctas))))
         return out
