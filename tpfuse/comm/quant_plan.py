@@ -35,20 +35,20 @@ MiB = 1024 * 1024
 
 
 # ---- Tunable knobs, all in one place, set on 4x H200 (2026-11-21, bf16, W=4). Tile, warps
-# and CTAs from scripts/tune_quant.py (int4 at 32 / 256 MiB, us; NCCL 176 / 1186):
-# (2048, 8, 128) 224 / 2049, (8192, 16, 128) 139 / 1169, (16384, 16, 128) 135 / 909,
-# (8192, 32, 128) 123 / 946, (16384, 32, 128) 157 / 1092, (32768, 32, 128) 227 / 1443,
-# (8192, 16, 64) 254 / 2266: large tiles on many warps keep enough groups in flight to hide
-# the encode/decode arithmetic; 16384 on 16 warps was best at 256 MiB for every codec.
+# and CTAs from scripts/tune_quant.py (int4 at 32 / 256 MiB, us; NCCL 175 / 1184), with the
+# fp32 codecs of commit 36cb75f: (4096, 8, 128) 79 / 634, (8192, 8, 128) 72 / 478,
+# (8192, 16, 128) 68 / 449, (16384, 16, 128) 76 / 445, (16384, 32, 128) 75 / 427; the other
+# codecs rank the same except that 32 warps never help them. Before (float64 codecs, commit
+# 1a57e8d): (2048, 8, 128) 224 / 2049, (16384, 16, 128) 135 / 909, 64 CTAs half as fast.
 #
 # QUANT_MIN_BYTES: smallest message (input bytes) that takes the quantized path when a
 #   codec is requested, by codec and world size (other world sizes: W=8's); None = never.
 #   Below it the exact path serves the call. W=4 from 4x H200 (2026-11-21, bf16, commit
-#   1a57e8d, benchmarks/results/allreduce_quant_w4_bf16.md): the smallest size from which
-#   the codec beats both NCCL and the exact path at every larger size measured (int4 80 us
-#   at 16 MiB vs exact 91 and NCCL 103; the others from 64 MiB, where int8 300 us vs NCCL
-#   326). W=2 and W=8 are not measured, so there the codecs are never chosen by default.
-#   ``quant_min_bytes=`` forces a codec from any size.
+#   2f9a6b6, benchmarks/results/allreduce_quant_w4_bf16.md): the smallest size from which
+#   the codec beats both NCCL and the exact path at every larger size measured (int4 18.1 us
+#   at 2 MiB vs exact 22.1 and NCCL 35.6; the others from 4 MiB, where int8 30.3 us, fp8 36.1
+#   vs exact 36.5). W=2 and W=8 are not measured, so there the codecs are never chosen by
+#   default. ``quant_min_bytes=`` forces a codec from any size.
 # QUANT_TILE: elements per tile (a multiple of 32: a tile is TILE / 32 groups). The
 #   interpreter pays per operation, so it takes large tiles.
 # QUANT_SMALL_TILE, QUANT_SMALL_TILE_MAX_CHUNK: segments of at most this many elements per
@@ -59,10 +59,10 @@ MiB = 1024 * 1024
 # QUANT_MAX_CTAS: CTAs per launch; every CTA must be resident at once (see
 #   tpfuse.kernels.sync), so it stays at or below the SM count (132 on H200).
 QUANT_MIN_BYTES: dict[str, dict[int, int | None]] = {
-    "int4": {2: None, 4: 16 * MiB, 8: None},
-    "int6": {2: None, 4: 64 * MiB, 8: None},
-    "int8": {2: None, 4: 64 * MiB, 8: None},
-    "fp8": {2: None, 4: 64 * MiB, 8: None},
+    "int4": {2: None, 4: 2 * MiB, 8: None},
+    "int6": {2: None, 4: 4 * MiB, 8: None},
+    "int8": {2: None, 4: 4 * MiB, 8: None},
+    "fp8": {2: None, 4: 4 * MiB, 8: None},
 }
 QUANT_TILE = 8192 if INTERPRETER else 16384
 QUANT_SMALL_TILE = 4096 if INTERPRETER else 8192
