@@ -123,7 +123,9 @@ def all_reduce_rms_norm(
 #
 # The codecs below are the bit-exact specification of ``tpfuse.quantize``/``dequantize`` and
 # of ``Communicator.all_reduce(x, quant=...)``. Every step is an integer operation or an IEEE
-# fp32/fp64 operation that is exact or rounds once, written the way the kernels write it.
+# fp32 operation that is exact or rounds once, written the way the kernels write it. NaN
+# payload bits are not part of the contract (GPUs write 0x7FFFFFFF, torch and numpy keep
+# 0x7FC00000): a NaN is a NaN.
 
 QUANT_CODECS = ("fp8", "int8", "int6", "int4")
 QUANT_GROUP = 32
@@ -273,7 +275,7 @@ def _decode(codes: torch.Tensor, scale: torch.Tensor, codec: str) -> torch.Tenso
         sig = (mag & 7) + torch.where(e4 > 0, 8, 0)
         p = e4.clamp_min(1) - 10
         v = sig.float() * ((p + 127) << 23).to(torch.int32).view(torch.float32)
-        v = torch.where((codes & 0x80) != 0, -v, v)
+        v = torch.where((codes & 0x80) != 0, 0.0 - v, v)  # +0.0 for the code 0x80, as documented
     else:
         v = torch.where((scale & 0x8000)[:, None] != 0, -codes, codes).float()
     return v * s

@@ -46,8 +46,9 @@ MiB = 1024 * 1024
 #   Below it the exact path serves the call. W=4 from 4x H200 (2026-11-21, bf16, commit
 #   2f9a6b6, benchmarks/results/allreduce_quant_w4_bf16.md): the smallest size from which
 #   the codec beats both NCCL and the exact path at every larger size measured (int4 18.1 us
-#   at 2 MiB vs exact 22.1 and NCCL 35.6; the others from 4 MiB, where int8 30.3 us, fp8 36.1
-#   vs exact 36.5). W=2 and W=8 are not measured, so there the codecs are never chosen by
+#   at 2 MiB vs exact 22.1 and NCCL 35.6; int8 and int6 from 4 MiB, where int8 30.3 us vs
+#   exact 36.5; fp8 from 8 MiB, 50.1 vs 55.7: at 4 MiB it led the exact path by 1%, within
+#   run-to-run noise). W=2 and W=8 are not measured, so there the codecs are never chosen by
 #   default. ``quant_min_bytes=`` forces a codec from any size.
 # QUANT_TILE: elements per tile (a multiple of 32: a tile is TILE / 32 groups). The
 #   interpreter pays per operation, so it takes large tiles.
@@ -62,7 +63,7 @@ QUANT_MIN_BYTES: dict[str, dict[int, int | None]] = {
     "int4": {2: None, 4: 2 * MiB, 8: None},
     "int6": {2: None, 4: 4 * MiB, 8: None},
     "int8": {2: None, 4: 4 * MiB, 8: None},
-    "fp8": {2: None, 4: 4 * MiB, 8: None},
+    "fp8": {2: None, 4: 8 * MiB, 8: None},
 }
 QUANT_TILE = 8192 if INTERPRETER else 16384
 QUANT_SMALL_TILE = 4096 if INTERPRETER else 8192

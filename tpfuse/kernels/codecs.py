@@ -10,7 +10,8 @@ the same order, so kernels and reference agree on every bit:
   overflow for tiny groups, and a NaN or Inf anywhere in a group shows in its magnitude;
 - the one division, ``r = 1 / s``, is done once per group in fp32 (``div.rn.f32`` on GPUs,
   IEEE division under the interpreter: both correctly rounded), then ``x * r`` is one
-  rounded fp32 product per value, which cannot overflow for any fp32 x and any scale;
+  rounded fp32 product per value, at most 451.5 in magnitude for the values of the
+  group the scale belongs to (never an overflow);
 - rounding to an integer is ``(v + 1.5 * 2**23) - 1.5 * 2**23`` in fp32 (half to even),
   rounding to e4m3 is integer arithmetic on the fp32 bits (Triton's fp8 conversions are
   not used: the interpreter's and the GPU's need not agree on ties and saturation);
@@ -19,9 +20,10 @@ the same order, so kernels and reference agree on every bit:
 - decoding is one exact fp32 product of a small integer (or e4m3 value) and the scale, and
   never subnormal (scales are at least 2**-117).
 
-Nothing here converts between float and int or touches float64: on H200 those run at an
-eighth of the fp32 rate (or less), and the encode once cost about 75 instruction slots per
-value, which made the quantized all-reduce compute-bound (benchmarks/NOTES.md).
+The encode neither touches float64 nor converts float to int: on H200 those run at half
+and an eighth of the fp32 rate, and the encode once cost about 75 instruction slots per
+value, which made the quantized all-reduce compute-bound (benchmarks/NOTES.md). The
+decode's int-to-float conversion (I2FP) runs at the full rate.
 
 Kernels are launched with ``EXACT_FP`` like every tpfuse kernel. The device functions work
 on a tile of GB groups as a [GB, 32] fp32 tensor; the all-reduce (``quant_allreduce.py``)
