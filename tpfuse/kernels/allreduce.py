@@ -78,10 +78,12 @@ def _push_to_all(table_ptr, byte_offset, vals, offs, mask, W: tl.constexpr):
 
 @triton.jit
 def _push_to_peers(table_ptr, byte_offset, vals, offs, mask, rank, W: tl.constexpr):
-    """Store ``vals`` at ``byte_offset`` + offs (elements) in every other rank's workspace."""
-    for dst in tl.static_range(W):
-        if dst != rank:
-            tl.store(_typed(tl.load(table_ptr + dst), byte_offset, vals.dtype) + offs, vals, mask=mask)
+    """Store ``vals`` at ``byte_offset`` + offs (elements) in every other rank's workspace,
+    starting with the next rank (``rank + 1``): ranks working in step then write to
+    different peers at any moment instead of all to the same one."""
+    for k in tl.static_range(1, W):
+        dst = (rank + k) % W
+        tl.store(_typed(tl.load(table_ptr + dst), byte_offset, vals.dtype) + offs, vals, mask=mask)
 
 
 @triton.jit
@@ -159,10 +161,12 @@ def twoshot_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, st
                               W: tl.constexpr, PEERS: tl.constexpr, BLOCK: tl.constexpr, GATHER_PULL: tl.constexpr):
     ELEM: tl.constexpr = x_ptr.dtype.element_ty
     pid, grid, ctrl, status, epoch, data, n_tiles = _begin(local, status_addr, data_offset, data_bytes, chunk, BLOCK)
-    # Reduce-scatter, part 1: chunk c of my input into scatter slot `rank` of rank c.
+    # Reduce-scatter, part 1: chunk c of my input into scatter slot `rank` of rank c, from
+    # c = rank on, so that ranks working in step write to different peers at any moment.
     for tile in range(pid, n_tiles, grid):
         offs = tile * BLOCK + tl.arange(0, BLOCK)
-        for c in tl.static_range(W):
+        for k in tl.static_range(W):
+            c = (rank + k) % W
             mask = (offs < chunk) & (c * chunk + offs < numel)
             vals = tl.load(x_ptr + c * chunk + offs, mask=mask)
             dst = _typed(tl.load(table_ptr + c), data, ELEM) + rank * slot_elems

@@ -48,9 +48,11 @@ def quant_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, stat
     ELEM: tl.constexpr = out_ptr.dtype.element_ty
     GB: tl.constexpr = BLOCK // 32
     pid, grid, ctrl, status, epoch, data, n_tiles = _begin(local, status_addr, data_offset, data_bytes, chunk, BLOCK)
-    # 1. Encode chunk c of my input into scatter slot `rank` of rank c.
+    # 1. Encode chunk c of my input into scatter slot `rank` of rank c, from c = rank on, so
+    # that ranks working in step write to different peers at any moment.
     for tile in range(pid, n_tiles, grid):
-        for c in range(W):
+        for k in range(W):
+            c = (rank + k) % W
             limit = tl.minimum(chunk, numel - c * chunk)
             x, offs, gidx, gmask = load_groups(x_ptr + c * chunk, tile, limit, BLOCK)
             codes, scale = encode_groups(x, CODEC)
@@ -70,10 +72,10 @@ def quant_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, stat
                 codes, scale = load_packed(local + data + s * slot_bytes, p0, p1, psc, gidx, gmask, CODEC)
                 acc += decode_groups(codes, scale, CODEC)
             codes, scale = encode_groups(acc, CODEC)
-            for dst in range(W):
-                if dst != rank:
-                    store_packed(tl.load(table_ptr + dst) + data + gather_offset + rank * slot_bytes, p0, p1, psc,
-                                 gidx, gmask, codes, scale, CODEC)
+            for k in range(1, W):  # from the next rank on, as in phase 1
+                peer = tl.load(table_ptr + (rank + k) % W)
+                store_packed(peer + data + gather_offset + rank * slot_bytes, p0, p1, psc, gidx, gmask, codes, scale,
+                             CODEC)
             y = decode_groups(codes, scale, CODEC)
             tl.store(out_ptr + rank * chunk + offs, round_to(y, ELEM), mask=offs < limit)
     # 3. Decode the other ranks' reduced chunks. After a failed first wait the abort word
