@@ -70,17 +70,18 @@ def sum_in_rank_order(slot0, slot_elems, offs, mask, W: tl.constexpr):
 
 
 @triton.jit
-def _push_to_all(table_ptr, byte_offset, vals, offs, mask, W: tl.constexpr):
-    """Store ``vals`` at ``byte_offset`` + offs (elements) in every rank's workspace."""
-    for dst in tl.static_range(W):
+def _push_to_all(table_ptr, byte_offset, vals, offs, mask, rank, W: tl.constexpr):
+    """Store ``vals`` at ``byte_offset`` + offs (elements) in every rank's workspace, starting
+    with this rank's own (``rank``, then ``rank + 1``, ...): ranks working in step then write
+    to different peers at any moment instead of all to the same one."""
+    for k in tl.static_range(W):
+        dst = (rank + k) % W
         tl.store(_typed(tl.load(table_ptr + dst), byte_offset, vals.dtype) + offs, vals, mask=mask)
 
 
 @triton.jit
 def _push_to_peers(table_ptr, byte_offset, vals, offs, mask, rank, W: tl.constexpr):
-    """Store ``vals`` at ``byte_offset`` + offs (elements) in every other rank's workspace,
-    starting with the next rank (``rank + 1``): ranks working in step then write to
-    different peers at any moment instead of all to the same one."""
+    """``_push_to_all`` without this rank's own workspace."""
     for k in tl.static_range(1, W):
         dst = (rank + k) % W
         tl.store(_typed(tl.load(table_ptr + dst), byte_offset, vals.dtype) + offs, vals, mask=mask)
@@ -118,7 +119,7 @@ def oneshot_all_reduce_kernel(x_ptr, out_ptr, numel, table_ptr, local, status_ad
         offs = tile * BLOCK + tl.arange(0, BLOCK)
         mask = offs < numel
         vals = tl.load(x_ptr + offs, mask=mask)
-        _push_to_all(table_ptr, data, vals, rank * slot_elems + offs, mask, W)
+        _push_to_all(table_ptr, data, vals, rank * slot_elems + offs, mask, rank, W)
     signal(table_ptr, flags_offset + (pid * W + rank) * 8, epoch, W, PEERS)
     if wait(_flag_row(local, flags_offset, W), ctrl, status, epoch, rank, timeout_ns, OP_ONESHOT, W, PEERS):
         slot0 = _typed(local, data, ELEM)
@@ -144,7 +145,7 @@ def ll_oneshot_all_reduce_kernel(x_ptr, out_ptr, numel, n_words, table_ptr, loca
         offs = tile * BLOCK + tl.arange(0, BLOCK)
         woffs = tile * WORDS + tl.arange(0, WORDS)
         words = ll_pack(tl.load(x_ptr + offs, mask=offs < numel), flag)
-        _push_to_all(table_ptr, region, words, rank * slot_words + woffs, woffs < n_words, W)
+        _push_to_all(table_ptr, region, words, rank * slot_words + woffs, woffs < n_words, rank, W)
     slot0 = _typed(local, region, tl.uint64)
     for tile in range(pid, n_tiles, grid):
         offs = tile * BLOCK + tl.arange(0, BLOCK)
