@@ -290,10 +290,6 @@ class DwPlan:
     def num_groups(self) -> int:
         return triton.cdiv(self.num_partials, self.group_size)
 
-    @property
-    def grid(self) -> int:
-        return self.num_partials + (self.num_combine_programs if self.combine == "columns" else 0)
-
     @staticmethod
     def from_shape(m: int, n: int, dtype: torch.dtype) -> "DwPlan":
         cfg = NormConfig.from_shape(n, dtype)
@@ -619,7 +615,9 @@ def rms_norm_bwd(
             group_sum = torch.empty((plan.num_groups, n), dtype=torch.float32, device=x.device)
         if combine != COMBINE_LAUNCH:
             counters = _dw_counters_for(x.device, triton.cdiv(_MAX_DW_PARTIALS, _DW_GROUP_SIZE))
-    rms_norm_bwd_kernel[(plan.grid if combine == COMBINE_COLUMNS else plan.num_partials,)](
+    # A "columns" combine runs its column programs after the partials, in the same launch.
+    grid = plan.num_partials + (plan.num_combine_programs if combine == COMBINE_COLUMNS else 0)
+    rms_norm_bwd_kernel[(grid,)](
         DY=dy, X=x, W=weight if has_weight else x, DX=dx,
         DRES=dresidual_out if dresidual_out is not None else dx,
         PARTIAL=partial if has_weight else dx, GROUP_SUM=group_sum if group_sum is not None else dx,
