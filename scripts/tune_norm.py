@@ -6,7 +6,8 @@ Not part of the library: it patches ``NormConfig.from_shape`` and the dW partial
 bwd: tile rows x warps x prefetch x joint reduction per N (M=32768, bf16), then the best
 three per N again with 512 dW partials; fwd: warps x rows per N; chunk: chunk bytes x
 warps for rows too long for registers (N=65536), forward and backward; dw: rows per dW
-partial x combine mode at small M; fp32: warps for fp32 rows of 16384 held in registers. Every backward
+partial x combine mode at small M; fp32: warps for fp32 rows of 16384 held in registers; split: forward
+rows in two pieces vs one padded tile (NormConfig.tail_n). Every backward
 variant's dx and dW are checked against an fp32 torch computation before it is timed.
 """
 
@@ -162,8 +163,37 @@ def tune_fp32(copy):
     K.NormConfig.from_shape = staticmethod(base_from_shape)
 
 
+def tune_split(copy):
+    """Forward rows in two pieces (NormConfig.tail_n) vs one padded tile, per warp count;
+    "padded" is the config before the split (tail_n=0, warps from the padded tile)."""
+    for dt, n in itertools.product([torch.bfloat16, torch.float32], [1280, 2880, 5120, 10240]):
+        base = base_from_shape(n, dt)
+        if not base.tail_n:
+            continue
+        esize = dt.itemsize
+        padded_warps = K._pow2_warps(base.rows * base.block_n // (16 // esize) // 2, 8)
+        variants = [("padded", dict(tail_n=0, num_warps=padded_warps))]
+        variants += [(f"split w{w}", dict(num_warps=w)) for w in (4, 8, 16)]
+        for m in (M, 1):
+            x = torch.randn(m, n, device="cuda", dtype=dt)
+            res, y, r_out = torch.randn_like(x), torch.empty_like(x), torch.empty_like(x)
+            w = torch.randn(n, device="cuda", dtype=dt)
+            ref = torch.nn.functional.rms_norm(x.float(), (n,), w.float(), 1e-6)
+            for name, fields in variants:
+                use_config(**fields)
+                y.fill_(float("nan"))
+                K.rms_norm_fwd(x, w, y, 1e-6, 0.0)
+                ok = torch.allclose(y.float(), ref, rtol=1e-2, atol=1e-2)
+                fwd = graph_time_us(lambda i: K.rms_norm_fwd(x, w, y, 1e-6, 0.0))
+                add = graph_time_us(lambda i: K.rms_norm_fwd(x, w, y, 1e-6, 0.0, res, r_out))
+                print(f"split {str(dt)[6:]} N={n} M={m} {name}: fwd {fwd:.2f}us {pct(2 * m * n * esize, fwd, copy):.0f}%"
+                      f" add {add:.2f}us {pct(4 * m * n * esize, add, copy):.0f}%{'' if ok else ' WRONG'}", flush=True)
+    K.NormConfig.from_shape = staticmethod(base_from_shape)
+
+
 if __name__ == "__main__":
     copy = copy_bandwidth_gbps()
     print(f"copy {copy:.0f} GB/s")
     for what in sys.argv[1:] or ["bwd", "fwd"]:
-        {"bwd": tune_bwd, "fwd": tune_fwd, "chunk": tune_chunk, "dw": tune_dw, "fp32": tune_fp32}[what](copy)
+        {"bwd": tune_bwd, "fwd": tune_fwd, "chunk": tune_chunk, "dw": tune_dw, "fp32": tune_fp32,
+         "split": tune_split}[what](copy)

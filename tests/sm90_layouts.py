@@ -13,7 +13,7 @@ intercepted and compiled with Triton's own argument specialisation (alignment an
 divisibility of every argument, as on a GPU), for the H200's target.
 
 Usage: python tests/sm90_layouts.py '<json list of cases>'; prints one JSON object per case:
-{"case": ..., "norm": [layouts], "oneshot": [layouts], "oneshot_ll": [layouts], "twoshot":
+{"case": ..., "tail_n": NormConfig.tail_n, "norm": [layouts], "oneshot": [layouts], "oneshot_ll": [layouts], "twoshot":
 [layouts]} (oneshot_ll: the one-shot kernel over the LL protocol), a layout being
 the reduced operand's type with its layout attribute written out.
 """
@@ -37,7 +37,7 @@ from triton.runtime.jit import JITFunction, create_function_from_signature  # no
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tpfuse.comm.workspace import WorkspaceLayout  # noqa: E402
 from tpfuse.kernels.fused import all_reduce_norm_into  # noqa: E402
-from tpfuse.kernels.norm import rms_norm_fwd  # noqa: E402
+from tpfuse.kernels.norm import NormConfig, rms_norm_fwd  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -82,7 +82,7 @@ def layouts_for(case: dict) -> dict:
     dtype, n, rows, world = DTYPES[case["dtype"]], case["n"], case["rows"], case["world"]
     x, res, y, res_out = (torch.empty(rows, n, dtype=dtype) for _ in range(4))
     weight = {"same": torch.empty(n, dtype=dtype), "fp32": torch.empty(n), "none": None}[case["weight"]]
-    out = {"case": case}
+    out = {"case": case, "tail_n": NormConfig.from_shape(n, dtype).tail_n}
     kernel, kwargs = _launch_args(lambda: rms_norm_fwd(x, weight, y, 1e-6, 0.0, res, res_out))
     out["norm"] = row_reduction_layouts(_compile_ttgir(kernel, kwargs))
     layout = WorkspaceLayout(world, 1 << 24, 128, ll_max_bytes=1 << 24)  # offsets only: nothing is allocated

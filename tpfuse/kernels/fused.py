@@ -72,8 +72,8 @@ def _copy_rows(X, dst, N, src_rows, dst_rows, row_ok, BLOCK_N: tl.constexpr, NUM
 def oneshot_all_reduce_norm_kernel(
     X, RES, W, Y, RES_OUT, n_rows, N, eps, weight_offset, has_residual,
     table_ptr, local, status_addr, rank, timeout_ns, flags_offset, data_offset, data_bytes, slot_elems,
-    BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    WORLD: tl.constexpr, PEERS: tl.constexpr,
+    BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, WORLD: tl.constexpr, PEERS: tl.constexpr,
 ):
     ELEM: tl.constexpr = X.dtype.element_ty
     pid, grid, ctrl, status, epoch, data, n_tiles = _begin(local, status_addr, data_offset, data_bytes, n_rows, ROWS)
@@ -92,7 +92,7 @@ def oneshot_all_reduce_norm_kernel(
         for tile in range(pid, n_tiles, grid):
             rows = tile * ROWS + tl.arange(0, ROWS)
             norm_tile(slot0, rows.to(tl.int64) * N, slot_elems, RES, W, Y, RES_OUT, rows, rows < n_rows, N, eps,
-                      weight_offset, has_residual, True, BLOCK_N, NUM_CHUNKS, HAS_WEIGHT, WORLD)
+                      weight_offset, has_residual, True, BLOCK_N, TAIL_N, NUM_CHUNKS, HAS_WEIGHT, WORLD)
     end_call(ctrl, epoch)
 
 
@@ -108,8 +108,8 @@ def _piece_words(piece, tile_words, n_words, PIECE_WORDS: tl.constexpr, PIECES: 
 def ll_oneshot_all_reduce_norm_kernel(
     X, RES, W, Y, RES_OUT, n_rows, N, eps, weight_offset, has_residual,
     table_ptr, local, status_addr, rank, timeout_ns, ll_offset, ll_bytes, slot_words, reduced_offset, handoff_offset,
-    BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    WORLD: tl.constexpr, PIECE_WORDS: tl.constexpr, PIECES: tl.constexpr,
+    BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, WORLD: tl.constexpr, PIECE_WORDS: tl.constexpr, PIECES: tl.constexpr,
 ):
     """One-shot over LL words.
 
@@ -150,7 +150,7 @@ def ll_oneshot_all_reduce_norm_kernel(
             tl.store(arrived + tile, 0)  # the next call counts after this kernel has ended
             rows = tile * ROWS + tl.arange(0, ROWS)
             norm_tile(reduced, rows.to(tl.int64) * N, 0, RES, W, Y, RES_OUT, rows, rows < n_rows, N, eps,
-                      weight_offset, has_residual, True, BLOCK_N, NUM_CHUNKS, HAS_WEIGHT, 0)
+                      weight_offset, has_residual, True, BLOCK_N, TAIL_N, NUM_CHUNKS, HAS_WEIGHT, 0)
     end_call(ctrl, epoch)
 
 
@@ -159,8 +159,8 @@ def twoshot_all_reduce_norm_kernel(
     X, RES, W, Y, RES_OUT, n_rows, rows_per_group, N, eps, weight_offset, has_residual,
     table_ptr, local, status_addr, rank, timeout_ns, flags_offset, flags_bytes, data_offset, data_bytes,
     gather_offset, slot_elems,
-    BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    WORLD: tl.constexpr, PEERS: tl.constexpr,
+    BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, WORLD: tl.constexpr, PEERS: tl.constexpr,
 ):
     ELEM: tl.constexpr = X.dtype.element_ty
     pid, grid, ctrl, status, epoch, data, n_tiles = _begin(local, status_addr, data_offset, data_bytes,
@@ -200,7 +200,7 @@ def twoshot_all_reduce_norm_kernel(
                 rows = g * rows_per_group + local_rows
                 norm_tile(gather0 + g * slot_elems, local_rows.to(tl.int64) * N, 0, RES, W, Y, RES_OUT, rows,
                           (local_rows < rows_per_group) & (rows < n_rows), N, eps, weight_offset, has_residual, True,
-                          BLOCK_N, NUM_CHUNKS, HAS_WEIGHT, 1)
+                          BLOCK_N, TAIL_N, NUM_CHUNKS, HAS_WEIGHT, 1)
     end_call(ctrl, epoch)
 
 
@@ -235,7 +235,8 @@ def all_reduce_norm_into(x: torch.Tensor, weight: torch.Tensor | None, residual:
         RES_OUT=residual_out, n_rows=n_rows, N=n, eps=eps, weight_offset=weight_offset,
         has_residual=int(residual is not None), table_ptr=table, local=table_addrs[rank], status_addr=status_addr,
         rank=rank, timeout_ns=timeout_ns,
-        BLOCK_N=cfg.block_n, NUM_CHUNKS=cfg.num_chunks, ROWS=cfg.rows, HAS_WEIGHT=weight is not None, WORLD=world,
+        BLOCK_N=cfg.block_n, TAIL_N=cfg.tail_n, NUM_CHUNKS=cfg.num_chunks, ROWS=cfg.rows,
+        HAS_WEIGHT=weight is not None, WORLD=world,
         num_warps=cfg.num_warps, **EXACT_FP)
     if algo == "oneshot" and ll:
         tiles = triton.cdiv(n_rows, cfg.rows)

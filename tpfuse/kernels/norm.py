@@ -40,6 +40,11 @@ _CHUNKED_FWD_WARPS = 32
 # of copy bandwidth with 2-row tiles on 2 warps, 85% with 8-row tiles on 8 warps).
 _MIN_TILE_BYTES = 2 * 1024
 _MAX_TILE_ROWS = 32
+# A forward row of N in (B, 1.5 B] columns, B a power of two of at least half this, is
+# covered by two pieces, B and next_power_of_2(N - B) lanes, instead of one of 2 B lanes of
+# which up to half would be padding (N=5120: 4096 + 1024 lanes instead of 8192, N=2880:
+# 2048 + 1024 instead of 4096). The backward keeps the one padded tile.
+_MIN_SPLIT_BLOCK = 2048
 # Backward tiles stack short rows up to 8 KiB: with 256 programs (the dW partials) one row
 # per tile left too few bytes in flight per SM (H200 bf16 M=32768, % of copy, 2 KiB-minimum
 # tiles -> 8 KiB: N=256 31 -> 45, N=512 41 -> 63, N=1024 45 -> 79, N=2048 68 -> 86). Their
@@ -92,6 +97,7 @@ class NormConfig:
     """
 
     block_n: int  # columns per tile (a power of two)
+    tail_n: int  # forward only: 0, or the row is split in block_n // 2 + tail_n columns (see _MIN_SPLIT_BLOCK)
     num_chunks: int  # column chunks per row; 1 = the row stays in registers
     rows: int  # rows per tile (forward)
     num_warps: int  # forward
@@ -112,12 +118,15 @@ class NormConfig:
         rows = 1
         while rows < _MAX_TILE_ROWS and rows * block_n * esize < _MIN_TILE_BYTES:
             rows *= 2
-        vectors = rows * block_n // (16 // esize)
+        tail_n = 0
+        if num_chunks == 1 and block_n >= _MIN_SPLIT_BLOCK and 4 * n <= 3 * block_n:
+            tail_n = triton.next_power_of_2(n - block_n // 2)
+        vectors = rows * (block_n // 2 + tail_n if tail_n else block_n) // (16 // esize)
         bwd_rows = rows
         while bwd_rows < _MAX_TILE_ROWS and bwd_rows * block_n * esize < _MIN_BWD_TILE_BYTES:
             bwd_rows *= 2
         return NormConfig(
-            block_n=block_n, num_chunks=num_chunks, rows=rows,
+            block_n=block_n, tail_n=tail_n, num_chunks=num_chunks, rows=rows,
             num_warps=_pow2_warps(vectors // 2, 8) if num_chunks == 1 else _CHUNKED_FWD_WARPS,
             bwd_rows=bwd_rows,
             bwd_num_warps=max(4, _pow2_warps(block_n // (16 // esize), 16)),
@@ -162,32 +171,53 @@ def _load_norm_input(SRC, src_offs, slot_elems, RES, RES_OUT, offs, mask, has_re
 
 
 @triton.jit
+def _store_normed(x, inv, W, Y, row_offs, cols, mask, N, weight_offset, HAS_WEIGHT: tl.constexpr):
+    """Y[row_offs + cols] = x * inv (* (W[cols] + weight_offset)), rounded once."""
+    y = x * inv[:, None]
+    if HAS_WEIGHT:
+        y = y * (to_f32(tl.load(W + cols, mask=cols < N, other=0.0)) + weight_offset)
+    tl.store(Y + row_offs + cols, round_to(y, Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def norm_tile(SRC, src_rows, slot_elems, RES, W, Y, RES_OUT, rows, row_mask, N, eps, weight_offset, has_residual,
-              store_out, BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-              SLOTS: tl.constexpr):
+              store_out, BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+              HAS_WEIGHT: tl.constexpr, SLOTS: tl.constexpr):
     """The RMSNorm forward of one tile of rows, the body of every forward kernel.
 
     rows: [ROWS] row indices into the [n_rows, N] operands RES, Y and RES_OUT (masked by
     row_mask); src_rows: [ROWS] int64 element offsets of the same rows' first element in SRC
     (see ``_load_norm_input`` for SRC, slot_elems and SLOTS). Writes Y = rms_norm(x) and,
-    when store_out, RES_OUT = x, for x as ``_load_norm_input`` forms it.
+    when store_out, RES_OUT = x, for x as ``_load_norm_input`` forms it. BLOCK_N, TAIL_N and
+    NUM_CHUNKS are ``NormConfig``'s block_n, tail_n and num_chunks.
 
     A kernel calling this gets the bits of ``rms_norm_fwd_kernel`` only if Triton gives the
     tile the same register layout there (the layout fixes the order of the row reduction):
     tests/test_fused_layouts.py compiles both for sm_90 and compares."""
     src_offs = src_rows[:, None]
     row_offs = rows.to(tl.int64)[:, None] * N
-    cols = tl.arange(0, BLOCK_N)[None, :]
-    if NUM_CHUNKS == 1:
+    if TAIL_N > 0:
+        # The row in two pieces, BLOCK_N // 2 columns and the TAIL_N after them (see
+        # NormConfig.tail_n), each reduced on its own, the head's sum first.
+        cols = tl.arange(0, BLOCK_N // 2)[None, :]
+        tcols = BLOCK_N // 2 + tl.arange(0, TAIL_N)[None, :]
+        mask = row_mask[:, None] & (cols < N)
+        tmask = row_mask[:, None] & (tcols < N)
+        x = _load_norm_input(SRC, src_offs + cols, slot_elems, RES, RES_OUT, row_offs + cols, mask, has_residual,
+                             store_out, SLOTS)
+        xt = _load_norm_input(SRC, src_offs + tcols, slot_elems, RES, RES_OUT, row_offs + tcols, tmask,
+                              has_residual, store_out, SLOTS)
+        inv = inv_rms(tl.sum(x * x, axis=1) + tl.sum(xt * xt, axis=1), N, eps)
+        _store_normed(x, inv, W, Y, row_offs, cols, mask, N, weight_offset, HAS_WEIGHT)
+        _store_normed(xt, inv, W, Y, row_offs, tcols, tmask, N, weight_offset, HAS_WEIGHT)
+    elif NUM_CHUNKS == 1:
+        cols = tl.arange(0, BLOCK_N)[None, :]
         mask = row_mask[:, None] & (cols < N)
         x = _load_norm_input(SRC, src_offs + cols, slot_elems, RES, RES_OUT, row_offs + cols, mask, has_residual,
                              store_out, SLOTS)
-        inv = row_inv_rms(x * x, N, eps)
-        y = x * inv[:, None]
-        if HAS_WEIGHT:
-            y = y * (to_f32(tl.load(W + cols, mask=cols < N, other=0.0)) + weight_offset)
-        tl.store(Y + row_offs + cols, round_to(y, Y.dtype.element_ty), mask=mask)
+        _store_normed(x, row_inv_rms(x * x, N, eps), W, Y, row_offs, cols, mask, N, weight_offset, HAS_WEIGHT)
     else:
+        cols = tl.arange(0, BLOCK_N)[None, :]
         sq = tl.zeros([src_rows.shape[0], BLOCK_N], dtype=tl.float32)
         for c in range(NUM_CHUNKS):
             ccols = c * BLOCK_N + cols
@@ -203,10 +233,7 @@ def norm_tile(SRC, src_rows, slot_elems, RES, W, Y, RES_OUT, rows, row_mask, N, 
             # this program wrote.
             x = _load_norm_input(SRC, src_offs + ccols, slot_elems, RES, RES_OUT, row_offs + ccols, mask,
                                  has_residual, False, SLOTS)
-            y = x * inv[:, None]
-            if HAS_WEIGHT:
-                y = y * (to_f32(tl.load(W + ccols, mask=ccols < N, other=0.0)) + weight_offset)
-            tl.store(Y + row_offs + ccols, round_to(y, Y.dtype.element_ty), mask=mask)
+            _store_normed(x, inv, W, Y, row_offs, ccols, mask, N, weight_offset, HAS_WEIGHT)
 
 
 # has_residual is a runtime flag, not a constexpr, so rms_norm and add_rms_norm run the SAME
@@ -219,13 +246,14 @@ def norm_tile(SRC, src_rows, slot_elems, RES, W, Y, RES_OUT, rows, row_mask, N, 
 def rms_norm_fwd_kernel(
     X, RES, W, Y, RES_OUT,
     n_rows, N, eps, weight_offset, has_residual,
-    BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
 ):
     """Y = rms_norm(X) or, with has_residual, RES_OUT = round(X + RES), Y = rms_norm(RES_OUT).
     All operands are [n_rows, N] contiguous; one program per tile of ROWS rows."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     norm_tile(X, rows.to(tl.int64) * N, 0, RES, W, Y, RES_OUT, rows, rows < n_rows, N, eps, weight_offset,
-              has_residual, has_residual, BLOCK_N, NUM_CHUNKS, HAS_WEIGHT, 0)
+              has_residual, has_residual, BLOCK_N, TAIL_N, NUM_CHUNKS, HAS_WEIGHT, 0)
 
 
 def rms_norm_fwd(
@@ -251,8 +279,8 @@ def rms_norm_fwd(
         X=x, RES=residual if residual is not None else x, W=weight if weight is not None else x, Y=y,
         RES_OUT=residual_out if residual_out is not None else y,
         n_rows=n_rows, N=n, eps=eps, weight_offset=weight_offset, has_residual=int(residual is not None),
-        BLOCK_N=cfg.block_n, NUM_CHUNKS=cfg.num_chunks, ROWS=cfg.rows, HAS_WEIGHT=weight is not None,
-        num_warps=cfg.num_warps, **EXACT_FP,
+        BLOCK_N=cfg.block_n, TAIL_N=cfg.tail_n, NUM_CHUNKS=cfg.num_chunks, ROWS=cfg.rows,
+        HAS_WEIGHT=weight is not None, num_warps=cfg.num_warps, **EXACT_FP,
     )
 
 
