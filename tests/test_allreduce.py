@@ -194,6 +194,54 @@ def _stress(calls, seed):
 
 
 
+def _every_transition(k):
+    """A walk over states 0..k-1 that takes every ordered pair (i, j), i == j included, as
+    consecutive steps exactly once: an Eulerian circuit of the complete digraph with loops
+    (Hierholzer), k * k + 1 steps."""
+    unused, stack, walk = {v: list(range(k)) for v in range(k)}, [0], []
+    while stack:
+        if unused[stack[-1]]:
+            stack.append(unused[stack[-1]].pop())
+        else:
+            walk.append(stack.pop())
+    return walk[::-1]
+
+
+def _every_plan_transition():
+    """Every launch shape the plan gives (algorithm, LL, grid) followed by every other, with no
+    barrier: each growing and shrinking pattern between protocols and grids, by construction
+    rather than by chance."""
+    from tpfuse.comm.plan import AllReducePlan
+
+    world, failures, digests = dist.get_world_size(), [], []
+    with Communicator(max_bytes=1 << 20, timeout_s=20) as comm:
+        states = {}  # (algo, ll, grid) -> (numel, algo argument): the smallest message per state
+        for algo in ALGOS:
+            n = 1
+            while n < 300_000:
+                try:
+                    p = AllReducePlan.from_numel(n, world, torch.float32, comm.layout, algo)
+                    states.setdefault((p.algo, p.ll, p.grid), (n, algo))
+                except ValueError:  # more than an explicit algorithm can serve
+                    pass
+                n = int(n * 1.25) + 1
+        if len(states) < 8:
+            failures.append(f"only {len(states)} launch shapes found: {sorted(states)}")
+        picks = list(states.values())
+        backend = states.get(("nccl", False, 0))
+        for call, s in enumerate(_every_transition(len(picks))):
+            n, algo = picks[s]
+            xs = _inputs(90_000 + call, n, torch.float32, world)
+            if picks[s] == backend:  # the backend's sum has no bitwise contract: close to float64
+                out = comm.all_reduce(xs[dist.get_rank()], algo=algo)
+                err = (out.double() - sum(x.double() for x in xs)).abs().max().item()
+                if not err <= 1e-5 * max(x.abs().max().item() for x in xs):
+                    failures.append(f"call {call} n={n} (backend): off the float64 sum by {err}")
+            else:
+                _check(comm, xs, f"call {call} n={n} {algo}", failures, digests, algo)
+        failures += ll_regions_not_zeroed(comm)
+    return failures, digests
+
 def _with_gather(mode, fn, *args):
     """``fn(*args)`` with two-shot's all-gather in ``mode`` (plan.GATHER), restored after:
     rank processes are reused by later tests."""
@@ -233,17 +281,22 @@ def _late_rank(late):
     return failures, digests
 
 
-def _missing_peer(algo, numel=100):
+def _missing_peer(algo, numel=100, fused=False):
     """The last rank never calls: every other rank must fail with a timeout naming it.
-    numel picks the protocol of one-shot: 100 elements go over LL, 20000 fp32 over flags."""
+    numel picks the protocol of one-shot: 100 elements go over LL, 20000 fp32 over flags.
+    fused: the call is all_reduce_add_rms_norm on two rows of numel / 2."""
     rank, world, failures = dist.get_rank(), dist.get_world_size(), []
     comm = Communicator(timeout_s=2.0)
     dist.barrier()  # the live ranks enter the call together: the only late one is the last
     if rank != world - 1:
         start = time.monotonic()
         try:
-            comm.all_reduce(torch.ones(numel), algo=algo)
-            failures.append("all_reduce returned without the last rank")
+            if fused:
+                x = torch.ones(2, numel // 2)
+                comm.all_reduce_add_rms_norm(x, torch.ones_like(x), torch.ones(numel // 2), algo=algo)
+            else:
+                comm.all_reduce(torch.ones(numel), algo=algo)
+            failures.append("the call returned without the last rank")
         except CommTimeoutError as e:
             if (e.rank, e.peer) != (rank, world - 1) or f"rank {world - 1}" not in str(e) or "all_reduce" not in e.op:
                 failures.append(f"unexpected error contents: rank={e.rank} peer={e.peer} op={e.op!r}: {e}")
@@ -403,6 +456,11 @@ def test_stress_changing_sizes_without_barriers(world, calls):
     _assert_ok(results)
     assert len(results[0][1]) == calls
 
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_transition_between_launch_shapes_without_barriers(world):
+    assert sorted(zip(_every_transition(3), _every_transition(3)[1:])) == [(i, j) for i in range(3) for j in range(3)]
+    _assert_ok(run_ranks(world, _every_plan_transition, timeout_s=600))
 
 @pytest.mark.parametrize("gather", ["push", "pull"])
 def test_peers_one_call_ahead_never_overwrite_a_slow_ranks_data(gather):

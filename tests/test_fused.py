@@ -16,7 +16,7 @@ import torch.distributed as dist
 import tpfuse
 from tests.multiproc import run_ranks
 from tests.tally import ll_regions_not_zeroed
-from tests.test_allreduce import _assert_ok, _digest, _inputs, _same_bits
+from tests.test_allreduce import _assert_ok, _digest, _inputs, _missing_peer, _same_bits
 from tests.test_quant import _poisoned_empty
 from tpfuse import reference
 from tpfuse.comm import Communicator
@@ -56,10 +56,12 @@ def _fused_vs_split(shapes, seed, same_residual):
         for i, (tokens, hidden) in enumerate(shapes):
             dtype = DTYPES[i % len(DTYPES)]
             for a, algo in enumerate(FUSED_ALGOS):
-                offset = float(a % 2)
+                offset = float((a + i) % 2)  # every algorithm with both offsets over the shapes
                 xs, residuals, weight = _layer_inputs(seed + 100 * i + a, tokens, hidden, dtype, world, same_residual)
+                if (i // len(DTYPES)) % 2:
+                    weight = weight.float()  # an fp32 weight with every dtype
                 x, residual = xs[rank], residuals[0 if same_residual else rank]
-                what = f"{tokens}x{hidden} {dtype} {algo} offset={offset}"
+                what = f"{tokens}x{hidden} {dtype} {algo} offset={offset} weight {weight.dtype}"
                 before = (x.clone(), residual.clone())
                 with _poisoned_empty():  # an output element the kernel does not write shows as NaN
                     fused = comm.all_reduce_add_rms_norm(x, residual, weight, 1e-6, weight_offset=offset, algo=algo)
@@ -245,6 +247,13 @@ def test_bad_inputs_raise_before_any_communication():
 
 def test_sixty_layer_decode_fused_equals_split():
     _assert_ok(run_ranks(2, _decode_layers, 60, 2, 256, 3, timeout_s=600))
+
+
+@pytest.mark.parametrize("algo, numel", [("oneshot", 128), ("oneshot", 20000), ("twoshot", 128)])
+def test_missing_peer_ends_fused_call_in_timeout_error(algo, numel):
+    """One-shot over LL (128 elements) and over flags (20000 fp32), and two-shot."""
+    failures = run_ranks(2, _missing_peer, algo, numel, True, timeout_s=60)
+    assert not [f for fs in failures for f in fs], failures
 
 
 @pytest.mark.parametrize("world, calls", [(2, 150), (4, 40)])

@@ -55,12 +55,25 @@ class _Layer(MismatchTally):
         self.record(sum((a.view(torch.uint8) != b.view(torch.uint8)).sum() for a, b in zip(got, want)), what)
 
     def check(self, tokens, hidden, dtype, algo, seed):
+        """One fused call against split; by the seed, with weight_offset 0 or 1, a weight in x's
+        dtype or fp32, and (a third of the calls) all_reduce_rms_norm too."""
+        import tpfuse
+
         x, residual, weight = self.inputs(tokens, hidden, dtype, seed)
-        offset = float(seed % 2)
+        pick = random.Random(seed)
+        offset = float(pick.random() < 0.5)
+        if pick.random() < 0.3:
+            weight = weight.float()
+        what = f"{tokens}x{hidden} {dtype} {algo} offset={offset} weight {weight.dtype}"
         want = self.split(x, residual, weight, offset)
         with _poisoned_empty():  # an output element the kernel does not write shows as NaN
             got = self.comm.all_reduce_add_rms_norm(x, residual, weight, weight_offset=offset, algo=algo)
-        self.expect(got, want, f"{tokens}x{hidden} {dtype} {algo} offset={offset}")
+        self.expect(got, want, what)
+        if pick.random() < 0.3:
+            reduced = self.comm.all_reduce(x)
+            with _poisoned_empty():
+                got = self.comm.all_reduce_rms_norm(x, weight, weight_offset=offset, algo=algo)
+            self.expect(got, (tpfuse.rms_norm(reduced, weight, weight_offset=offset), reduced), what + " no residual")
 
 
 def _grid():
