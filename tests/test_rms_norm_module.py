@@ -137,3 +137,18 @@ def test_cuda_graph_capture_and_replay(m):
         dx_e, dw_e = torch.autograd.grad(tpfuse.rms_norm(xg, wg), (xg, wg), dy)
         assert torch.equal(y, y_e) and torch.equal(r, r_e)
         assert torch.equal(dx, dx_e) and torch.equal(dw, dw_e)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter is chosen on machines without CUDA")
+def test_import_after_triton_without_cuda_fails_clearly_or_works_with_the_interpreter_set():
+    import os
+    import subprocess
+    import sys
+
+    code = "import triton, torch; import tpfuse; print(tpfuse.rms_norm(torch.ones(2, 8)).sum().item())"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    late = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert late.returncode != 0 and "Import tpfuse before triton" in late.stderr, late.stderr[-2000:]
+    env["TRITON_INTERPRET"] = "1"
+    ok = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0 and float(ok.stdout.split()[-1]) == pytest.approx(16.0, rel=1e-5), ok.stderr[-2000:]

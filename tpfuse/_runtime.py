@@ -10,11 +10,22 @@ can be run on a GPU machine).
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+    # Triton decides at import time whether its own library functions (tl.sum, tl.max, ...)
+    # are compiled or interpreted; imported without the interpreter, they fail inside
+    # tpfuse's kernels with an obscure error on the first call. Say so here instead.
+    _tl = sys.modules.get("triton.language")
+    if _tl is not None and type(_tl.sum).__name__ == "JITFunction":
+        raise ImportError(
+            "tpfuse: this machine has no CUDA, so tpfuse runs its Triton kernels under Triton's "
+            "interpreter, but triton was imported before tpfuse without TRITON_INTERPRET=1 and its "
+            "library is set up for compiling. Import tpfuse before triton (and before libraries "
+            "that import it), or set TRITON_INTERPRET=1 in the environment.")
 
 INTERPRETER: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 """True when kernels run under Triton's interpreter (inputs must then be CPU tensors)."""

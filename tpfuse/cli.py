@@ -12,9 +12,10 @@ BENCHES = {
     "fused": "tpfuse.bench.fused",
 }
 
-USAGE = f"""usage: tpfuse bench [NAME [options]]
+USAGE = f"""usage: tpfuse bench [NAME [options]] | tpfuse bench [--out DIR]
 
-Runs the benchmarks: {", ".join(BENCHES)}; all of them when no NAME is given.
+Runs the benchmarks: {", ".join(BENCHES)}; all of them when no NAME is given
+(each writing its results under DIR, default bench_out).
 On a machine without a GPU each runs a CPU correctness check (emulated ranks for
 collectives) instead of timings. `tpfuse bench NAME --help` lists NAME's options."""
 
@@ -25,14 +26,17 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0 if argv[1:2] in (["-h"], ["--help"]) else 2
     rest = argv[1:]
-    if rest and rest[0] not in BENCHES:
-        print(f"tpfuse bench: unknown benchmark {rest[0]!r}; choose from {', '.join(BENCHES)}\n\n{USAGE}")
+    if rest and rest[0] in BENCHES:
+        names, options = [rest[0]], rest[1:]
+    elif not rest or (len(rest) == 2 and rest[0] == "--out"):  # every benchmark
+        names, options = list(BENCHES), rest
+    else:
+        print(f"tpfuse bench: unknown benchmark or option {rest[0]!r}; choose from {', '.join(BENCHES)}\n\n{USAGE}")
         return 2
-    names = [rest[0]] if rest else list(BENCHES)
     status = 0
     for name in names:
         print(f"== tpfuse bench {name}", flush=True)
-        status |= importlib.import_module(BENCHES[name]).main(rest[1:])
+        status |= importlib.import_module(BENCHES[name]).main(options)
     return status
 
 

@@ -89,13 +89,17 @@ def _time_shape(impls, op, m, n, dtype):
 
 
 def _time_dw_combine(m, n, dtype):
-    """Backward kernel (dx + dW) with the in-kernel dW combine (``DwPlan.combine``) vs a separate combine launch."""
-    x = torch.randn(m, n, device="cuda", dtype=dtype)
-    dy = torch.randn_like(x)
+    """Backward kernel (dx + dW) with the in-kernel dW combine (``DwPlan.combine``) vs a separate
+    combine launch, over rotated inputs as ``_time_shape``'s (so small shapes are not timed from L2)."""
+    sets = rotation(BYTES_PER_ELEMENT["bwd"] * m * n * dtype.itemsize)
+    xs = [torch.randn(m, n, device="cuda", dtype=dtype) for _ in range(sets)]
+    dys = [torch.randn_like(x) for x in xs]
+    dxs = [torch.empty_like(x) for x in xs]
     w = torch.randn(n, device="cuda", dtype=dtype)
-    dx, dw = torch.empty_like(x), torch.empty_like(w)
+    dw = torch.empty_like(w)
     return {f"dw_{'fused' if fused else 'separate'}": graph_time_us(
-        lambda i, fused=fused: K.rms_norm_bwd(dy, x, w, dx, dw, EPS, 0.0, fused_combine=fused))
+        lambda i, fused=fused: K.rms_norm_bwd(dys[i % sets], xs[i % sets], w, dxs[i % sets], dw, EPS, 0.0,
+                                              fused_combine=fused))
         for fused in (True, False)}
 
 
@@ -104,6 +108,9 @@ def _gpu(args) -> int:
     header["copy_gbps"] = copy_gbps = copy_bandwidth_gbps()
     impls = _impls(not args.no_compile)
     header["impls"] = list(impls)
+    if "liger" in impls:
+        from importlib.metadata import version
+        header["liger_kernel"] = version("liger-kernel")
     print(f"# {header.get('gpu')}: copy bandwidth {copy_gbps:.0f} GB/s; impls {', '.join(impls)}", flush=True)
     records = []
     for dname in args.dtype:

@@ -200,7 +200,9 @@ class Communicator:
                 return out
         plan = AllReducePlan.from_numel(x.numel(), self.world_size, x.dtype, self.layout, algo)
         if plan.algo == "nccl":
-            self._log_once(logging.INFO, f"tpfuse all_reduce uses the group's backend: {plan.reason}")
+            # A silent loss of the bitwise contract would surprise: warn unless it was asked for.
+            level = logging.INFO if algo == "nccl" else logging.WARNING
+            self._log_once(level, f"tpfuse all_reduce uses the group's backend: {plan.reason}")
             out = x.clone(memory_format=torch.contiguous_format)
             dist.all_reduce(out, group=self.group)
             return out

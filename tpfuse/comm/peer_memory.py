@@ -65,12 +65,20 @@ class PeerMemory:
         no_p2p = [p for p in devices if p != self.device.index
                   and not torch.cuda.can_device_access_peer(self.device.index, p)]
         _agree(group, f"GPU {self.device.index} cannot access peer GPUs {no_p2p} (no P2P)" if no_p2p else "")
+        # The allocation can fail on one rank alone (out of memory): every rank learns of it
+        # before the rendezvous, in which the others would otherwise wait for it forever.
+        error = ""
         try:
             buf = symm_mem.empty(self.nbytes, dtype=torch.uint8, device=self.device)
             buf.zero_()
             torch.cuda.synchronize(self.device)
-            self._handle = symm_mem.rendezvous(buf, group.group_name)
         except Exception as e:  # whatever torch or the driver says is the reason to log
+            error = f"symmetric-memory allocation of {self.nbytes} bytes failed on GPU {self.device.index}: " \
+                    f"{type(e).__name__}: {e}"
+        _agree(group, error)
+        try:
+            self._handle = symm_mem.rendezvous(buf, group.group_name)
+        except Exception as e:
             raise PeerMemoryUnavailable(f"symmetric-memory rendezvous failed: {type(e).__name__}: {e}") from e
         self._tensors = [buf]
         dist.barrier(group=group)
