@@ -16,7 +16,7 @@ import sys
 import pytest
 
 # Hidden sizes the fused kernels serve (multiples of FUSED_HIDDEN_MULTIPLE): tiles of 1 to 32
-# rows, every tile width, 2880/5120 (rows in two pieces), 7168 (a padded tile), chunked rows
+# rows, every tile width, 5120 (rows in two pieces), 2880/7168 (padded tiles), chunked rows
 # (fp32 14336, 20000).
 HIDDEN = [16, 64, 96, 208, 256, 1008, 1024, 2048, 2880, 4096, 5120, 7168, 8192, 14336, 16384, 20000]
 DTYPES = ["bf16", "fp16", "fp32"]

@@ -40,11 +40,16 @@ _CHUNKED_FWD_WARPS = 32
 # of copy bandwidth with 2-row tiles on 2 warps, 85% with 8-row tiles on 8 warps).
 _MIN_TILE_BYTES = 2 * 1024
 _MAX_TILE_ROWS = 32
-# A forward row of N in (B, 1.5 B] columns, B a power of two of at least half this, is
-# covered by two pieces, B and next_power_of_2(N - B) lanes, instead of one of 2 B lanes of
-# which up to half would be padding (N=5120: 4096 + 1024 lanes instead of 8192, N=2880:
-# 2048 + 1024 instead of 4096). The backward keeps the one padded tile.
-_MIN_SPLIT_BLOCK = 2048
+# A forward row of N in (B, 1.5 B] columns, with B a power of two and the padded tile 2 B of
+# at least _MIN_SPLIT_BLOCK elements, is covered by two pieces of B and next_power_of_2(N - B)
+# lanes on 4 vectors per thread of the first piece, instead of one tile of 2 B lanes of which
+# over a quarter would be padding. H200, M=32768, % of copy, padded -> split (warps): bf16
+# N=5120 90 -> 98 (4), N=10240 80 -> 101 (8), fp32 N=10240 79 -> 99 (8), fp32 N=5120 100 -> 99
+# (8). The price is a second row reduction: at M=1 a call takes 0.1-0.4 us longer (bf16
+# N=5120 2.16 -> 2.23 us, add_rms_norm 2.27 -> 2.61). Smaller tiles did not gain (bf16 N=2880
+# 96 -> 97 at 4 warps; N=1280 91 -> 78), so they stay padded. The backward keeps the one
+# padded tile.
+_MIN_SPLIT_BLOCK = 8192
 # Backward tiles stack short rows up to 8 KiB: with 256 programs (the dW partials) one row
 # per tile left too few bytes in flight per SM (H200 bf16 M=32768, % of copy, 2 KiB-minimum
 # tiles -> 8 KiB: N=256 31 -> 45, N=512 41 -> 63, N=1024 45 -> 79, N=2048 68 -> 86). Their
@@ -121,13 +126,14 @@ class NormConfig:
         tail_n = 0
         if num_chunks == 1 and block_n >= _MIN_SPLIT_BLOCK and 4 * n <= 3 * block_n:
             tail_n = triton.next_power_of_2(n - block_n // 2)
-        vectors = rows * (block_n // 2 + tail_n if tail_n else block_n) // (16 // esize)
+        vectors = rows * block_n // (16 // esize)
+        threads = vectors // 8 if tail_n else vectors // 2  # 2 vectors per thread; split: 4 of the head
         bwd_rows = rows
         while bwd_rows < _MAX_TILE_ROWS and bwd_rows * block_n * esize < _MIN_BWD_TILE_BYTES:
             bwd_rows *= 2
         return NormConfig(
             block_n=block_n, tail_n=tail_n, num_chunks=num_chunks, rows=rows,
-            num_warps=_pow2_warps(vectors // 2, 8) if num_chunks == 1 else _CHUNKED_FWD_WARPS,
+            num_warps=_pow2_warps(threads, 8) if num_chunks == 1 else _CHUNKED_FWD_WARPS,
             bwd_rows=bwd_rows,
             bwd_num_warps=max(4, _pow2_warps(block_n // (16 // esize), 16)),
             bwd_prefetch=num_chunks == 1 and bwd_rows * block_n <= _MAX_PREFETCH_TILE,
