@@ -48,8 +48,12 @@ MiB = 1024 * 1024
 #   the codec beats both NCCL and the exact path at every larger size measured (int4 18.1 us
 #   at 2 MiB vs exact 22.1 and NCCL 35.6; int8 and int6 from 4 MiB, where int8 30.3 us vs
 #   exact 36.5; fp8 from 8 MiB, 50.1 vs 55.7: at 4 MiB it led the exact path by 1%, within
-#   run-to-run noise). W=2 and W=8 are not measured, so there the codecs are never chosen by
-#   default. ``quant_min_bytes=`` forces a codec from any size.
+#   run-to-run noise). W=2 from 2 of the 4x H200's GPUs (commit f471ee6,
+#   allreduce_quant_w2_bf16.md), the same crossovers: int4 12.9 us at 2 MiB vs exact 15.5 and
+#   NCCL 32.3; int8 and int6 from 4 MiB (int8 19.6 vs exact 21.9); fp8 from 8 MiB (32.5 vs
+#   33.9; at 4 MiB 23.2 vs 21.9). W=8 is not measured (no 8-GPU machine was available), so
+#   there, and for world sizes without an entry, the codecs are never chosen by default.
+#   ``quant_min_bytes=`` forces a codec from any size.
 # QUANT_TILE: elements per tile (a multiple of 32: a tile is TILE / 32 groups). The
 #   interpreter pays per operation, so it takes large tiles.
 # QUANT_SMALL_TILE, QUANT_SMALL_TILE_MAX_CHUNK: segments of at most this many elements per
@@ -60,10 +64,10 @@ MiB = 1024 * 1024
 # QUANT_MAX_CTAS: CTAs per launch; every CTA must be resident at once (see
 #   tpfuse.kernels.sync), so it stays at or below the SM count (132 on H200).
 QUANT_MIN_BYTES: dict[str, dict[int, int | None]] = {
-    "int4": {2: None, 4: 2 * MiB, 8: None},
-    "int6": {2: None, 4: 4 * MiB, 8: None},
-    "int8": {2: None, 4: 4 * MiB, 8: None},
-    "fp8": {2: None, 4: 8 * MiB, 8: None},
+    "int4": {2: 2 * MiB, 4: 2 * MiB, 8: None},
+    "int6": {2: 4 * MiB, 4: 4 * MiB, 8: None},
+    "int8": {2: 4 * MiB, 4: 4 * MiB, 8: None},
+    "fp8": {2: 8 * MiB, 4: 8 * MiB, 8: None},
 }
 QUANT_TILE = 8192 if INTERPRETER else 16384
 QUANT_SMALL_TILE = 4096 if INTERPRETER else 8192
