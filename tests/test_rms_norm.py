@@ -149,17 +149,19 @@ def test_launchers_write_every_output_element(n):
     assert not y.isnan().any() and not r_out.isnan().any()
 
 
-def test_add_rms_norm_backward_with_gradients_on_both_outputs():
-    m, n = 6, 1000
-    x, w, off = _inputs(m, n, torch.float32, "offset1", seed=11)
-    residual = torch.randn(m, n, device=DEVICE)
-    dy, dr = torch.randn(m, n, device=DEVICE), torch.randn(m, n, device=DEVICE)
+@pytest.mark.parametrize("dtype, n", [(torch.float32, 1000), (torch.bfloat16, 1000), (torch.float16, 2880),
+                                      (torch.bfloat16, 20000)])
+def test_add_rms_norm_backward_with_gradients_on_both_outputs(dtype, n):
+    m = 6
+    x, w, off = _inputs(m, n, dtype, "offset1", seed=11)
+    residual = torch.randn(m, n, device=DEVICE).to(dtype)
+    dy, dr = torch.randn(m, n, device=DEVICE).to(dtype), torch.randn(m, n, device=DEVICE).to(dtype)
     xg, rg, wg = (t.clone().requires_grad_(True) for t in (x, residual, w))
     y, r_out = tpfuse.add_rms_norm(xg, rg, wg, weight_offset=off)
     torch.autograd.backward([y, r_out], [dy, dr])
-    r_ref = (x + residual).double()
+    r_ref = (x.float() + residual.float()).to(dtype).double()  # the norm sees the rounded sum
     dnorm_ref, dw_ref = reference.rms_norm_backward(dy, r_ref, w, weight_offset=off)
-    budget = 2 * rel_err_budget(torch.float32)
+    budget = 2 * rel_err_budget(dtype)
     assert rel_err(xg.grad, dnorm_ref + dr.double()) <= budget
     assert rel_err(rg.grad, dnorm_ref + dr.double()) <= budget
     assert rel_err(wg.grad, dw_ref) <= budget
@@ -204,16 +206,28 @@ def test_non_contiguous_misaligned_and_leading_shapes_give_the_same_bits():
     assert torch.equal(tpfuse.rms_norm(x.view(3, 4, n), w), y.view(3, 4, n))
 
 
-def test_nan_and_inf_propagate_like_the_reference():
-    x, w, _ = _inputs(4, 64, torch.float32, "plain", seed=1)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nan_and_inf_propagate_like_the_reference(dtype):
+    x, w, _ = _inputs(4, 64, dtype, "plain", seed=1)
     x[1, 3] = float("nan")
     x[2, 5] = float("inf")
     y = tpfuse.rms_norm(x, w)
     ref = reference.rms_norm(x, w)
     assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y.isinf(), ref.isinf())
     finite = ref.isfinite()
-    assert rel_err(y[finite], ref[finite]) <= rel_err_budget(torch.float32)
+    assert rel_err(y[finite], ref[finite]) <= rel_err_budget(dtype)
     assert y[1].isnan().all() and not y[0].isnan().any()
+    # Through the residual add, and backward: the poisoned rows' gradients, not the others'.
+    residual = torch.randn_like(x)
+    bad = torch.zeros_like(x)
+    bad[1, 3], bad[2, 5] = float("nan"), float("inf")
+    y_ok, r_ok = tpfuse.add_rms_norm(torch.zeros_like(x), residual, w)
+    y_bad, r_bad = tpfuse.add_rms_norm(bad, residual, w)
+    assert r_bad[1, 3].isnan() and r_bad[2, 5].isinf() and y_bad[1].isnan().all()
+    assert torch.equal(r_bad[0], r_ok[0]) and torch.equal(y_bad[0], y_ok[0])
+    xg = x.clone().requires_grad_(True)
+    tpfuse.rms_norm(xg, w).backward(torch.ones_like(x))
+    assert xg.grad[1].isnan().all() and xg.grad[0].isfinite().all() and xg.grad[3].isfinite().all()
 
 
 def test_fp32_weight_with_bf16_input():
@@ -222,6 +236,13 @@ def test_fp32_weight_with_bf16_input():
     y = tpfuse.rms_norm(x, w)
     assert y.dtype == torch.bfloat16
     assert rel_err(y, reference.rms_norm(x, w)) <= rel_err_budget(torch.bfloat16)
+    xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    dy = torch.randn_like(x)
+    tpfuse.rms_norm(xg, wg).backward(dy)
+    dx_ref, dw_ref = reference.rms_norm_backward(dy, x, w)
+    assert xg.grad.dtype == torch.bfloat16 and wg.grad.dtype == torch.float32
+    assert rel_err(xg.grad, dx_ref) <= 2 * rel_err_budget(torch.bfloat16)
+    assert rel_err(wg.grad, dw_ref) <= 2 * rel_err_budget(torch.bfloat16)
 
 
 def test_launchers_reject_inconsistent_outputs():
@@ -247,6 +268,8 @@ def test_bad_inputs_raise_clear_errors():
         tpfuse.rms_norm(x, torch.ones(64, dtype=torch.float64, device=DEVICE))
     with pytest.raises(ValueError, match="meta"):
         tpfuse.rms_norm(x, torch.ones(64, device="meta"))
+    with pytest.raises(ValueError, match="meta"):
+        tpfuse.add_rms_norm(x, torch.ones(4, 64, device="meta"))
     with pytest.raises(ValueError, match="0-dim"):
         tpfuse.rms_norm(torch.tensor(1.0, device=DEVICE))
     with pytest.raises(ValueError, match="weight_offset"):
