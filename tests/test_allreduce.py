@@ -450,6 +450,12 @@ def test_world_size_3_is_served_too():
     _assert_ok(run_ranks(3, _sizes_dtypes_algos, [1, 1000, 40001]))
 
 
+def test_world_size_8_is_served():
+    """The largest world size the peer kernels serve, here as 8 CPU processes (no 8-GPU
+    machine has run the device suite)."""
+    _assert_ok(run_ranks(8, _sizes_dtypes_algos, [1, 4097], timeout_s=600))
+
+
 @pytest.mark.parametrize("world, calls", [(2, 2000), (4, 250)])
 def test_stress_changing_sizes_without_barriers(world, calls):
     results = run_ranks(world, _stress, calls, world, timeout_s=300)

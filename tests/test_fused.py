@@ -229,6 +229,11 @@ def test_fused_is_bitwise_equal_to_split(world):
     _assert_ok(run_ranks(world, _fused_vs_split, SHAPES, 11 * world, True, timeout_s=600))
 
 
+def test_fused_at_world_size_8():
+    """The largest world size, as 8 CPU processes (no 8-GPU machine has run the device suite)."""
+    _assert_ok(run_ranks(8, _fused_vs_split, [(1, 64), (9, 96)], 88, False, timeout_s=600))
+
+
 def test_fused_uses_each_ranks_own_residual():
     """Residuals that differ across ranks: every rank still gets its own split result."""
     results = run_ranks(2, _fused_vs_split, SHAPES[:4], 5, False, timeout_s=600)
