@@ -15,7 +15,7 @@ BENCHES = {
 USAGE = f"""usage: tpfuse bench [NAME [options]] | tpfuse bench [--out DIR]
 
 Runs the benchmarks: {", ".join(BENCHES)}; all of them when no NAME is given
-(each writing its results under DIR, default bench_out).
+(on GPUs each writes its JSON and markdown under DIR, default bench_out).
 On a machine without a GPU each runs a CPU correctness check (emulated ranks for
 collectives) instead of timings. `tpfuse bench NAME --help` lists NAME's options."""
 
