@@ -93,7 +93,8 @@ class NormConfig:
     """Tile shape and launch parameters for one (N, dtype); shared by every norm kernel.
 
     Warp counts come from sweeps on H200 (scripts/tune_norm.py, benchmarks/NOTES.md): the
-    forward runs 2 16-byte vectors per thread, at most 8 warps (32 on chunked rows); the
+    forward runs 2 16-byte vectors per thread, at most 8 warps (32 on chunked rows; rows in
+    two pieces, ``tail_n``, 4 vectors of the first piece per thread); the
     backward a warp per 32 vectors of a row, 4 to 16, on tiles of at least 8 KiB (stacked
     short rows). The forward's warps also
     set the fused all-reduce + RMSNorm's (tpfuse.kernels.fused), which shares its tiles:
