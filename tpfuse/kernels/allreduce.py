@@ -70,19 +70,12 @@ def sum_in_rank_order(slot0, slot_elems, offs, mask, W: tl.constexpr):
 
 
 @triton.jit
-def _push_to_all(table_ptr, byte_offset, vals, offs, mask, rank, W: tl.constexpr):
-    """Store ``vals`` at ``byte_offset`` + offs (elements) in every rank's workspace, starting
-    with this rank's own (``rank``, then ``rank + 1``, ...): ranks working in step then write
-    to different peers at any moment instead of all to the same one."""
-    for k in tl.static_range(W):
-        dst = (rank + k) % W
-        tl.store(_typed(tl.load(table_ptr + dst), byte_offset, vals.dtype) + offs, vals, mask=mask)
-
-
-@triton.jit
-def _push_to_peers(table_ptr, byte_offset, vals, offs, mask, rank, W: tl.constexpr):
-    """``_push_to_all`` without this rank's own workspace."""
-    for k in tl.static_range(1, W):
+def _push(table_ptr, byte_offset, vals, offs, mask, rank, W: tl.constexpr, OWN: tl.constexpr):
+    """Store ``vals`` at ``byte_offset`` + offs (elements) in every other rank's workspace and,
+    with OWN, this rank's own, starting with this rank's (``rank``, then ``rank + 1``, ...):
+    ranks working in step then write to different peers at any moment instead of all to the
+    same one."""
+    for k in tl.static_range(0 if OWN else 1, W):
         dst = (rank + k) % W
         tl.store(_typed(tl.load(table_ptr + dst), byte_offset, vals.dtype) + offs, vals, mask=mask)
 
@@ -119,7 +112,7 @@ def oneshot_all_reduce_kernel(x_ptr, out_ptr, numel, table_ptr, local, status_ad
         offs = tile * BLOCK + tl.arange(0, BLOCK)
         mask = offs < numel
         vals = tl.load(x_ptr + offs, mask=mask)
-        _push_to_all(table_ptr, data, vals, rank * slot_elems + offs, mask, rank, W)
+        _push(table_ptr, data, vals, rank * slot_elems + offs, mask, rank, W, True)
     signal(table_ptr, flags_offset + (pid * W + rank) * 8, epoch, W, PEERS)
     if wait(_flag_row(local, flags_offset, W), ctrl, status, epoch, rank, timeout_ns, OP_ONESHOT, W, PEERS):
         slot0 = _typed(local, data, ELEM)
@@ -145,7 +138,7 @@ def ll_oneshot_all_reduce_kernel(x_ptr, out_ptr, numel, n_words, table_ptr, loca
         offs = tile * BLOCK + tl.arange(0, BLOCK)
         woffs = tile * WORDS + tl.arange(0, WORDS)
         words = ll_pack(tl.load(x_ptr + offs, mask=offs < numel), flag)
-        _push_to_all(table_ptr, region, words, rank * slot_words + woffs, woffs < n_words, rank, W)
+        _push(table_ptr, region, words, rank * slot_words + woffs, woffs < n_words, rank, W, True)
     slot0 = _typed(local, region, tl.uint64)
     for tile in range(pid, n_tiles, grid):
         offs = tile * BLOCK + tl.arange(0, BLOCK)
@@ -185,7 +178,7 @@ def twoshot_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, st
             if GATHER_PULL:
                 tl.store(_typed(local, data + gather_offset, ELEM) + rank * slot_elems + offs, y, mask=mask)
             else:
-                _push_to_peers(table_ptr, data + gather_offset, y, rank * slot_elems + offs, mask, rank, W)
+                _push(table_ptr, data + gather_offset, y, rank * slot_elems + offs, mask, rank, W, False)
     # All-gather: after a failed first wait the abort word makes this wait return at once.
     # Pull: a peer reads my gather slot of call k until it has finished call k; I rewrite it
     # in call k + 2 only after every peer has signalled call k + 2's scatter (parity rotation).

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.allreduce import _begin, _flag_row, _push_to_all, _typed, sum_in_rank_order
+from tpfuse.kernels.allreduce import _begin, _flag_row, _push, _typed, sum_in_rank_order
 from tpfuse.kernels.common import EXACT_FP, round_to
 from tpfuse.kernels.ll import ll_flag, ll_pack, ll_reduce
 from tpfuse.kernels.norm import NormConfig, norm_tile
@@ -84,7 +84,7 @@ def oneshot_all_reduce_norm_kernel(
             ccols = c * BLOCK_N + cols
             mask = (rows < n_rows)[:, None] & (ccols < N)
             offs = rows.to(tl.int64)[:, None] * N + ccols
-            _push_to_all(table_ptr, data, tl.load(X + offs, mask=mask), rank * slot_elems + offs, mask, rank, WORLD)
+            _push(table_ptr, data, tl.load(X + offs, mask=mask), rank * slot_elems + offs, mask, rank, WORLD, True)
     signal(table_ptr, flags_offset + (pid * WORLD + rank) * 8, epoch, WORLD, PEERS)
     if wait(_flag_row(local, flags_offset, WORLD), ctrl, status, epoch, rank, timeout_ns, OP_FUSED_ONESHOT, WORLD,
             PEERS):
@@ -134,7 +134,7 @@ def ll_oneshot_all_reduce_norm_kernel(
     for piece in range(pid, n_tiles * PIECES, grid):
         woffs, wmask = _piece_words(piece, tile_words, n_words, PIECE_WORDS, PIECES)
         vals = tl.reshape(tl.load(X + woffs[:, None] * PACK + packs, mask=wmask[:, None]), [PIECE_WORDS * PACK])
-        _push_to_all(table_ptr, region, ll_pack(vals, flag), rank * slot_words + woffs, wmask, rank, WORLD)
+        _push(table_ptr, region, ll_pack(vals, flag), rank * slot_words + woffs, wmask, rank, WORLD, True)
     slot0 = _typed(local, region, tl.uint64)
     reduced = _typed(local, reduced_offset, ELEM)
     arrived = (local + handoff_offset).to(tl.pointer_type(tl.int64))
@@ -188,7 +188,7 @@ def twoshot_all_reduce_norm_kernel(
                 mask = row_ok[:, None] & (ccols < N)
                 offs = local_rows.to(tl.int64)[:, None] * N + ccols
                 reduced = round_to(sum_in_rank_order(slot0, slot_elems, offs, mask, WORLD), ELEM)
-                _push_to_all(table_ptr, data + gather_offset, reduced, rank * slot_elems + offs, mask, rank, WORLD)
+                _push(table_ptr, data + gather_offset, reduced, rank * slot_elems + offs, mask, rank, WORLD, True)
     # All-gather; after a failed first wait the abort word makes this one return at once.
     signal(table_ptr, flags_offset + flags_bytes + (pid * WORLD + rank) * 8, epoch, WORLD, PEERS)
     if wait(_flag_row(local, flags_offset + flags_bytes, WORLD), ctrl, status, epoch, rank, timeout_ns,
