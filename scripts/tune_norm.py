@@ -1,13 +1,14 @@
 """Time RMSNorm kernel variants on a GPU, to choose the values in tpfuse/kernels/norm.py.
 Not part of the library: it patches ``NormConfig.from_shape`` and the dW partial count.
 
-    python3 scripts/tune_norm.py [bwd|fwd ...] > tune.txt
+    python3 scripts/tune_norm.py [bwd|fwd|chunk|dw|fp32|split|bwdsplit[=dtype:N,...] ...] > tune.txt
 
 bwd: tile rows x warps x prefetch x joint reduction per N (M=32768, bf16), then the best
 three per N again with 512 dW partials; fwd: warps x rows per N; chunk: chunk bytes x
 warps for rows too long for registers (N=65536), forward and backward; dw: rows per dW
 partial x combine mode at small M; fp32: warps for fp32 rows of 16384 held in registers; split: forward
-rows in two pieces vs one padded tile (NormConfig.tail_n). Every backward
+rows in two pieces vs one padded tile (NormConfig.tail_n); bwdsplit: the same for the backward
+(bwd_tail_n), with warps x prefetch x bwd_reload_weight. Every backward
 variant's dx and dW are checked against an fp32 torch computation before it is timed.
 """
 
@@ -191,9 +192,42 @@ def tune_split(copy):
     K.NormConfig.from_shape = staticmethod(base_from_shape)
 
 
+def tune_bwd_split(copy, cases="bf16:2880,bf16:5120,bf16:7168,bf16:8192,bf16:10240,bf16:16384,fp32:2880,"
+                                 "fp32:5120,fp32:16384"):
+    """Backward rows in two pieces (NormConfig.bwd_tail_n) vs one padded tile, and g = dy * w
+    held or re-formed from a second weight read (bwd_reload_weight), per warps x prefetch;
+    "base" is the current config. cases: dtype:N,... (bwdsplit=CASES on the command line)."""
+    for case in cases.split(","):
+        dt, n = {"bf16": torch.bfloat16, "fp32": torch.float32}[case.split(":")[0]], int(case.split(":")[1])
+        base = base_from_shape(n, dt)
+        x = torch.randn(M, n, device="cuda", dtype=dt)
+        dy, w = torch.randn_like(x), torch.randn(n, device="cuda", dtype=dt)
+        dx, dw = torch.empty_like(x), torch.empty_like(w)
+        variants = [("base", {})]
+        if base.bwd_tail_n:
+            variants.append(("padded", dict(bwd_tail_n=0)))
+        for warps, prefetch, reload in itertools.product((4, 8, 16, 32), (False, True), (False, True)):
+            if warps == 32 and n < 16384 or warps == 4 and n >= 16384 or warps * 32 * 4 > n:
+                continue
+            variants.append((f"w{warps} p{int(prefetch)} r{int(reload)}",
+                             dict(bwd_num_warps=warps, bwd_prefetch=prefetch, bwd_reload_weight=reload)))
+        for name, fields in variants:
+            use_config(**fields)
+            dx.fill_(float("nan"))
+            dw.fill_(float("nan"))
+            K.rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0)
+            ok = check_bwd(x, dy, w, dx, dw)
+            us = graph_time_us(lambda i: K.rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0))
+            print(f"bwdsplit {str(dt)[6:]} N={n} tail={K.NormConfig.from_shape(n, dt).bwd_tail_n} {name}: "
+                  f"{us:.1f}us {pct(3 * M * n * dt.itemsize, us, copy):.0f}%{'' if ok else ' WRONG'}", flush=True)
+    K.NormConfig.from_shape = staticmethod(base_from_shape)
+
+
 if __name__ == "__main__":
     copy = copy_bandwidth_gbps()
     print(f"copy {copy:.0f} GB/s")
     for what in sys.argv[1:] or ["bwd", "fwd"]:
-        {"bwd": tune_bwd, "fwd": tune_fwd, "chunk": tune_chunk, "dw": tune_dw, "fp32": tune_fp32,
-         "split": tune_split}[what](copy)
+        what, _, arg = what.partition("=")
+        tune = {"bwd": tune_bwd, "fwd": tune_fwd, "chunk": tune_chunk, "dw": tune_dw, "fp32": tune_fp32,
+                "split": tune_split, "bwdsplit": tune_bwd_split}[what]
+        tune(copy, arg) if arg else tune(copy)

@@ -47,8 +47,7 @@ _MAX_TILE_ROWS = 32
 # N=5120 90 -> 98 (4), N=10240 80 -> 101 (8), fp32 N=10240 79 -> 99 (8), fp32 N=5120 100 -> 99
 # (8). The price is a second row reduction: at M=1 a call takes 0.1-0.4 us longer (bf16
 # N=5120 2.16 -> 2.23 us, add_rms_norm 2.27 -> 2.61). Smaller tiles did not gain (bf16 N=2880
-# 96 -> 97 at 4 warps; N=1280 91 -> 78), so they stay padded. The backward keeps the one
-# padded tile.
+# 96 -> 97 at 4 warps; N=1280 91 -> 78), so they stay padded.
 _MIN_SPLIT_BLOCK = 8192
 # Backward tiles stack short rows up to 8 KiB: with 256 programs (the dW partials) one row
 # per tile left too few bytes in flight per SM (H200 bf16 M=32768, % of copy, 2 KiB-minimum
@@ -56,10 +55,21 @@ _MIN_SPLIT_BLOCK = 8192
 # warps follow the row (a warp per 32 vectors of a row, 4 to 16), not the tile: stacked rows
 # go to more vectors per thread (N=1024 in 4-row tiles: 4 warps 79%, 8 72%, 16 45%).
 _MIN_BWD_TILE_BYTES = 8 * 1024
-# Backward tiles of up to this many elements prefetch the next tile (two tiles in flight);
-# larger ones run out of registers (H200 bf16 M=32768: N=4096 311 -> 219 us with prefetch,
-# N=16384 1151 -> 2005 us).
-_MAX_PREFETCH_TILE = 8192
+# The backward splits single rows as the forward does, from padded tiles of 16 KiB, also on
+# 4 vectors per thread of the first piece, with prefetch. H200, M=32768, % of copy, padded
+# -> split: bf16 N=5120 71 -> 86 (4 warps), N=10240 62 -> 89 (8), fp32 N=2880 79 -> 87 (4),
+# N=5120 93 -> 94 (8). bf16 N=2880 (an 8 KiB tile) did not gain: 73 -> 71 at best.
+_MIN_BWD_SPLIT_BYTES = 16 * 1024
+# Backward tiles covering up to this many lanes prefetch the next tile (two tiles in
+# flight); larger ones run out of registers (H200 bf16 M=32768: N=4096 311 -> 219 us with
+# prefetch, N=16384 1151 -> 2005 us; split N=10240, 12288 lanes: 52% -> 89% of copy).
+_MAX_PREFETCH_LANES = 12288
+# Tiles too large to prefetch re-read the weight for dx rather than hold g = dy * w across
+# the row reductions (bwd_reload_weight): bf16 N=16384 went from 72% to 87% of copy (ptxas
+# no longer spills), fp32 76% -> 81%. Where a tile prefetches it was worth -14 to +1 points.
+# Single-row tiles over 32 KiB (fp32 rows over 8192) run on 8 warps, not 16: fp32 N=16384
+# with the weight re-read 88% vs 81% (32 warps 80%).
+_MAX_BWD_TILE_BYTES_16_WARPS = 32 * 1024
 # Two separate row reductions beat one tuple reduction on single rows of 4096 columns (H200
 # bf16 M=32768, % of copy: N=4096 90 vs 70, N=2880 71 vs 55); the tuple wins elsewhere
 # (N=16384 71 vs 69, N=5120 70 vs 68, N=1024 in 4-row tiles 79 vs 69).
@@ -95,22 +105,25 @@ class NormConfig:
     Warp counts come from sweeps on H200 (scripts/tune_norm.py, benchmarks/NOTES.md): the
     forward runs 2 16-byte vectors per thread, at most 8 warps (32 on chunked rows; rows in
     two pieces, ``tail_n``, 4 vectors of the first piece per thread); the
-    backward a warp per 32 vectors of a row, 4 to 16, on tiles of at least 8 KiB (stacked
-    short rows). The forward's warps also
+    backward a warp per 32 vectors of a row, 4 to 16 (8 over 32 KiB), on tiles of at least
+    8 KiB (stacked short rows), and rows in two pieces (``bwd_tail_n``) on 4 vectors of the
+    first piece per thread. The forward's warps also
     set the fused all-reduce + RMSNorm's (tpfuse.kernels.fused), which shares its tiles:
     at decode sizes that kernel is one CTA whose per-thread work is on the critical path
     (4x H200, 1 token of 4096: 8.1 us on 4 warps, 6.8 us on 8).
     """
 
     block_n: int  # columns per tile (a power of two)
-    tail_n: int  # forward only: 0, or the row is split in block_n // 2 + tail_n columns (see _MIN_SPLIT_BLOCK)
+    tail_n: int  # forward: 0, or the row is split in block_n // 2 + tail_n columns (see _MIN_SPLIT_BLOCK)
     num_chunks: int  # column chunks per row; 1 = the row stays in registers
     rows: int  # rows per tile (forward)
     num_warps: int  # forward
     bwd_rows: int  # rows per backward tile
+    bwd_tail_n: int  # as tail_n, for the backward (see _MIN_BWD_SPLIT_BYTES)
     bwd_num_warps: int
     bwd_prefetch: bool  # backward keeps the next tile's loads in flight
     bwd_joint_reduce: bool  # backward reduces x^2 and g*x in one tuple reduction
+    bwd_reload_weight: bool  # backward re-reads the weight for dx rather than hold g = dy * w
 
     @staticmethod
     @functools.lru_cache(maxsize=None)
@@ -132,13 +145,23 @@ class NormConfig:
         bwd_rows = rows
         while bwd_rows < _MAX_TILE_ROWS and bwd_rows * block_n * esize < _MIN_BWD_TILE_BYTES:
             bwd_rows *= 2
+        bwd_tail_n = 0
+        if num_chunks == 1 and bwd_rows == 1 and block_n * esize >= _MIN_BWD_SPLIT_BYTES and 4 * n <= 3 * block_n:
+            bwd_tail_n = triton.next_power_of_2(n - block_n // 2)
+        if bwd_tail_n:  # 4 vectors of the head per thread
+            bwd_warps = max(1, _pow2_warps(block_n // 2 // (16 // esize) // 4, 16))
+        elif block_n * esize > _MAX_BWD_TILE_BYTES_16_WARPS:
+            bwd_warps = 8
+        else:
+            bwd_warps = max(4, _pow2_warps(block_n // (16 // esize), 16))
+        bwd_lanes = bwd_rows * (block_n // 2 + bwd_tail_n if bwd_tail_n else block_n)
+        bwd_prefetch = num_chunks == 1 and bwd_lanes <= _MAX_PREFETCH_LANES
         return NormConfig(
             block_n=block_n, tail_n=tail_n, num_chunks=num_chunks, rows=rows,
             num_warps=_pow2_warps(threads, 8) if num_chunks == 1 else _CHUNKED_FWD_WARPS,
-            bwd_rows=bwd_rows,
-            bwd_num_warps=max(4, _pow2_warps(block_n // (16 // esize), 16)),
-            bwd_prefetch=num_chunks == 1 and bwd_rows * block_n <= _MAX_PREFETCH_TILE,
+            bwd_rows=bwd_rows, bwd_tail_n=bwd_tail_n, bwd_num_warps=bwd_warps, bwd_prefetch=bwd_prefetch,
             bwd_joint_reduce=not (bwd_rows == 1 and block_n == _BWD_TWO_REDUCTION_BLOCK_N),
+            bwd_reload_weight=num_chunks == 1 and not bwd_prefetch,
         )
 
 
@@ -441,25 +464,31 @@ def _add_pair(a0, a1, b0, b1):
 
 
 @triton.jit
-def _bwd_tile(x, dy, W, DX, DRES, offs, cols, mask, N, eps, weight_offset,
-              HAS_WEIGHT: tl.constexpr, HAS_DRES: tl.constexpr, JOINT_REDUCE: tl.constexpr):
-    """dx for a loaded tile (rows that fit in one chunk); returns dy * x_hat for dW. With
-    JOINT_REDUCE both row sums (x^2 and g*x) share one reduction: one round of cross-warp
-    synchronisation per row instead of two. The weight is re-read per tile (an L1 hit) in
-    the tile's own layout: hoisted out of the row loop it cost N=4096 85% -> 71% of copy
-    bandwidth on H200."""
-    x = to_f32(x)
-    dy = to_f32(dy)
-    g = dy
+def _weighted_grad(dy, W, cols, N, weight_offset, HAS_WEIGHT: tl.constexpr, CACHE: tl.constexpr):
+    """g = dy * (w + weight_offset) at cols, in fp32. The weight is re-read per tile (an L1
+    hit) in the tile's own layout: hoisted out of the row loop it cost N=4096 85% -> 71% of
+    copy bandwidth on H200. CACHE is the load's cache modifier."""
+    g = to_f32(dy)
     if HAS_WEIGHT:
-        g = dy * (to_f32(tl.load(W + cols, mask=cols < N, other=0.0)) + weight_offset)
+        g = g * (to_f32(tl.load(W + cols, mask=cols < N, other=0.0, cache_modifier=CACHE)) + weight_offset)
+    return g
+
+
+@triton.jit
+def _bwd_row_sums(x, g, JOINT_REDUCE: tl.constexpr):
+    """Per-row sums of x^2 and g*x. With JOINT_REDUCE they share one reduction: one round of
+    cross-warp synchronisation per row instead of two."""
     if JOINT_REDUCE:
         sq, gx = tl.reduce((x * x, g * x), 1, _add_pair)
     else:
         sq = tl.sum(x * x, axis=1)
         gx = tl.sum(g * x, axis=1)
-    inv = inv_rms(sq, N, eps)[:, None]
-    c = (gx / N)[:, None] * inv
+    return sq, gx
+
+
+@triton.jit
+def _store_dx(x, dy, g, inv, c, DX, DRES, offs, mask, HAS_DRES: tl.constexpr):
+    """DX[offs] = inv * (g - x * inv * c) (+ DRES[offs]) of one piece; returns dy * x_hat."""
     dx = inv * (g - x * inv * c)
     if HAS_DRES:
         dx += to_f32(tl.load(DRES + offs, mask=mask, other=0.0))
@@ -468,52 +497,119 @@ def _bwd_tile(x, dy, W, DX, DRES, offs, cols, mask, N, eps, weight_offset,
 
 
 @triton.jit
+def _bwd_tile(x, dy, offs, mask, cols, xt, dyt, toffs, tmask, tcols, W, DX, DRES, N, eps, weight_offset,
+              HAS_WEIGHT: tl.constexpr, HAS_DRES: tl.constexpr, JOINT_REDUCE: tl.constexpr, TAIL_N: tl.constexpr,
+              RELOAD_WEIGHT: tl.constexpr):
+    """dx for a loaded tile of rows that fit in one chunk, as one piece (x, dy at offs) or,
+    with TAIL_N, two (the tail's xt, dyt at toffs; see NormConfig.bwd_tail_n). Returns
+    dy * x_hat for dW, per piece (the tail's is the head's when there is no tail).
+
+    With RELOAD_WEIGHT, g = dy * w is formed twice, for the row sums and for dx, from two
+    reads of the weight, so it is not held in registers across the reductions. The second
+    read has another cache modifier (".ca", which is what a plain load does anyway) so that
+    the compiler cannot merge the two."""
+    x = to_f32(x)
+    dy = to_f32(dy)
+    g = _weighted_grad(dy, W, cols, N, weight_offset, HAS_WEIGHT, "")
+    sq, gx = _bwd_row_sums(x, g, JOINT_REDUCE)
+    if TAIL_N > 0:
+        xt = to_f32(xt)
+        dyt = to_f32(dyt)
+        gt = _weighted_grad(dyt, W, tcols, N, weight_offset, HAS_WEIGHT, "")
+        sq_t, gx_t = _bwd_row_sums(xt, gt, JOINT_REDUCE)
+        sq += sq_t
+        gx += gx_t
+    inv = inv_rms(sq, N, eps)[:, None]
+    c = (gx / N)[:, None] * inv
+    if RELOAD_WEIGHT:
+        g = _weighted_grad(dy, W, cols, N, weight_offset, HAS_WEIGHT, ".ca")
+    dw = _store_dx(x, dy, g, inv, c, DX, DRES, offs, mask, HAS_DRES)
+    dw_t = dw
+    if TAIL_N > 0:
+        if RELOAD_WEIGHT:
+            gt = _weighted_grad(dyt, W, tcols, N, weight_offset, HAS_WEIGHT, ".ca")
+        dw_t = _store_dx(xt, dyt, gt, inv, c, DX, DRES, toffs, tmask, HAS_DRES)
+    return dw, dw_t
+
+
+@triton.jit
+def _load_piece(X, DY, rows, row_end, cols, N):
+    """x and dy of one piece of a tile: rows [ROWS] (masked from row_end), cols [1, W]."""
+    mask = (rows < row_end)[:, None] & (cols < N)
+    offs = rows.to(tl.int64)[:, None] * N + cols
+    return tl.load(X + offs, mask=mask, other=0.0), tl.load(DY + offs, mask=mask, other=0.0), offs, mask
+
+
+@triton.jit
+def _store_dw_piece(DW, partial_row, dw_acc, first_col, N, num_partials, TREE: tl.constexpr):
+    """The column sums of dw_acc ([ROWS, W] fp32, columns first_col onwards) into the
+    program's partial row, or into dW itself when TREE and there is one partial."""
+    w_cols = first_col + tl.arange(0, dw_acc.shape[1])
+    if TREE and num_partials == 1:
+        tl.store(DW + w_cols, round_to(tl.sum(dw_acc, axis=0), DW.dtype.element_ty), mask=w_cols < N)
+    else:
+        tl.store(partial_row + w_cols, tl.sum(dw_acc, axis=0), mask=w_cols < N)
+
+
+@triton.jit
 def _bwd_rows(DY, X, W, DX, DRES, PARTIAL, DW, pid, n_rows, N, rows_per_partial, num_partials, eps, weight_offset,
-              BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-              HAS_DRES: tl.constexpr, TREE: tl.constexpr, PREFETCH: tl.constexpr, JOINT_REDUCE: tl.constexpr):
+              BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr,
+              HAS_WEIGHT: tl.constexpr, HAS_DRES: tl.constexpr, TREE: tl.constexpr, PREFETCH: tl.constexpr,
+              JOINT_REDUCE: tl.constexpr, RELOAD_WEIGHT: tl.constexpr):
     """dx for partial ``pid``'s rows and, with HAS_WEIGHT, its partial row PARTIAL[pid] of dW
     (dW itself when TREE and there is one partial)."""
     row_start = pid * rows_per_partial
     row_end = tl.minimum(row_start + rows_per_partial, n_rows)  # masks, never a loop bound
     tile_rows = tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK_N)[None, :]
     partial_row = PARTIAL + pid.to(tl.int64) * N
     if NUM_CHUNKS == 1:
-        dw_acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+        # The head piece (the whole tile without a tail), and the tail's columns after it.
+        cols = tl.arange(0, BLOCK_N // 2 if TAIL_N > 0 else BLOCK_N)[None, :]
+        dw_acc = tl.zeros([ROWS, cols.shape[1]], dtype=tl.float32)
+        tcols = cols
+        dw_acc_t = dw_acc
+        if TAIL_N > 0:
+            tcols = BLOCK_N // 2 + tl.arange(0, TAIL_N)[None, :]
+            dw_acc_t = tl.zeros([ROWS, TAIL_N], dtype=tl.float32)
         rows = row_start + tile_rows
-        mask = (rows < row_end)[:, None] & (cols < N)
-        offs = rows.to(tl.int64)[:, None] * N + cols
         if PREFETCH:
             # Software pipelining by hand: the next tile's loads are issued before this
             # tile's reductions, so each program keeps two tiles of x and dy in flight.
-            x = tl.load(X + offs, mask=mask, other=0.0)
-            dy = tl.load(DY + offs, mask=mask, other=0.0)
+            x, dy, offs, mask = _load_piece(X, DY, rows, row_end, cols, N)
+            xt, dyt, toffs, tmask = x, dy, offs, mask
+            if TAIL_N > 0:
+                xt, dyt, toffs, tmask = _load_piece(X, DY, rows, row_end, tcols, N)
             for r0 in range(ROWS, rows_per_partial + ROWS, ROWS):
-                next_rows = row_start + r0 + tile_rows
-                next_mask = (next_rows < row_end)[:, None] & (cols < N)
-                next_offs = next_rows.to(tl.int64)[:, None] * N + cols
-                next_x = tl.load(X + next_offs, mask=next_mask, other=0.0)
-                next_dy = tl.load(DY + next_offs, mask=next_mask, other=0.0)
-                dw_acc += _bwd_tile(x, dy, W, DX, DRES, offs, cols, mask, N, eps, weight_offset,
-                                    HAS_WEIGHT, HAS_DRES, JOINT_REDUCE)
-                x, dy, mask, offs = next_x, next_dy, next_mask, next_offs
+                next_x, next_dy, next_offs, next_mask = _load_piece(X, DY, rows + r0, row_end, cols, N)
+                if TAIL_N > 0:
+                    next_xt, next_dyt, next_toffs, next_tmask = _load_piece(X, DY, rows + r0, row_end, tcols, N)
+                dw, dw_t = _bwd_tile(x, dy, offs, mask, cols, xt, dyt, toffs, tmask, tcols, W, DX, DRES, N, eps,
+                                     weight_offset, HAS_WEIGHT, HAS_DRES, JOINT_REDUCE, TAIL_N, RELOAD_WEIGHT)
+                dw_acc += dw
+                x, dy, offs, mask = next_x, next_dy, next_offs, next_mask
+                if TAIL_N > 0:
+                    dw_acc_t += dw_t
+                    xt, dyt, toffs, tmask = next_xt, next_dyt, next_toffs, next_tmask
         else:
             for r0 in range(0, rows_per_partial, ROWS):
-                x = tl.load(X + offs + r0 * N, mask=mask & (rows + r0 < row_end)[:, None], other=0.0)
-                dy = tl.load(DY + offs + r0 * N, mask=mask & (rows + r0 < row_end)[:, None], other=0.0)
-                dw_acc += _bwd_tile(x, dy, W, DX, DRES, offs + r0 * N, cols,
-                                    mask & (rows + r0 < row_end)[:, None], N, eps, weight_offset,
-                                    HAS_WEIGHT, HAS_DRES, JOINT_REDUCE)
+                x, dy, offs, mask = _load_piece(X, DY, rows + r0, row_end, cols, N)
+                xt, dyt, toffs, tmask = x, dy, offs, mask
+                if TAIL_N > 0:
+                    xt, dyt, toffs, tmask = _load_piece(X, DY, rows + r0, row_end, tcols, N)
+                dw, dw_t = _bwd_tile(x, dy, offs, mask, cols, xt, dyt, toffs, tmask, tcols, W, DX, DRES, N, eps,
+                                     weight_offset, HAS_WEIGHT, HAS_DRES, JOINT_REDUCE, TAIL_N, RELOAD_WEIGHT)
+                dw_acc += dw
+                if TAIL_N > 0:
+                    dw_acc_t += dw_t
         if HAS_WEIGHT:
-            w_cols = tl.arange(0, BLOCK_N)
-            if TREE and num_partials == 1:  # dW is this program's partial
-                tl.store(DW + w_cols, round_to(tl.sum(dw_acc, axis=0), DW.dtype.element_ty), mask=w_cols < N)
-            else:
-                tl.store(partial_row + w_cols, tl.sum(dw_acc, axis=0), mask=w_cols < N)
+            _store_dw_piece(DW, partial_row, dw_acc, 0, N, num_partials, TREE)
+            if TAIL_N > 0:
+                _store_dw_piece(DW, partial_row, dw_acc_t, BLOCK_N // 2, N, num_partials, TREE)
     else:
         # Long rows, one at a time: pass one reduces x^2 and g*x over the chunks, pass two
         # writes dx; the partial row is accumulated in place in PARTIAL[pid] (each element
         # read and written by the same thread, so no barrier is needed).
+        cols = tl.arange(0, BLOCK_N)[None, :]
         w_cols = tl.arange(0, BLOCK_N)
         if HAS_WEIGHT:
             for c in range(NUM_CHUNKS):
@@ -558,9 +654,10 @@ def _bwd_rows(DY, X, W, DX, DRES, PARTIAL, DW, pid, n_rows, N, rows_per_partial,
 def rms_norm_bwd_kernel(
     DY, X, W, DX, DRES, PARTIAL, GROUP_SUM, COUNTERS, DW,
     n_rows, N, rows_per_partial, num_partials, num_combine_programs, eps, weight_offset,
-    BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_DRES: tl.constexpr, COMBINE: tl.constexpr,
-    GROUP_SIZE: tl.constexpr, PREFETCH: tl.constexpr, JOINT_REDUCE: tl.constexpr, COMBINE_BLOCK: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, PREFETCH: tl.constexpr, JOINT_REDUCE: tl.constexpr, RELOAD_WEIGHT: tl.constexpr,
+    COMBINE_BLOCK: tl.constexpr,
 ):
     """DX = d rms_norm(X) / dX applied to DY (+ DRES, the gradient arriving on residual_out).
     With HAS_WEIGHT, partial program p also writes PARTIAL[p] = sum over its rows of
@@ -573,8 +670,8 @@ def rms_norm_bwd_kernel(
         pid = tl.program_id(0)
     if pid < num_partials:
         _bwd_rows(DY, X, W, DX, DRES, PARTIAL, DW, pid, n_rows, N, rows_per_partial, num_partials, eps,
-                  weight_offset, BLOCK_N, NUM_CHUNKS, ROWS, HAS_WEIGHT, HAS_DRES, COMBINE == COMBINE_TREE, PREFETCH,
-                  JOINT_REDUCE)
+                  weight_offset, BLOCK_N, TAIL_N, NUM_CHUNKS, ROWS, HAS_WEIGHT, HAS_DRES, COMBINE == COMBINE_TREE, PREFETCH,
+                  JOINT_REDUCE, RELOAD_WEIGHT)
         if COMBINE == COMBINE_TREE and (NUM_CHUNKS > 1 or num_partials > 1):
             _finish_dw(PARTIAL, GROUP_SUM, COUNTERS, DW, pid, num_partials, N, GROUP_SIZE, BLOCK_N)
         if COMBINE == COMBINE_COLUMNS:
@@ -659,9 +756,10 @@ def rms_norm_bwd(
         COUNTERS=counters if counters is not None else dx, DW=dweight if dweight is not None else dx,
         n_rows=n_rows, N=n, rows_per_partial=plan.rows_per_partial, num_partials=plan.num_partials,
         num_combine_programs=plan.num_combine_programs, eps=eps, weight_offset=weight_offset,
-        BLOCK_N=cfg.block_n, NUM_CHUNKS=cfg.num_chunks, ROWS=cfg.bwd_rows,
+        BLOCK_N=cfg.block_n, TAIL_N=cfg.bwd_tail_n, NUM_CHUNKS=cfg.num_chunks, ROWS=cfg.bwd_rows,
         HAS_WEIGHT=has_weight, HAS_DRES=dresidual_out is not None, COMBINE=combine.value,
         GROUP_SIZE=plan.group_size, PREFETCH=cfg.bwd_prefetch, JOINT_REDUCE=cfg.bwd_joint_reduce,
+        RELOAD_WEIGHT=cfg.bwd_reload_weight,
         COMBINE_BLOCK=_COMBINE_BLOCK, num_warps=cfg.bwd_num_warps, **EXACT_FP,
     )
     if has_weight and combine == COMBINE_LAUNCH:
