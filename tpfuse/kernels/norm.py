@@ -56,17 +56,24 @@ _MIN_SPLIT_BLOCK = 8192
 # go to more vectors per thread (N=1024 in 4-row tiles: 4 warps 79%, 8 72%, 16 45%).
 _MIN_BWD_TILE_BYTES = 8 * 1024
 # The backward splits single rows as the forward does, from padded tiles of 16 KiB, also on
-# 4 vectors per thread of the first piece, with prefetch. H200, M=32768, % of copy, padded
-# -> split: bf16 N=5120 71 -> 86 (4 warps), N=10240 62 -> 89 (8), fp32 N=2880 79 -> 87 (4),
-# N=5120 93 -> 94 (8). bf16 N=2880 (an 8 KiB tile) did not gain: 73 -> 71 at best.
+# 4 vectors per thread of the first piece. H200, M=32768, % of copy, padded -> split: bf16
+# N=5120 71 -> 86 (4 warps), N=10240 62 -> 89 (8), fp32 N=2880 79 -> 87 (4), N=5120 93 -> 94
+# (8). bf16 N=2880 (an 8 KiB tile) did not gain: 73 -> 71 at best.
 _MIN_BWD_SPLIT_BYTES = 16 * 1024
-# Backward tiles covering up to this many lanes prefetch the next tile (two tiles in
-# flight); larger ones run out of registers (H200 bf16 M=32768: N=4096 311 -> 219 us with
-# prefetch, N=16384 1151 -> 2005 us; split N=10240, 12288 lanes: 52% -> 89% of copy).
+# Backward tiles of up to this many lanes (rows x the pieces' widths) and bytes prefetch the
+# next tile (two tiles in flight); larger ones run out of registers. H200 M=32768, % of
+# copy, without -> with prefetch: bf16 N=4096 311 -> 219 us, N=8192 72 -> 89, split
+# N=12288 (12288 lanes, 24 KiB) 62 -> 93, fp32 split N=5120 (20 KiB) 90 -> 94; but bf16
+# N=16384 87 -> 42, fp32 split N=10240 (40 KiB) 85 -> 64, split N=12288 91 -> 56.
 _MAX_PREFETCH_LANES = 12288
-# Tiles too large to prefetch re-read the weight for dx rather than hold g = dy * w across
-# the row reductions (bwd_reload_weight): bf16 N=16384 went from 72% to 87% of copy (ptxas
-# no longer spills), fp32 76% -> 81%. Where a tile prefetches it was worth -14 to +1 points.
+_MAX_PREFETCH_BYTES = 32 * 1024
+# Single-row tiles whose threads hold 32 or more elements each re-read the weight for dx
+# rather than hold g = dy * w across the row reductions (bwd_reload_weight); that frees a
+# register per element. H200 M=32768, % of copy, g held -> weight re-read: bf16 N=16384
+# 72 -> 87 (ptxas no longer spills), split N=6144 63 -> 91, N=12288 62 -> 93, fp32 N=16384
+# 76 -> 81 (88 on 8 warps); N=5120 86 -> 86, N=10240 89 -> 88. With fewer elements per
+# thread it is worth -14 to +1 points (fp32 split N=2880 on 4 warps: 87 -> 73).
+_MIN_RELOAD_ELEMS_PER_THREAD = 32
 # Single-row tiles over 32 KiB (fp32 rows over 8192) run on 8 warps, not 16: fp32 N=16384
 # with the weight re-read 88% vs 81% (32 warps 80%).
 _MAX_BWD_TILE_BYTES_16_WARPS = 32 * 1024
@@ -155,13 +162,15 @@ class NormConfig:
         else:
             bwd_warps = max(4, _pow2_warps(block_n // (16 // esize), 16))
         bwd_lanes = bwd_rows * (block_n // 2 + bwd_tail_n if bwd_tail_n else block_n)
-        bwd_prefetch = num_chunks == 1 and bwd_lanes <= _MAX_PREFETCH_LANES
+        bwd_prefetch = num_chunks == 1 and bwd_lanes <= min(_MAX_PREFETCH_LANES, _MAX_PREFETCH_BYTES // esize)
+        bwd_reload = (num_chunks == 1 and bwd_rows == 1
+                      and bwd_lanes >= _MIN_RELOAD_ELEMS_PER_THREAD * 32 * bwd_warps)
         return NormConfig(
             block_n=block_n, tail_n=tail_n, num_chunks=num_chunks, rows=rows,
             num_warps=_pow2_warps(threads, 8) if num_chunks == 1 else _CHUNKED_FWD_WARPS,
             bwd_rows=bwd_rows, bwd_tail_n=bwd_tail_n, bwd_num_warps=bwd_warps, bwd_prefetch=bwd_prefetch,
             bwd_joint_reduce=not (bwd_rows == 1 and block_n == _BWD_TWO_REDUCTION_BLOCK_N),
-            bwd_reload_weight=num_chunks == 1 and not bwd_prefetch,
+            bwd_reload_weight=bwd_reload,
         )
 
 
