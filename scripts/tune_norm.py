@@ -43,9 +43,10 @@ def bwd_variants(n):
     for rows, w, prefetch, joint in itertools.product(tile_rows, warps, (False, True), (False, True)):
         if w * 32 * 8 > rows * base.block_n * 2 and w > 4:  # more threads than 16-byte vectors
             continue
-        if prefetch and (base.num_chunks > 1 or rows * base.block_n > 8192):
+        if prefetch and (base.num_chunks > 1 or rows * base.block_n > K._MAX_PREFETCH_LANES):
             continue
-        yield dict(bwd_rows=rows, bwd_num_warps=w, bwd_prefetch=prefetch, bwd_joint_reduce=joint)
+        yield dict(bwd_rows=rows, bwd_num_warps=w, bwd_prefetch=prefetch, bwd_joint_reduce=joint, bwd_tail_n=0,
+                   bwd_reload_weight=False)
 
 
 def check_bwd(x, dy, w, dx, dw):
@@ -196,7 +197,8 @@ def tune_bwd_split(copy, cases="bf16:2880,bf16:5120,bf16:7168,bf16:8192,bf16:102
                                  "fp32:5120,fp32:16384"):
     """Backward rows in two pieces (NormConfig.bwd_tail_n) vs one padded tile, and g = dy * w
     held or re-formed from a second weight read (bwd_reload_weight), per warps x prefetch;
-    "base" is the current config. cases: dtype:N,... (bwdsplit=CASES on the command line)."""
+    "base" is the current config, "padded" one tile with the rules of unsplit rows. cases:
+    dtype:N,... (bwdsplit=CASES on the command line)."""
     for case in cases.split(","):
         dt, n = {"bf16": torch.bfloat16, "fp32": torch.float32}[case.split(":")[0]], int(case.split(":")[1])
         base = base_from_shape(n, dt)
@@ -205,7 +207,10 @@ def tune_bwd_split(copy, cases="bf16:2880,bf16:5120,bf16:7168,bf16:8192,bf16:102
         dx, dw = torch.empty_like(x), torch.empty_like(w)
         variants = [("base", {})]
         if base.bwd_tail_n:
-            variants.append(("padded", dict(bwd_tail_n=0)))
+            lanes_cap = min(K._MAX_PREFETCH_LANES, K._MAX_PREFETCH_BYTES // dt.itemsize)
+            variants.append(("padded", dict(
+                bwd_tail_n=0, bwd_num_warps=max(4, K._pow2_warps(base.block_n // (16 // dt.itemsize), 16)),
+                bwd_prefetch=base.block_n <= lanes_cap, bwd_reload_weight=False)))
         for warps, prefetch, reload in itertools.product((4, 8, 16, 32), (False, True), (False, True)):
             if warps == 32 and n < 16384 or warps == 4 and n >= 16384 or warps * 32 * 4 > n:
                 continue
@@ -230,4 +235,6 @@ if __name__ == "__main__":
         what, _, arg = what.partition("=")
         tune = {"bwd": tune_bwd, "fwd": tune_fwd, "chunk": tune_chunk, "dw": tune_dw, "fp32": tune_fp32,
                 "split": tune_split, "bwdsplit": tune_bwd_split}[what]
+        if arg and what != "bwdsplit":
+            sys.exit(f"{what} takes no argument (only bwdsplit=dtype:N,...)")
         tune(copy, arg) if arg else tune(copy)

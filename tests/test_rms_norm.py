@@ -17,7 +17,7 @@ if ON_GPU:
     MS = [0, 1, 16, 1000, 3000]
 else:
     # 20000 exceeds the register-resident row for every dtype: the chunked path.
-    NS = [1, 7, 64, 1000, 2880, 5120, 20000]  # 5120: a row in two pieces (NormConfig.tail_n)
+    NS = [1, 7, 64, 1000, 2880, 5120, 20000]  # 2880, 5120: rows in two pieces (tail_n, bwd_tail_n)
     MS = [0, 1, 5, 37]
 WEIGHTS = ["none", "plain", "offset1"]
 
@@ -114,12 +114,14 @@ def test_backward_is_deterministic(n):
 
 
 @pytest.mark.parametrize("m", [1, 5, 64, 300] + ([4096, 32768] if ON_GPU else []))
-@pytest.mark.parametrize("n", [256, 1000, 3000] + ([4096, 20000] if ON_GPU else []))
+@pytest.mark.parametrize("n", [256, 1000, 3000] + ([4096, 5120, 10240, 16384, 20000] if ON_GPU else []))
 def test_fused_and_separate_dw_combine_give_the_same_bits(m, n):
     """The plan's in-kernel combine (the tree, or column programs: n=3000 with 5 or 32
     partials) against the separate launch, twice in a row: the in-kernel counters must be
-    back at zero after each call."""
-    columns = n == 20000 or (n in (3000, 4096) and m in (5, 64))  # chunked rows, or few partials
+    back at zero after each call. On GPU also rows in two pieces (5120, 10240) and with the
+    weight re-read (16384), whose layouts the interpreter does not have."""
+    columns = (n == 20000 or (n in (3000, 4096, 5120) and m in (5, 64))  # chunked rows, or few partials
+               or (n in (10240, 16384) and m > 1))  # rows over 8192 in one chunk: columns from 2 partials
     assert (K.DwPlan.from_shape(m, n, torch.bfloat16).combine == "columns") == columns
     x, w, _ = _inputs(m, n, torch.bfloat16, "plain", seed=m + n)
     dy = torch.randn(m, n).to(torch.bfloat16).to(DEVICE)
@@ -138,6 +140,47 @@ def test_fused_and_separate_dw_combine_give_the_same_bits(m, n):
     assert rel_err(outs[0][1], dw_ref) <= 2 * rel_err_budget(torch.bfloat16)
 
 
+# The backward's row layouts (NormConfig): rows in two pieces (bwd_tail_n) with and without
+# prefetch and with and without the weight re-read for dx (bwd_reload_weight), the re-read
+# without pieces, and tails whose last lanes are past N. (dtype, n, m, with dresidual)
+BWD_LAYOUT_CASES = [(torch.bfloat16, 5000, 5, True), (torch.float32, 2049, 3, False),
+                    (torch.float32, 9000, 4, True), (torch.bfloat16, 12289, 2, False),
+                    (torch.float32, 12289, 2, True), (torch.float16, 6144, 5, False)]
+
+
+def test_backward_layout_cases_cover_every_row_layout():
+    cfgs = [(K.NormConfig.from_shape(n, dtype), n) for dtype, n, _, _ in BWD_LAYOUT_CASES]
+    kinds = {(c.num_chunks, c.bwd_tail_n > 0, c.bwd_prefetch, c.bwd_reload_weight) for c, _ in cfgs}
+    assert {(1, True, True, True), (1, True, True, False), (1, True, False, False), (1, False, False, True)} <= kinds
+    assert any(c.bwd_tail_n and n < c.block_n // 2 + c.bwd_tail_n for c, n in cfgs)  # a masked tail
+
+
+@pytest.mark.parametrize("dtype, n, m, with_dres", BWD_LAYOUT_CASES)
+def test_backward_row_layouts(dtype, n, m, with_dres):
+    """dx and dW against the reference, no store outside dx and dW (NaN guards on both
+    sides), and the same bits from the in-kernel combine twice and the separate launch."""
+    x, w, _ = _inputs(m, n, dtype, "plain", seed=n + m)
+    dy = torch.randn(m, n, device=DEVICE).to(dtype)
+    dres = torch.randn(m, n, device=DEVICE).to(dtype) if with_dres else None
+    guard = 64  # elements on each side; keeps the views 16-byte aligned
+    outs = []
+    for fused in (True, True, False):
+        dx_buf = torch.full((m * n + 2 * guard,), float("nan"), dtype=dtype, device=DEVICE)
+        dw_buf = torch.full((n + 2 * guard,), float("nan"), dtype=dtype, device=DEVICE)
+        dx, dw = dx_buf[guard:guard + m * n].view(m, n), dw_buf[guard:guard + n]
+        K.rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0, dres, fused_combine=fused)
+        for buf, inner in ((dx_buf, m * n), (dw_buf, n)):
+            assert buf[:guard].isnan().all() and buf[guard + inner:].isnan().all()
+        outs.append((dx, dw))
+    for dx, dw in outs[1:]:
+        assert torch.equal(outs[0][0], dx) and torch.equal(outs[0][1], dw)
+    dx_ref, dw_ref = reference.rms_norm_backward(dy, x, w)
+    if with_dres:
+        dx_ref = dx_ref + dres.double()
+    assert rel_err(outs[0][0], dx_ref) <= 2 * rel_err_budget(dtype)
+    assert rel_err(outs[0][1], dw_ref) <= 2 * rel_err_budget(dtype)
+
+
 @pytest.mark.parametrize("n", [7, 1000, 20000])
 def test_launchers_write_every_output_element(n):
     m = 9
@@ -150,7 +193,7 @@ def test_launchers_write_every_output_element(n):
 
 
 @pytest.mark.parametrize("dtype, n", [(torch.float32, 1000), (torch.bfloat16, 1000), (torch.float16, 2880),
-                                      (torch.bfloat16, 20000)])
+                                      (torch.bfloat16, 5000), (torch.bfloat16, 20000)])
 def test_add_rms_norm_backward_with_gradients_on_both_outputs(dtype, n):
     m = 6
     x, w, off = _inputs(m, n, dtype, "offset1", seed=11)

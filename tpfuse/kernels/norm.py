@@ -61,25 +61,29 @@ _MIN_BWD_TILE_BYTES = 8 * 1024
 # (8). bf16 N=2880 (an 8 KiB tile) did not gain: 73 -> 71 at best.
 _MIN_BWD_SPLIT_BYTES = 16 * 1024
 # Backward tiles of up to this many lanes (rows x the pieces' widths) and bytes prefetch the
-# next tile (two tiles in flight); larger ones run out of registers. H200 M=32768, % of
-# copy, without -> with prefetch: bf16 N=4096 311 -> 219 us, N=8192 72 -> 89, split
+# next tile (two tiles in flight); larger ones run out of registers. H200 M=32768, without
+# -> with prefetch: bf16 N=4096 311 -> 219 us; % of copy, bf16 N=8192 72 -> 89, split
 # N=12288 (12288 lanes, 24 KiB) 62 -> 93, fp32 split N=5120 (20 KiB) 90 -> 94; but bf16
-# N=16384 87 -> 42, fp32 split N=10240 (40 KiB) 85 -> 64, split N=12288 91 -> 56.
+# N=16384 87 -> 42, fp32 split N=10240 (40 KiB) 85 -> 64, fp32 split N=12288 (48 KiB, 16
+# warps) 91 -> 56.
 _MAX_PREFETCH_LANES = 12288
 _MAX_PREFETCH_BYTES = 32 * 1024
 # Single-row tiles whose threads hold 32 or more elements each re-read the weight for dx
 # rather than hold g = dy * w across the row reductions (bwd_reload_weight); that frees a
 # register per element. H200 M=32768, % of copy, g held -> weight re-read: bf16 N=16384
 # 72 -> 87 (ptxas no longer spills), split N=6144 63 -> 91, N=12288 62 -> 93, fp32 N=16384
-# 76 -> 81 (88 on 8 warps); N=5120 86 -> 86, N=10240 89 -> 88. With fewer elements per
-# thread it is worth -14 to +1 points (fp32 split N=2880 on 4 warps: 87 -> 73).
+# 76 -> 81 (88 on 8 warps); neutral at 40 elements per thread (bf16 split N=5120 86 -> 86,
+# N=10240 89 -> 88). With fewer it is worth -14 to +1 points (fp32 split N=2880 on 4 warps:
+# 87 -> 73).
 _MIN_RELOAD_ELEMS_PER_THREAD = 32
-# Single-row tiles over 32 KiB (fp32 rows over 8192) run on 8 warps, not 16: fp32 N=16384
-# with the weight re-read 88% vs 81% (32 warps 80%).
+# Unsplit single-row tiles over 32 KiB (fp32 rows of 12289 to 16384) run on 8 warps, not
+# 16: fp32 N=16384 with the weight re-read 88% vs 81% (32 warps 80%). Split fp32 rows of
+# 8193 to 12288 keep the split's warps (16): N=10240 85% (84 on 8 warps), N=12288 89% (91).
 _MAX_BWD_TILE_BYTES_16_WARPS = 32 * 1024
 # Two separate row reductions beat one tuple reduction on single rows of 4096 columns (H200
 # bf16 M=32768, % of copy: N=4096 90 vs 70, N=2880 71 vs 55); the tuple wins elsewhere
-# (N=16384 71 vs 69, N=5120 70 vs 68, N=1024 in 4-row tiles 79 vs 69).
+# (N=16384 71 vs 69, N=5120 70 vs 68, N=1024 in 4-row tiles 79 vs 69). fp32 rows of 2049 to
+# 3072 (pieces of a 4096-column tile) reduce each piece in two as well: 87% with them.
 _BWD_TWO_REDUCTION_BLOCK_N = 4096
 
 # Backward dW: per-program partial rows, combined in a fixed two-level order (groups of
@@ -153,10 +157,10 @@ class NormConfig:
         while bwd_rows < _MAX_TILE_ROWS and bwd_rows * block_n * esize < _MIN_BWD_TILE_BYTES:
             bwd_rows *= 2
         bwd_tail_n = 0
-        if num_chunks == 1 and bwd_rows == 1 and block_n * esize >= _MIN_BWD_SPLIT_BYTES and 4 * n <= 3 * block_n:
+        if num_chunks == 1 and block_n * esize >= _MIN_BWD_SPLIT_BYTES and 4 * n <= 3 * block_n:  # one row per tile
             bwd_tail_n = triton.next_power_of_2(n - block_n // 2)
         if bwd_tail_n:  # 4 vectors of the head per thread
-            bwd_warps = max(1, _pow2_warps(block_n // 2 // (16 // esize) // 4, 16))
+            bwd_warps = _pow2_warps(block_n // 2 // (16 // esize) // 4, 16)
         elif block_n * esize > _MAX_BWD_TILE_BYTES_16_WARPS:
             bwd_warps = 8
         else:
@@ -550,6 +554,17 @@ def _load_piece(X, DY, rows, row_end, cols, N):
 
 
 @triton.jit
+def _load_tile(X, DY, rows, row_end, cols, tcols, N, TAIL_N: tl.constexpr):
+    """_load_piece for a tile's head piece (cols) and its tail (tcols); without a tail
+    (TAIL_N == 0) the tail's values are the head's, and unused."""
+    x, dy, offs, mask = _load_piece(X, DY, rows, row_end, cols, N)
+    xt, dyt, toffs, tmask = x, dy, offs, mask
+    if TAIL_N > 0:
+        xt, dyt, toffs, tmask = _load_piece(X, DY, rows, row_end, tcols, N)
+    return x, dy, offs, mask, xt, dyt, toffs, tmask
+
+
+@triton.jit
 def _store_dw_piece(DW, partial_row, dw_acc, first_col, N, num_partials, TREE: tl.constexpr):
     """The column sums of dw_acc ([ROWS, W] fp32, columns first_col onwards) into the
     program's partial row, or into dW itself when TREE and there is one partial."""
@@ -584,27 +599,21 @@ def _bwd_rows(DY, X, W, DX, DRES, PARTIAL, DW, pid, n_rows, N, rows_per_partial,
         if PREFETCH:
             # Software pipelining by hand: the next tile's loads are issued before this
             # tile's reductions, so each program keeps two tiles of x and dy in flight.
-            x, dy, offs, mask = _load_piece(X, DY, rows, row_end, cols, N)
-            xt, dyt, toffs, tmask = x, dy, offs, mask
-            if TAIL_N > 0:
-                xt, dyt, toffs, tmask = _load_piece(X, DY, rows, row_end, tcols, N)
+            x, dy, offs, mask, xt, dyt, toffs, tmask = _load_tile(X, DY, rows, row_end, cols, tcols, N, TAIL_N)
             for r0 in range(ROWS, rows_per_partial + ROWS, ROWS):
-                next_x, next_dy, next_offs, next_mask = _load_piece(X, DY, rows + r0, row_end, cols, N)
-                if TAIL_N > 0:
-                    next_xt, next_dyt, next_toffs, next_tmask = _load_piece(X, DY, rows + r0, row_end, tcols, N)
+                nx, ndy, noffs, nmask, nxt, ndyt, ntoffs, ntmask = _load_tile(X, DY, rows + r0, row_end, cols,
+                                                                              tcols, N, TAIL_N)
                 dw, dw_t = _bwd_tile(x, dy, offs, mask, cols, xt, dyt, toffs, tmask, tcols, W, DX, DRES, N, eps,
                                      weight_offset, HAS_WEIGHT, HAS_DRES, JOINT_REDUCE, TAIL_N, RELOAD_WEIGHT)
                 dw_acc += dw
-                x, dy, offs, mask = next_x, next_dy, next_offs, next_mask
+                x, dy, offs, mask = nx, ndy, noffs, nmask
                 if TAIL_N > 0:
                     dw_acc_t += dw_t
-                    xt, dyt, toffs, tmask = next_xt, next_dyt, next_toffs, next_tmask
+                    xt, dyt, toffs, tmask = nxt, ndyt, ntoffs, ntmask
         else:
             for r0 in range(0, rows_per_partial, ROWS):
-                x, dy, offs, mask = _load_piece(X, DY, rows + r0, row_end, cols, N)
-                xt, dyt, toffs, tmask = x, dy, offs, mask
-                if TAIL_N > 0:
-                    xt, dyt, toffs, tmask = _load_piece(X, DY, rows + r0, row_end, tcols, N)
+                x, dy, offs, mask, xt, dyt, toffs, tmask = _load_tile(X, DY, rows + r0, row_end, cols, tcols, N,
+                                                                      TAIL_N)
                 dw, dw_t = _bwd_tile(x, dy, offs, mask, cols, xt, dyt, toffs, tmask, tcols, W, DX, DRES, N, eps,
                                      weight_offset, HAS_WEIGHT, HAS_DRES, JOINT_REDUCE, TAIL_N, RELOAD_WEIGHT)
                 dw_acc += dw
@@ -633,9 +642,8 @@ def _bwd_rows(DY, X, W, DX, DRES, PARTIAL, DW, pid, n_rows, N, rows_per_partial,
                 ccols = c * BLOCK_N + cols
                 mask = (ccols < N) & (row < row_end)
                 x = to_f32(tl.load(X + row_off + ccols, mask=mask, other=0.0))
-                g = to_f32(tl.load(DY + row_off + ccols, mask=mask, other=0.0))
-                if HAS_WEIGHT:
-                    g = g * (to_f32(tl.load(W + ccols, mask=mask, other=0.0)) + weight_offset)
+                g = _weighted_grad(tl.load(DY + row_off + ccols, mask=mask, other=0.0), W, ccols, N, weight_offset,
+                                   HAS_WEIGHT, "")
                 sq = tl.fma(x, x, sq)
                 gx = tl.fma(g, x, gx)
             inv = row_inv_rms(sq, N, eps)[:, None]
@@ -645,16 +653,11 @@ def _bwd_rows(DY, X, W, DX, DRES, PARTIAL, DW, pid, n_rows, N, rows_per_partial,
                 mask = (ccols < N) & (row < row_end)
                 x = to_f32(tl.load(X + row_off + ccols, mask=mask, other=0.0))
                 dy = to_f32(tl.load(DY + row_off + ccols, mask=mask, other=0.0))
-                g = dy
-                if HAS_WEIGHT:
-                    g = dy * (to_f32(tl.load(W + ccols, mask=mask, other=0.0)) + weight_offset)
-                dx = inv * (g - x * inv * c_row)
-                if HAS_DRES:
-                    dx += to_f32(tl.load(DRES + row_off + ccols, mask=mask, other=0.0))
-                tl.store(DX + row_off + ccols, round_to(dx, DX.dtype.element_ty), mask=mask)
+                g = _weighted_grad(dy, W, ccols, N, weight_offset, HAS_WEIGHT, "")
+                dw = _store_dx(x, dy, g, inv, c_row, DX, DRES, row_off + ccols, mask, HAS_DRES)
                 if HAS_WEIGHT:
                     p_ptr = partial_row + ccols
-                    tl.store(p_ptr, tl.load(p_ptr, mask=mask, other=0.0) + dy * x * inv, mask=mask)
+                    tl.store(p_ptr, tl.load(p_ptr, mask=mask, other=0.0) + dw, mask=mask)
 
 
 # Row counts are not specialised: one compiled kernel per (N, dtype, combine mode) serves
@@ -679,8 +682,8 @@ def rms_norm_bwd_kernel(
         pid = tl.program_id(0)
     if pid < num_partials:
         _bwd_rows(DY, X, W, DX, DRES, PARTIAL, DW, pid, n_rows, N, rows_per_partial, num_partials, eps,
-                  weight_offset, BLOCK_N, TAIL_N, NUM_CHUNKS, ROWS, HAS_WEIGHT, HAS_DRES, COMBINE == COMBINE_TREE, PREFETCH,
-                  JOINT_REDUCE, RELOAD_WEIGHT)
+                  weight_offset, BLOCK_N, TAIL_N, NUM_CHUNKS, ROWS, HAS_WEIGHT, HAS_DRES, COMBINE == COMBINE_TREE,
+                  PREFETCH, JOINT_REDUCE, RELOAD_WEIGHT)
         if COMBINE == COMBINE_TREE and (NUM_CHUNKS > 1 or num_partials > 1):
             _finish_dw(PARTIAL, GROUP_SUM, COUNTERS, DW, pid, num_partials, N, GROUP_SIZE, BLOCK_N)
         if COMBINE == COMBINE_COLUMNS:
