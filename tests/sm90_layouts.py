@@ -15,15 +15,20 @@ divisibility of every argument, as on a GPU), for the H200's target.
 Usage: python tests/sm90_layouts.py '<json list of cases>'; prints one JSON object per case:
 {"case": ..., "tail_n": NormConfig.tail_n, "norm": [layouts], "oneshot": [layouts], "oneshot_ll": [layouts], "twoshot":
 [layouts]} (oneshot_ll: the one-shot kernel over the LL protocol), a layout being
-the reduced operand's type with its layout attribute written out.
+the reduced operand's type with its layout attribute written out. A case with "kernel":
+"backward" reports instead the norm backward's registers and spill bytes per thread from
+ptxas (tests/test_norm_registers.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
+import subprocess
 import sys
+import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)
 import torch  # noqa: E402
@@ -31,13 +36,14 @@ import torch  # noqa: E402
 torch.cuda.is_available = lambda: True  # import tpfuse in its GPU mode
 
 from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.compiler import ASTSource, compile, make_backend  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tpfuse.comm.workspace import WorkspaceLayout  # noqa: E402
 from tpfuse.kernels.fused import all_reduce_norm_into  # noqa: E402
-from tpfuse.kernels.norm import NormConfig, rms_norm_fwd  # noqa: E402
+from tpfuse.kernels.norm import NormConfig, rms_norm_bwd, rms_norm_fwd  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -51,14 +57,15 @@ def _intercept(self, *args, grid, warmup, **kwargs):
 JITFunction.run = _intercept
 
 
-def _compile_ttgir(kernel: JITFunction, kwargs: dict) -> str:
+def _compile(kernel: JITFunction, kwargs: dict):
     """What JITFunction.run would compile for these arguments on an sm_90 GPU."""
     backend = make_backend(TARGET)
     kwargs = dict(kwargs, debug=False)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound, specialization, options = binder(**kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
-    return compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET, options=options.__dict__).asm["ttgir"]
+    return compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
+
 
 
 _REDUCE = re.compile(r'"tt\.reduce"\(.*?<\{axis = 1 : i32\}>.*?\}\) : \((tensor<[0-9x]+xf32, (#[\w.]+)>)\)', re.S)
@@ -84,7 +91,7 @@ def layouts_for(case: dict) -> dict:
     weight = {"same": torch.empty(n, dtype=dtype), "fp32": torch.empty(n), "none": None}[case["weight"]]
     out = {"case": case, "tail_n": NormConfig.from_shape(n, dtype).tail_n}
     kernel, kwargs = _launch_args(lambda: rms_norm_fwd(x, weight, y, 1e-6, 0.0, res, res_out))
-    out["norm"] = row_reduction_layouts(_compile_ttgir(kernel, kwargs))
+    out["norm"] = row_reduction_layouts(_compile(kernel, kwargs).asm["ttgir"])
     layout = WorkspaceLayout(world, 1 << 24, 128, ll_max_bytes=1 << 24)  # offsets only: nothing is allocated
     table = torch.zeros(world, dtype=torch.int64)
     addrs = [(1 << 40) + r * (1 << 30) for r in range(world)]
@@ -95,10 +102,34 @@ def layouts_for(case: dict) -> dict:
         kernel, kwargs = _launch_args(lambda: all_reduce_norm_into(  # noqa: B023  (called right here)
             x, weight, res, y, res_out, 1e-6, 0.0, algo=algo, grid=1, rows_per_group=rows, table=table,
             table_addrs=addrs, status_addr=1 << 36, rank=1, layout=layout, timeout_ns=10**9, ll=ll))
-        out[name] = row_reduction_layouts(_compile_ttgir(kernel, kwargs))
+        out[name] = row_reduction_layouts(_compile(kernel, kwargs).asm["ttgir"])
     return out
+
+
+def backward_registers(case: dict) -> dict:
+    """ptxas's registers per thread and spill-store bytes for the norm backward kernel of
+    (dtype, n, rows), with ``case["config"]`` (NormConfig fields) overriding the tile config."""
+    dtype, n, rows = DTYPES[case["dtype"]], case["n"], case["rows"]
+    x, dx, w, dw = torch.empty(rows, n, dtype=dtype), torch.empty(rows, n, dtype=dtype), torch.empty(n, dtype=dtype), \
+        torch.empty(n, dtype=dtype)
+    torch.cuda.is_current_stream_capturing = lambda: False  # the launcher asks, to allocate its counters
+    base = NormConfig.from_shape
+    NormConfig.from_shape = staticmethod(lambda n_, dt: dataclasses.replace(base(n_, dt), **case.get("config", {})))
+    try:
+        kernel, kwargs = _launch_args(lambda: rms_norm_bwd(x, x, w, dx, dw, 1e-6, 0.0))
+    finally:
+        NormConfig.from_shape = staticmethod(base)
+    ptx = _compile(kernel, kwargs).asm["ptx"]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        report = subprocess.run([get_ptxas(TARGET.arch).path, f"-arch=sm_{TARGET.arch}a", "-v", path, "-o",
+                                 os.path.join(tmp, "kernel.cubin")], capture_output=True, text=True, check=True).stderr
+    return {"case": case, "registers": int(re.search(r"Used (\d+) registers", report).group(1)),
+            "spill_bytes": int(re.search(r"(\d+) bytes spill stores", report).group(1))}
 
 
 if __name__ == "__main__":
     for c in json.loads(sys.argv[1]):
-        print(json.dumps(layouts_for(c)), flush=True)
+        print(json.dumps(backward_registers(c) if c.get("kernel") == "backward" else layouts_for(c)), flush=True)
