@@ -59,6 +59,16 @@ def check_bwd(x, dy, w, dx, dw):
             and (dw is None or torch.allclose(dw.float(), ref_dw, rtol=2e-2, atol=2e-2 * ref_dw.abs().max().item())))
 
 
+def time_checked_bwd(x, dy, w, dx, dw, fused_combine=True):
+    """(us per call, whether dx and dW were right) of the backward under the current config;
+    dx and dW are poisoned first."""
+    dx.fill_(float("nan"))
+    dw.fill_(float("nan"))
+    K.rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0, fused_combine=fused_combine)
+    ok = check_bwd(x, dy, w, dx, dw)
+    return graph_time_us(lambda i: K.rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0, fused_combine=fused_combine)), ok
+
+
 def tune_bwd(copy):
     for n in [256, 512, 1024, 2048, 2880, 4096, 5120, 8192, 16384]:
         x = torch.randn(M, n, device="cuda", dtype=DT)
@@ -70,11 +80,7 @@ def tune_bwd(copy):
         timed = []
         for fields in bwd_variants(n):
             use_config(**fields)
-            dx.fill_(float("nan"))
-            dw.fill_(float("nan"))
-            K.rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0)
-            ok = check_bwd(x, dy, w, dx, dw)
-            us = graph_time_us(lambda i: K.rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0))
+            us, ok = time_checked_bwd(x, dy, w, dx, dw)
             timed.append((us, fields))
             print(f"  {fields} {us:.1f}us {pct(3 * M * n * 2, us, copy):.0f}%{'' if ok else ' WRONG'}", flush=True)
         for us, fields in sorted(timed, key=lambda t: t[0])[:3]:
@@ -140,12 +146,7 @@ def tune_dw(copy):
             if plan.combine == "tree" and base_from_shape(n, DT).num_chunks > 1:
                 continue
             K.DwPlan.from_shape = staticmethod(lambda m_, n_, d_, plan=plan: plan)
-            dx.fill_(float("nan"))
-            dw.fill_(float("nan"))
-            K.rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0, fused_combine=combine != "launch")
-            ok = check_bwd(x, dy, w, dx, dw)
-            us = graph_time_us(lambda i: K.rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0,
-                                                        fused_combine=combine != "launch"))
+            us, ok = time_checked_bwd(x, dy, w, dx, dw, fused_combine=combine != "launch")
             K.DwPlan.from_shape = staticmethod(base_plan)
             print(f"  rows_per_partial={rows} partials={plan.num_partials} {combine} {us:.1f}us"
                   f"{'' if ok else ' WRONG'}", flush=True)
@@ -188,8 +189,8 @@ def tune_split(copy):
                 ok = torch.allclose(y.float(), ref, rtol=1e-2, atol=1e-2)
                 fwd = graph_time_us(lambda i: K.rms_norm_fwd(x, w, y, 1e-6, 0.0))
                 add = graph_time_us(lambda i: K.rms_norm_fwd(x, w, y, 1e-6, 0.0, res, r_out))
-                print(f"split {str(dt)[6:]} N={n} M={m} {name}: fwd {fwd:.2f}us {pct(2 * m * n * esize, fwd, copy):.0f}%"
-                      f" add {add:.2f}us {pct(4 * m * n * esize, add, copy):.0f}%{'' if ok else ' WRONG'}", flush=True)
+                print(f"split {str(dt)[6:]} N={n} M={m} {name}: "
+                      f"fwd {fwd:.2f}us {pct(2 * m * n * esize, fwd, copy):.0f}% add {add:.2f}us {pct(4 * m * n * esize, add, copy):.0f}%{'' if ok else ' WRONG'}", flush=True)
     K.NormConfig.from_shape = staticmethod(base_from_shape)
 
 
@@ -218,11 +219,7 @@ def tune_bwd_split(copy, cases="bf16:2880,bf16:5120,bf16:7168,bf16:8192,bf16:102
                              dict(bwd_num_warps=warps, bwd_prefetch=prefetch, bwd_reload_weight=reload)))
         for name, fields in variants:
             use_config(**fields)
-            dx.fill_(float("nan"))
-            dw.fill_(float("nan"))
-            K.rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0)
-            ok = check_bwd(x, dy, w, dx, dw)
-            us = graph_time_us(lambda i: K.rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0))
+            us, ok = time_checked_bwd(x, dy, w, dx, dw)
             print(f"bwdsplit {str(dt)[6:]} N={n} tail={K.NormConfig.from_shape(n, dt).bwd_tail_n} {name}: "
                   f"{us:.1f}us {pct(3 * M * n * dt.itemsize, us, copy):.0f}%{'' if ok else ' WRONG'}", flush=True)
     K.NormConfig.from_shape = staticmethod(base_from_shape)

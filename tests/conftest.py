@@ -5,12 +5,29 @@ shapes stay small so the suite takes minutes; on a GPU the same tests run on CUD
 large shapes, and tests marked ``gpu`` run too.
 """
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 
 from tpfuse._runtime import INTERPRETER
 
 DEVICE = "cpu" if INTERPRETER else "cuda"
 ON_GPU = not INTERPRETER
+
+
+def compile_for_sm90(cases: list[dict]) -> list[dict]:
+    """tests/sm90_layouts.py's report per case, run in a process of its own (it imports tpfuse
+    in GPU mode to compile for sm_90, which this process, under the interpreter, cannot)."""
+    script = os.path.join(os.path.dirname(__file__), "sm90_layouts.py")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, script, json.dumps(cases)], capture_output=True, text=True, env=env,
+                          timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads(line) for line in proc.stdout.splitlines()]
+
 
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run scripts/device_check.sh on the GPU machine)")

@@ -67,7 +67,6 @@ def _compile(kernel: JITFunction, kwargs: dict):
     return compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
 
 
-
 _REDUCE = re.compile(r'"tt\.reduce"\(.*?<\{axis = 1 : i32\}>.*?\}\) : \((tensor<[0-9x]+xf32, (#[\w.]+)>)\)', re.S)
 
 

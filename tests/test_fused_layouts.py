@@ -8,12 +8,10 @@ the arguments its launcher passes, and the layouts of the row reductions are com
 """
 
 import itertools
-import json
-import os
-import subprocess
-import sys
 
 import pytest
+
+from tests.conftest import compile_for_sm90
 
 # Hidden sizes the fused kernels serve (multiples of FUSED_HIDDEN_MULTIPLE): tiles of 1 to 32
 # rows, every tile width, 5120 (rows in two pieces), 2880/7168 (padded tiles), chunked rows
@@ -37,12 +35,7 @@ def _cases():
 
 @pytest.fixture(scope="module")
 def compiled():
-    script = os.path.join(os.path.dirname(__file__), "sm90_layouts.py")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, script, json.dumps(_cases())], capture_output=True, text=True, env=env,
-                          timeout=1800)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads(line) for line in proc.stdout.splitlines()]
+    return compile_for_sm90(_cases())
 
 
 def test_every_case_was_compiled(compiled):

@@ -7,12 +7,10 @@ the first) so that ptxas does not spill. The CPU suite cannot time anything, but
 compile the kernel for sm_90 (tests/sm90_layouts.py) and read ptxas's report.
 """
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
+
+from tests.conftest import compile_for_sm90
 
 NS = [2048, 2880, 4096, 5120, 6144, 7168, 8192, 10240, 12288, 16384]
 # The check can fail: without the weight re-read, N=16384 spills.
@@ -25,12 +23,7 @@ def _cases():
 
 @pytest.fixture(scope="module")
 def reports():
-    script = os.path.join(os.path.dirname(__file__), "sm90_layouts.py")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, script, json.dumps(_cases())], capture_output=True, text=True, env=env,
-                          timeout=1800)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads(line) for line in proc.stdout.splitlines()]
+    return compile_for_sm90(_cases())
 
 
 def test_every_case_was_compiled(reports):

@@ -148,17 +148,16 @@ class NormConfig:
         rows = 1
         while rows < _MAX_TILE_ROWS and rows * block_n * esize < _MIN_TILE_BYTES:
             rows *= 2
-        tail_n = 0
-        if num_chunks == 1 and block_n >= _MIN_SPLIT_BLOCK and 4 * n <= 3 * block_n:
-            tail_n = triton.next_power_of_2(n - block_n // 2)
+        # Rows in two pieces (the forward's and the backward's rules differ in where they pay).
+        splittable = num_chunks == 1 and 4 * n <= 3 * block_n  # over a quarter of the tile padding
+        tail = triton.next_power_of_2(n - block_n // 2)
+        tail_n = tail if splittable and block_n >= _MIN_SPLIT_BLOCK else 0
         vectors = rows * block_n // (16 // esize)
         threads = vectors // 8 if tail_n else vectors // 2  # 2 vectors per thread; split: 4 of the head
         bwd_rows = rows
         while bwd_rows < _MAX_TILE_ROWS and bwd_rows * block_n * esize < _MIN_BWD_TILE_BYTES:
             bwd_rows *= 2
-        bwd_tail_n = 0
-        if num_chunks == 1 and block_n * esize >= _MIN_BWD_SPLIT_BYTES and 4 * n <= 3 * block_n:  # one row per tile
-            bwd_tail_n = triton.next_power_of_2(n - block_n // 2)
+        bwd_tail_n = tail if splittable and block_n * esize >= _MIN_BWD_SPLIT_BYTES else 0  # one row per tile
         if bwd_tail_n:  # 4 vectors of the head per thread
             bwd_warps = _pow2_warps(block_n // 2 // (16 // esize) // 4, 16)
         elif block_n * esize > _MAX_BWD_TILE_BYTES_16_WARPS:
