@@ -193,7 +193,6 @@ def _stress(calls, seed):
     return failures, digests
 
 
-
 def _every_transition(k):
     """A walk over states 0..k-1 that takes every ordered pair (i, j), i == j included, as
     consecutive steps exactly once: an Eulerian circuit of the complete digraph with loops
@@ -241,6 +240,7 @@ def _every_plan_transition():
                 _check(comm, xs, f"call {call} n={n} {algo}", failures, digests, algo)
         failures += ll_regions_not_zeroed(comm)
     return failures, digests
+
 
 def _with_gather(mode, fn, *args):
     """``fn(*args)`` with two-shot's all-gather in ``mode`` (plan.GATHER), restored after:
@@ -467,6 +467,7 @@ def test_stress_changing_sizes_without_barriers(world, calls):
 def test_every_transition_between_launch_shapes_without_barriers(world):
     assert sorted(zip(_every_transition(3), _every_transition(3)[1:])) == [(i, j) for i in range(3) for j in range(3)]
     _assert_ok(run_ranks(world, _every_plan_transition, timeout_s=600))
+
 
 @pytest.mark.parametrize("gather", ["push", "pull"])
 def test_peers_one_call_ahead_never_overwrite_a_slow_ranks_data(gather):
