@@ -1,9 +1,8 @@
 """Sweep the quantized all-reduce's launch knobs (tpfuse/comm/quant_plan.py) on GPUs.
 
-    python scripts/tune_quant.py [--bytes N ...] [--configs TILE,WARPS,CTAS[,ROUNDS] ...] [--out DIR]
+    python scripts/tune_quant.py [--bytes N ...] [--configs TILE,WARPS,CTAS ...] [--out DIR]
 
-For each (QUANT_TILE, QUANT_NUM_WARPS, QUANT_MAX_CTAS[, QUANT_ROUNDS]), that tile on every
-segment (rounds: the plan's default when not given), it runs `tpfuse bench allreduce --quant`'s
+For each (QUANT_TILE, QUANT_NUM_WARPS, QUANT_MAX_CTAS), that tile on every segment, it runs `tpfuse bench allreduce --quant`'s
 GPU worker on every visible GPU at the given sizes (bits and error are checked there) and
 prints one line per config with every codec's time; the full tables go to DIR/<config>/.
 """
@@ -21,14 +20,12 @@ from tpfuse.bench import quant as bench_quant
 from tpfuse.bench.allreduce import spawn_ranks
 from tpfuse.comm import quant_plan
 
-CONFIGS = [(8192, 16, 128, 1), (8192, 16, 128, 2), (8192, 16, 128, 4), (4096, 16, 128, 4), (4096, 16, 128, 8),
-           (16384, 16, 128, 1), (16384, 16, 128, 2), (16384, 16, 128, 4)]
+CONFIGS = [(2048, 8, 128), (4096, 8, 128), (2048, 16, 128), (4096, 16, 128), (8192, 16, 128), (16384, 16, 128),
+           (8192, 32, 128), (16384, 32, 128), (32768, 32, 128), (8192, 16, 64)]
 
 
 def _worker(rank: int, world: int, port: int, opts: dict) -> None:
-    quant_plan.QUANT_TILE, quant_plan.QUANT_NUM_WARPS, quant_plan.QUANT_MAX_CTAS = opts["config"][:3]
-    if len(opts["config"]) > 3:
-        quant_plan.QUANT_ROUNDS = opts["config"][3]
+    quant_plan.QUANT_TILE, quant_plan.QUANT_NUM_WARPS, quant_plan.QUANT_MAX_CTAS = opts["config"]
     quant_plan.QUANT_SMALL_TILE_MAX_CHUNK = 0  # every segment on the configuration's tile
     bench_quant.gpu_worker(rank, world, port, opts)
 
@@ -37,7 +34,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--bytes", type=int, nargs="+", default=[32 << 20, 256 << 20])
     p.add_argument("--out", default="tune_quant_out")
-    p.add_argument("--configs", nargs="+", metavar="TILE,WARPS,CTAS[,ROUNDS]",
+    p.add_argument("--configs", nargs="+", metavar="TILE,WARPS,CTAS",
                    help="configurations to run instead of the built-in list")
     args = p.parse_args()
     configs = [tuple(map(int, c.split(","))) for c in args.configs] if args.configs else CONFIGS
@@ -51,7 +48,7 @@ def main() -> int:
             continue
         with open(os.path.join(out, f"allreduce_quant_w{world}_bf16.json")) as f:
             records = json.load(f)["records"]
-        print(f"tile, warps, ctas[, rounds] = {config}: " + "  ".join(
+        print(f"tile, warps, ctas = {config}: " + "  ".join(
             f"{r['size_bytes'] >> 20}MiB {r['method']} {r['us']:.0f}" for r in records
             if r["size_bytes"] in args.bytes), flush=True)
     return 0

@@ -244,8 +244,6 @@ def test_quant_plan_segments_cover_the_message_and_fit_the_slots(world, codec):
                 for s in segs:
                     assert s.chunk % 32 == 0 and world * s.chunk >= s.numel and s.chunk <= plan.seg_chunk
                     assert 1 <= s.grid <= min(QP.QUANT_MAX_CTAS, 128)
-                    tiles = -(-s.chunk // s.block)
-                    assert s.rounds == min(QP.QUANT_ROUNDS, -(-tiles // s.grid))
                     assert s.block == (plan.small_block if s.chunk <= plan.small_max_chunk else plan.block)
                     assert (s.start * dtype.itemsize) % 16 == 0
     # The plan depends on the layout, dtype and codec only.
@@ -402,26 +400,6 @@ def _slow_rank(calls, seed):
     return failures, digests
 
 
-def _in_rounds(seed):
-    """Launches of 1 to 4 synchronisation rounds: tiles of 256 elements on 3 CTAs, so CTAs
-    hold unequal numbers of tiles and some rounds are empty for some CTAs; the last rank runs
-    at the lowest priority, so peers work on later rounds (and calls) while it still reads."""
-    world, failures, digests = dist.get_world_size(), [], []
-    if dist.get_rank() == world - 1:
-        os.nice(19)
-    QP.QUANT_SMALL_TILE, QP.QUANT_MAX_CTAS, QP.QUANT_ROUNDS = 256, 3, 4
-    rounds = set()
-    with Communicator(max_bytes=1 << 16, timeout_s=60) as comm:
-        for call, n in enumerate([600, 4000, 7000, 12000, 15000]):
-            dtype, codec = DTYPES[call % 3], CODECS[call % len(CODECS)]
-            rounds.update(s.rounds for s in QuantPlan.for_layout(comm.layout, dtype, codec).segments(n))
-            xs = _inputs(seed * 1000 + call, n, dtype, world)
-            _call(comm, xs, codec, f"call {call} n={n} {dtype} {codec}", failures, digests)
-    if rounds != {1, 2, 3, 4}:
-        failures.append(f"the calls ran in {sorted(rounds)} rounds, not in each of 1 to 4")
-    return failures, digests
-
-
 def _missing_peer():
     rank, world, failures = dist.get_rank(), dist.get_world_size(), []
     comm = Communicator(timeout_s=2.0)
@@ -509,10 +487,6 @@ def test_messages_larger_than_the_workspace_run_in_segments(world):
 
 def test_quantized_peers_one_call_ahead_never_overwrite_a_slow_ranks_data():
     _assert_ok(run_ranks(4, _slow_rank, 10, 3, timeout_s=300, fresh=True))
-
-
-def test_quantized_calls_in_several_rounds():
-    _assert_ok(run_ranks(4, _in_rounds, 5, timeout_s=300, fresh=True))
 
 
 def test_quantized_missing_peer_ends_in_timeout_error():

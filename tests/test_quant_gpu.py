@@ -142,17 +142,11 @@ def _special_values():
     return failures
 
 
-def _stress(calls, seed, small_tile=None):
+def _stress(calls, seed):
     """Random sizes (to several segments), codecs, the exact path, dtypes and offsets every
-    call; a random rank sleeps on the device before some calls; no host sync until the end.
-    small_tile: QUANT_SMALL_TILE for this run (the rank processes are fresh), so that a call
-    of a few MiB runs in up to FLAG_ROUNDS rounds."""
+    call; a random rank sleeps on the device before some calls; no host sync until the end."""
     from tpfuse.comm import Communicator
-    from tpfuse.comm import quant_plan
-    from tpfuse.comm.workspace import FLAG_ROUNDS
 
-    if small_tile:
-        quant_plan.QUANT_SMALL_TILE, quant_plan.QUANT_ROUNDS = small_tile, FLAG_ROUNDS
     world, rank = dist.get_world_size(), dist.get_rank()
     rng = random.Random(seed)  # the same sequence on every rank
     with Communicator(max_bytes=4 << 20, timeout_s=60) as comm:
@@ -275,12 +269,6 @@ def test_gpu_quantized_special_values():
 @needs_gpus
 def test_gpu_stress_20000_calls_mixing_codecs_and_the_exact_path():
     _no_failures(run_ranks(NGPU, _stress, 20_000, 13, backend="nccl", timeout_s=900))
-
-
-@pytest.mark.multigpu
-@needs_gpus
-def test_gpu_stress_in_up_to_8_rounds():
-    _no_failures(run_ranks(NGPU, _stress, 5_000, 17, 1024, backend="nccl", timeout_s=900, fresh=True))
 
 
 @pytest.mark.multigpu

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from tpfuse._runtime import INTERPRETER
-from tpfuse.comm.workspace import ALIGN, FLAG_ROUNDS, WorkspaceLayout
+from tpfuse.comm.workspace import ALIGN, WorkspaceLayout
 from tpfuse.reference import QUANT_CODECS, QUANT_GROUP, packed_layout
 
 MiB = 1024 * 1024
@@ -60,8 +60,6 @@ MiB = 1024 * 1024
 #   rank use the smaller tile, so that every CTA still gets several tiles (at 32 MiB, W=4,
 #   a chunk of 4 M elements is 2 tiles of 16384 per CTA; 8192 was 6-12% faster for every
 #   codec, 16384 0-5% faster at 256 MiB; 2026-11-21, after the fp32 codecs).
-# QUANT_ROUNDS: synchronisation rounds per launch (``tpfuse.kernels.quant_allreduce``), at
-#   most one per tile of a CTA and at most ``workspace.FLAG_ROUNDS``.
 # QUANT_NUM_WARPS: warps per CTA.
 # QUANT_MAX_CTAS: CTAs per launch; every CTA must be resident at once (see
 #   tpfuse.kernels.sync), so it stays at or below the SM count (132 on H200).
@@ -74,7 +72,6 @@ QUANT_MIN_BYTES: dict[str, dict[int, int | None]] = {
 QUANT_TILE = 8192 if INTERPRETER else 16384
 QUANT_SMALL_TILE = 4096 if INTERPRETER else 8192
 QUANT_SMALL_TILE_MAX_CHUNK = 1 << 14 if INTERPRETER else 1 << 23
-QUANT_ROUNDS = 4
 QUANT_NUM_WARPS = 16
 QUANT_MAX_CTAS = 4 if INTERPRETER else 128
 
@@ -104,14 +101,13 @@ def _cdiv(a: int, b: int) -> int:
 @dataclass(frozen=True)
 class QuantSegment:
     """One launch: elements [start, start + numel) of the message, ``chunk`` elements per
-    rank, tiles of ``block`` elements on ``grid`` CTAs in ``rounds`` rounds."""
+    rank, tiles of ``block`` elements on ``grid`` CTAs."""
 
     start: int
     numel: int
     chunk: int
     block: int
     grid: int
-    rounds: int
 
 
 @dataclass(frozen=True)
@@ -121,8 +117,7 @@ class QuantPlan:
     seg_chunk: elements per rank of a full segment; planes, scale_offset: byte offsets of the
     packed planes and scales inside every slot (``packed_layout`` of seg_chunk elements);
     block, small_block, small_max_chunk: elements per tile, ``small_block`` for segments of
-    at most ``small_max_chunk`` elements per rank; unit: chunks are multiples of it;
-    rounds: the most synchronisation rounds of a launch.
+    at most ``small_max_chunk`` elements per rank; unit: chunks are multiples of it.
     """
 
     codec: str
@@ -134,7 +129,6 @@ class QuantPlan:
     small_block: int
     small_max_chunk: int
     unit: int
-    rounds: int
     num_warps: int
     max_ctas: int
 
@@ -144,16 +138,14 @@ class QuantPlan:
         Raises ValueError when a slot cannot hold even one chunk unit."""
         # Cached per knob values too, so that changing a knob (tests, tuning) takes effect.
         return cls._build(layout, dtype, codec, QUANT_TILE, QUANT_SMALL_TILE, QUANT_SMALL_TILE_MAX_CHUNK,
-                          QUANT_ROUNDS, QUANT_NUM_WARPS, QUANT_MAX_CTAS)
+                          QUANT_NUM_WARPS, QUANT_MAX_CTAS)
 
     @classmethod
     @functools.lru_cache(maxsize=None)
     def _build(cls, layout: WorkspaceLayout, dtype: torch.dtype, codec: str, block: int, small_block: int,
-               small_max_chunk: int, rounds: int, num_warps: int, max_ctas: int) -> "QuantPlan":
+               small_max_chunk: int, num_warps: int, max_ctas: int) -> "QuantPlan":
         if codec not in QUANT_CODECS:
             raise ValueError(f"unknown codec {codec!r}")
-        if not 1 <= rounds <= FLAG_ROUNDS:
-            raise ValueError(f"QUANT_ROUNDS={rounds} must be in [1, {FLAG_ROUNDS}]")
         unit = max(QUANT_GROUP, ALIGN // dtype.itemsize)
         if block % unit or small_block % unit:
             raise ValueError(f"QUANT_TILE={block} and QUANT_SMALL_TILE={small_block} must be multiples of {unit}")
@@ -173,7 +165,7 @@ class QuantPlan:
             raise ValueError(f"the workspace slots ({slot} bytes) are too small for a quantized chunk")
         planes, scale_offset, _ = packed_layout(seg_chunk, codec)
         return cls(codec, layout.world_size, seg_chunk, planes, scale_offset, block, small_block, small_max_chunk,
-                   unit, rounds, num_warps, max(1, min(max_ctas, layout.max_blocks)))
+                   unit, num_warps, max(1, min(max_ctas, layout.max_blocks)))
 
     def segments(self, numel: int) -> list[QuantSegment]:
         """The launches of a message of ``numel`` elements, in order."""
@@ -183,7 +175,5 @@ class QuantPlan:
             n = min(full, numel - start)
             chunk = self.seg_chunk if n == full else _cdiv(_cdiv(n, self.world_size), self.unit) * self.unit
             block = self.small_block if chunk <= self.small_max_chunk else self.block
-            tiles = _cdiv(chunk, block)
-            grid = max(1, min(tiles, self.max_ctas))
-            out.append(QuantSegment(start, n, chunk, block, grid, min(self.rounds, _cdiv(tiles, grid))))
+            out.append(QuantSegment(start, n, chunk, block, max(1, min(_cdiv(chunk, block), self.max_ctas))))
         return out

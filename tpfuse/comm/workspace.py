@@ -10,9 +10,8 @@ Layout of one rank's buffer (every region starts at a multiple of ``ALIGN``)::
 
     ctrl      local words: [0] epoch of the last finished call, [1] blocks finished in
               the current call, [2] abort word (non-zero once any wait timed out)
-    flags[0]  phase-0 arrival flags, FLAG_ROUNDS rows: int64 word (round r, block b,
-              source rank s) at flags[0] + r * flag_round_bytes + (b * world_size + s) * 8,
-              written only by rank s's block b
+    flags[0]  phase-0 arrival flags: int64 word (block b, source rank s) at
+              flags[0] + (b * world_size + s) * 8, written only by rank s's block b
     flags[1]  phase-1 arrival flags (two-shot all-gather), same shape
     data[0]   message data of calls with even epoch
     data[1]   message data of calls with odd epoch
@@ -53,11 +52,6 @@ CTRL_EPOCH, CTRL_DONE, CTRL_ABORT = 0, 1, 2
 
 NUM_PHASES = 2
 NUM_PARITIES = 2
-FLAG_ROUNDS = 8
-"""Flag rows per phase. A kernel that synchronises one call in several rounds (the quantized
-all-reduce, ``tpfuse.comm.quant_plan``) raises row r's flag after round r, so peers start on
-round r while it works on round r + 1; every other kernel uses row 0. Each row keeps the
-one-writer, epoch-valued flags of ``tpfuse.kernels.sync``, so rounds need no new protocol."""
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -100,23 +94,14 @@ class WorkspaceLayout:
         return ALIGN
 
     @property
-    def flag_round_bytes(self) -> int:
-        """Bytes of one row of flags: a word per (block, source rank)."""
+    def flag_region_bytes(self) -> int:
         return _round_up(self.max_blocks * self.world_size * FLAG_BYTES, ALIGN)
 
-    @property
-    def flag_region_bytes(self) -> int:
-        """Bytes of one phase's flags: FLAG_ROUNDS rows."""
-        return FLAG_ROUNDS * self.flag_round_bytes
-
-    def flag_offset(self, phase: int, round_index: int = 0) -> int:
-        """Start of the arrival flags of ``phase`` (0: publish/scatter, 1: gather) in round
-        ``round_index``."""
+    def flag_offset(self, phase: int) -> int:
+        """Start of the arrival flags of ``phase`` (0: publish/scatter, 1: gather)."""
         if not 0 <= phase < NUM_PHASES:
             raise ValueError(f"phase must be 0 or 1, got {phase}")
-        if not 0 <= round_index < FLAG_ROUNDS:
-            raise ValueError(f"round_index must be in [0, {FLAG_ROUNDS}), got {round_index}")
-        return self.ctrl_bytes + phase * self.flag_region_bytes + round_index * self.flag_round_bytes
+        return self.ctrl_bytes + phase * self.flag_region_bytes
 
     @property
     def twoshot_slot_bytes(self) -> int:
