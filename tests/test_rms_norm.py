@@ -9,6 +9,7 @@ import tpfuse
 from tpfuse import reference
 from tpfuse.kernels import norm as K
 from tests.conftest import DEVICE, ON_GPU
+from tests.test_allreduce import _same_bits
 from tpfuse.reference import rel_err, rel_err_budget
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -120,11 +121,13 @@ def test_fused_and_separate_dw_combine_give_the_same_bits(m, n):
     partials) against the separate launch, twice in a row: the in-kernel counters must be
     back at zero after each call. On GPU also rows in two pieces (5120, 10240) and with the
     weight re-read (16384), whose layouts the interpreter does not have."""
-    columns = (n == 20000 or (n in (3000, 4096, 5120) and m in (5, 64))  # chunked rows, or few partials
+    columns = ((n == 20000 and m > 1)  # chunked rows (one row: no combine)
+               or (n in (3000, 4096, 5120) and m in (5, 64))  # few partials
                or (n in (10240, 16384) and m > 1))  # rows over 8192 in one chunk: columns from 2 partials
     assert (K.DwPlan.from_shape(m, n, torch.bfloat16).combine == "columns") == columns
     x, w, _ = _inputs(m, n, torch.bfloat16, "plain", seed=m + n)
     dy = torch.randn(m, n).to(torch.bfloat16).to(DEVICE)
+    dy[:, 0], x[:, 0] = 0.0, -x[:, 0].abs() - 1  # dW[0] sums -0.0 terms: +0.0 in either combine
     outs = []
     for fused in (True, True, False):
         dx = torch.full_like(x, float("nan"))
@@ -135,9 +138,31 @@ def test_fused_and_separate_dw_combine_give_the_same_bits(m, n):
             assert not K._dw_counters[x.device].any()
     assert not outs[0][1].isnan().any() and not outs[0][0].isnan().any()
     for dx, dw in outs[1:]:
-        assert torch.equal(outs[0][0], dx) and torch.equal(outs[0][1], dw)
+        assert _same_bits(outs[0][0], dx) and _same_bits(outs[0][1], dw)
     _, dw_ref = reference.rms_norm_backward(dy, x, w)
     assert rel_err(outs[0][1], dw_ref) <= 2 * rel_err_budget(torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_one_row_on_chunked_rows_writes_dw_without_a_combine(dtype):
+    """M=1 has one partial: on chunked rows its program stores dW itself (DwPlan "tree" with
+    one partial), with the separate launch's bits, signed zeros included."""
+    n = 20000
+    assert K.NormConfig.from_shape(n, dtype).num_chunks > 1
+    assert K.DwPlan.from_shape(1, n, dtype).combine == "tree"
+    x, w, _ = _inputs(1, n, dtype, "plain", seed=3)
+    dy = torch.randn(1, n).to(dtype).to(DEVICE)
+    dy[:, :64], x[:, :32] = 0.0, -x[:, :32].abs() - 1  # dW[:32] = -0.0 per row, +0.0 once combined
+    outs = []
+    for fused in (True, False):
+        dx, dw = torch.full_like(x, float("nan")), torch.full_like(w, float("nan"))
+        K.rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0, fused_combine=fused)
+        outs.append((dx, dw))
+    assert _same_bits(outs[0][0], outs[1][0]) and _same_bits(outs[0][1], outs[1][1])
+    assert not torch.signbit(outs[0][1][:32]).any()
+    dx_ref, dw_ref = reference.rms_norm_backward(dy, x, w)
+    assert rel_err(outs[0][1], dw_ref) <= 2 * rel_err_budget(dtype)
+    assert rel_err(outs[0][0], dx_ref) <= 2 * rel_err_budget(dtype)
 
 
 # The backward's row layouts (NormConfig): rows in two pieces (bwd_tail_n) with and without

@@ -373,8 +373,10 @@ class DwPlan:
         # 32.1 vs 31.3; N=16384 M=1024 66.9 vs 58.3; but fp32 M=32768 (256 partials) went
         # from 93-96% of copy bandwidth at N=5120-8192 to 70-84% with the columns. Chunked
         # rows go to the columns (the tree lost 16-30% to a separate combine launch at
-        # N=65536).
-        tree = cfg.num_chunks == 1 and (num_partials == 1 or n <= 2048 or (n <= 8192 and num_partials >= 128))
+        # N=65536). A single partial (M=1) needs no combine at all: its program writes dW,
+        # chunked rows included (the columns' extra launch cost 5% at M=1, N=65536).
+        tree = num_partials == 1 or (cfg.num_chunks == 1 and (n <= 2048 or (n <= 8192 and num_partials >= 128)))
+        assert rows_per_partial == 1 or not (tree and cfg.num_chunks > 1)  # the chunked rows' direct dW store
         return DwPlan(num_partials, rows_per_partial, _DW_GROUP_SIZE, "tree" if tree else "columns",
                       triton.cdiv(n, _COMBINE_BLOCK))
 
@@ -628,7 +630,9 @@ def _bwd_rows(DY, X, W, DX, DRES, PARTIAL, DW, pid, n_rows, N, rows_per_partial,
         # read and written by the same thread, so no barrier is needed).
         cols = tl.arange(0, BLOCK_N)[None, :]
         w_cols = tl.arange(0, BLOCK_N)
-        if HAS_WEIGHT:
+        # The one partial of a one-row call (TREE) is that row's dw: stored as dW directly.
+        direct = TREE and num_partials == 1
+        if HAS_WEIGHT and not direct:
             for c in range(NUM_CHUNKS):
                 tl.store(partial_row + c * BLOCK_N + w_cols, tl.zeros([BLOCK_N], tl.float32),
                          mask=c * BLOCK_N + w_cols < N)
@@ -655,8 +659,12 @@ def _bwd_rows(DY, X, W, DX, DRES, PARTIAL, DW, pid, n_rows, N, rows_per_partial,
                 g = _weighted_grad(dy, W, ccols, N, weight_offset, HAS_WEIGHT, "")
                 dw = _store_dx(x, dy, g, inv, c_row, DX, DRES, row_off + ccols, mask, HAS_DRES)
                 if HAS_WEIGHT:
-                    p_ptr = partial_row + ccols
-                    tl.store(p_ptr, tl.load(p_ptr, mask=mask, other=0.0) + dw, mask=mask)
+                    if direct:
+                        # + 0.0: a zero partial is +0.0 after the combine's sums, and so here.
+                        tl.store(DW + ccols, round_to(dw + 0.0, DW.dtype.element_ty), mask=mask)
+                    else:
+                        p_ptr = partial_row + ccols
+                        tl.store(p_ptr, tl.load(p_ptr, mask=mask, other=0.0) + dw, mask=mask)
 
 
 # Row counts are not specialised: one compiled kernel per (N, dtype, combine mode) serves
@@ -683,7 +691,7 @@ def rms_norm_bwd_kernel(
         _bwd_rows(DY, X, W, DX, DRES, PARTIAL, DW, pid, n_rows, N, rows_per_partial, num_partials, eps,
                   weight_offset, BLOCK_N, TAIL_N, NUM_CHUNKS, ROWS, HAS_WEIGHT, HAS_DRES, COMBINE == COMBINE_TREE,
                   PREFETCH, JOINT_REDUCE, RELOAD_WEIGHT)
-        if COMBINE == COMBINE_TREE and (NUM_CHUNKS > 1 or num_partials > 1):
+        if COMBINE == COMBINE_TREE and num_partials > 1:
             _finish_dw(PARTIAL, GROUP_SUM, COUNTERS, DW, pid, num_partials, N, GROUP_SIZE, BLOCK_N)
         if COMBINE == COMBINE_COLUMNS:
             tl.debug_barrier()
