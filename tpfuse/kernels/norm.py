@@ -344,6 +344,7 @@ class DwPlan:
     - "tree": the last program to finish in each group sums the group, and the last of
       those sums the group sums (``_finish_dw``). The finishers overlap with programs still
       running, which wins with many partials, but each reads whole partial rows alone.
+      With one partial (M=1) there is nothing to combine: its program stores dW itself.
     - "columns": ``num_combine_programs`` extra programs, one per ``_COMBINE_BLOCK``
       columns, wait for every partial row and sum their columns (``_combine_when_done``).
 
