@@ -4,8 +4,8 @@ Not part of the library: it patches ``NormConfig.from_shape`` and the dW partial
     python3 scripts/tune_norm.py [bwd|fwd|chunk|dw|fp32|split|bwdsplit[=dtype:N,...] ...] > tune.txt
 
 bwd: tile rows x warps x prefetch x joint reduction per N (M=32768, bf16), then the best
-three per N again with 512 dW partials; fwd: warps x rows per N; chunk: chunk bytes x
-warps for rows too long for registers (N=65536), forward and backward; dw: rows per dW
+three per N again with 512 dW partials; fwd: warps x rows per N; chunk: rows too long for
+registers (N=65536): forward chunk bytes x warps, backward programs x warps; dw: rows per dW
 partial x combine mode at small M; fp32: warps for fp32 rows of 16384 held in registers; split: forward
 rows in two pieces vs one padded tile (NormConfig.tail_n); bwdsplit: the same for the backward
 (bwd_tail_n), with warps x prefetch x bwd_reload_weight. Every backward
@@ -108,26 +108,38 @@ def tune_fwd(copy):
 
 
 def tune_chunk(copy):
+    """Rows too long for registers: forward chunk bytes x warps (bf16 N=65536, M=32768); the
+    backward's program count (DwPlan, via _CHUNKED_BWD_PROGRAMS) x warps per M."""
     n = 65536
     x = torch.randn(M, n, device="cuda", dtype=DT)
-    y, dy, w = torch.empty_like(x), torch.randn_like(x), torch.randn(n, device="cuda", dtype=DT)
-    dx, dw = torch.empty_like(x), torch.empty_like(w)
+    y = torch.empty_like(x)
+    w = torch.randn(n, device="cuda", dtype=DT)
     for chunk_bytes in (8192, 16384, 32768):
         K._CHUNK_BYTES = chunk_bytes
         base_from_shape.cache_clear()
         for warps in (8, 16, 32):
-            use_config(num_warps=warps, bwd_num_warps=warps)
+            use_config(num_warps=warps)
             us = graph_time_us(lambda i: K.rms_norm_fwd(x, w, y, 1e-6, 0.0))
             print(f"fwd N={n} M={M} chunk={chunk_bytes} warps={warps} {us:.1f}us {pct(2 * M * n * 2, us, copy):.0f}%",
                   flush=True)
-            K.rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0)
-            ok = check_bwd(x[:4096], dy[:4096], w, dx[:4096], None)
-            us = graph_time_us(lambda i: K.rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0))
-            print(f"bwd N={n} M={M} chunk={chunk_bytes} warps={warps} {us:.1f}us {pct(3 * M * n * 2, us, copy):.0f}%"
-                  f"{'' if ok else ' WRONG'}", flush=True)
     K._CHUNK_BYTES = 8192
     base_from_shape.cache_clear()
     K.NormConfig.from_shape = staticmethod(base_from_shape)
+    del x, y
+    base = (K._CHUNKED_BWD_PROGRAMS, K._CHUNKED_BWD_WARPS)
+    for dt, n, m in [(DT, 65536, 16), (DT, 65536, 1024), (DT, 65536, 16384), (torch.float32, 32768, 16384)]:
+        x = torch.randn(m, n, device="cuda", dtype=dt)
+        dy, w = torch.randn_like(x), torch.randn(n, device="cuda", dtype=dt)
+        dx, dw = torch.empty_like(x), torch.empty_like(w)
+        for programs, warps in itertools.product((256, 512, 1024), (4, 8, 16)):
+            K._CHUNKED_BWD_PROGRAMS, K._CHUNKED_BWD_WARPS = programs, warps
+            us, ok = time_checked_bwd(x[:4096], dy[:4096], w, dx[:4096], dw)
+            if m > 4096:  # checked on the first rows, timed on all
+                us = graph_time_us(lambda i: K.rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0))
+            print(f"bwd {str(dt)[6:]} N={n} M={m} programs={programs} warps={warps} {us:.1f}us "
+                  f"{pct(3 * m * n * dt.itemsize, us, copy):.0f}%{'' if ok else ' WRONG'}", flush=True)
+        K._CHUNKED_BWD_PROGRAMS, K._CHUNKED_BWD_WARPS = base
+        del x, dy, dx
 
 
 def tune_dw(copy):
@@ -143,8 +155,6 @@ def tune_dw(copy):
             rows = -(-max(rows, -(-m // K._MAX_DW_PARTIALS)) // tile_rows) * tile_rows
             plan = dataclasses.replace(base, num_partials=-(-m // rows), rows_per_partial=rows,
                                        combine="columns" if combine == "launch" else combine)
-            if plan.combine == "tree" and base_from_shape(n, DT).num_chunks > 1:
-                continue
             K.DwPlan.from_shape = staticmethod(lambda m_, n_, d_, plan=plan: plan)
             us, ok = time_checked_bwd(x, dy, w, dx, dw, fused_combine=combine != "launch")
             K.DwPlan.from_shape = staticmethod(base_plan)

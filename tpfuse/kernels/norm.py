@@ -98,6 +98,13 @@ _MAX_DW_PARTIALS = 256
 _MIN_DW_PARTIALS = 16
 _DW_GROUP_SIZE = 16
 _COMBINE_BLOCK = 1024  # dW columns per program of a column-parallel combine
+# Chunked rows (N > _MAX_REGISTER_ROW_ELEMS) take a program of _CHUNKED_BWD_WARPS warps per
+# (partial, chunk), about _CHUNKED_BWD_PROGRAMS of them (see rms_norm_bwd_chunks_kernel).
+_CHUNKED_BWD_PROGRAMS = 512
+_CHUNKED_BWD_WARPS = 8
+# In-kernel combine counters per device: the tree's and the column programs' (at most
+# 1 + _MAX_DW_PARTIALS / _DW_GROUP_SIZE), or one per chunk of a chunked row.
+_DW_COUNTERS = 1024
 # Where the backward kernel's dW partials are combined (its COMBINE argument): by a separate
 # dw_combine_kernel launch, or inside the launch as DwPlan.combine says.
 COMBINE_LAUNCH = tl.constexpr(0)
@@ -347,6 +354,11 @@ class DwPlan:
       With one partial (M=1) there is nothing to combine: its program stores dW itself.
     - "columns": ``num_combine_programs`` extra programs, one per ``_COMBINE_BLOCK``
       columns, wait for every partial row and sum their columns (``_combine_when_done``).
+    - "chunks" (chunked rows, ``NormConfig.num_chunks > 1``): every partial runs a program
+      per chunk (``rms_norm_bwd_chunks_kernel``), and the last of a chunk's programs to
+      finish sums that chunk's columns. With one partial its programs store dW themselves.
+    - "launch": only the separate combine launch (chunked rows of more chunks than there
+      are in-kernel counters, ``_DW_COUNTERS``).
 
     Depends on (M, N, dtype) only.
     """
@@ -364,7 +376,9 @@ class DwPlan:
     @staticmethod
     def from_shape(m: int, n: int, dtype: torch.dtype) -> "DwPlan":
         cfg = NormConfig.from_shape(n, dtype)
-        num_partials = max(1, min(_MAX_DW_PARTIALS, max(min(m, _MIN_DW_PARTIALS), m // 2)))
+        # Chunked rows run a program per (partial, chunk): as many programs from fewer partials.
+        max_partials = _MAX_DW_PARTIALS if cfg.num_chunks == 1 else max(1, _CHUNKED_BWD_PROGRAMS // cfg.num_chunks)
+        num_partials = max(1, min(max_partials, max(min(m, _MIN_DW_PARTIALS), m // 2)))
         rows_per_partial = triton.cdiv(triton.cdiv(m, num_partials), cfg.bwd_rows) * cfg.bwd_rows
         num_partials = triton.cdiv(m, rows_per_partial)
         # The tree's finishers overlap with programs still running but read whole partial
@@ -372,13 +386,15 @@ class DwPlan:
         # partial. H200, bf16, us, tree vs columns: N=2048 M=16 3.7 vs 4.5, M=1024 10.7 vs
         # 17.6; N=4096 M=16 6.1 vs 5.4, M=128 8.9 vs 8.1, M=1024 17.0 vs 25.3; N=8192 M=1024
         # 32.1 vs 31.3; N=16384 M=1024 66.9 vs 58.3; but fp32 M=32768 (256 partials) went
-        # from 93-96% of copy bandwidth at N=5120-8192 to 70-84% with the columns. Chunked
-        # rows go to the columns (the tree lost 16-30% to a separate combine launch at
-        # N=65536). A single partial (M=1) needs no combine at all: its program writes dW,
-        # chunked rows included (the columns' extra launch cost 5% at M=1, N=65536).
-        tree = num_partials == 1 or (cfg.num_chunks == 1 and (n <= 2048 or (n <= 8192 and num_partials >= 128)))
-        assert rows_per_partial == 1 or not (tree and cfg.num_chunks > 1)  # the chunked rows' direct dW store
-        return DwPlan(num_partials, rows_per_partial, _DW_GROUP_SIZE, "tree" if tree else "columns",
+        # from 93-96% of copy bandwidth at N=5120-8192 to 70-84% with the columns. A single
+        # partial (M=1) needs no combine at all: its program writes dW.
+        if cfg.num_chunks > 1:
+            combine = "chunks" if cfg.num_chunks <= _DW_COUNTERS else "launch"
+        elif num_partials == 1 or n <= 2048 or (n <= 8192 and num_partials >= 128):
+            combine = "tree"
+        else:
+            combine = "columns"
+        return DwPlan(num_partials, rows_per_partial, _DW_GROUP_SIZE, combine,
                       triton.cdiv(n, _COMBINE_BLOCK))
 
 
@@ -579,93 +595,51 @@ def _store_dw_piece(DW, partial_row, dw_acc, first_col, N, num_partials, TREE: t
 
 @triton.jit
 def _bwd_rows(DY, X, W, DX, DRES, PARTIAL, DW, pid, n_rows, N, rows_per_partial, num_partials, eps, weight_offset,
-              BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr,
-              HAS_WEIGHT: tl.constexpr, HAS_DRES: tl.constexpr, TREE: tl.constexpr, PREFETCH: tl.constexpr,
-              JOINT_REDUCE: tl.constexpr, RELOAD_WEIGHT: tl.constexpr):
-    """dx for partial ``pid``'s rows and, with HAS_WEIGHT, its partial row PARTIAL[pid] of dW
-    (dW itself when TREE and there is one partial)."""
+              BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, ROWS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+              HAS_DRES: tl.constexpr, TREE: tl.constexpr, PREFETCH: tl.constexpr, JOINT_REDUCE: tl.constexpr,
+              RELOAD_WEIGHT: tl.constexpr):
+    """dx for partial ``pid``'s rows (rows of one chunk) and, with HAS_WEIGHT, its partial
+    row PARTIAL[pid] of dW (dW itself when TREE and there is one partial)."""
     row_start = pid * rows_per_partial
     row_end = tl.minimum(row_start + rows_per_partial, n_rows)  # masks, never a loop bound
     tile_rows = tl.arange(0, ROWS)
     partial_row = PARTIAL + pid.to(tl.int64) * N
-    if NUM_CHUNKS == 1:
-        # The head piece (the whole tile without a tail), and the tail's columns after it.
-        cols = tl.arange(0, BLOCK_N // 2 if TAIL_N > 0 else BLOCK_N)[None, :]
-        dw_acc = tl.zeros([ROWS, cols.shape[1]], dtype=tl.float32)
-        tcols = cols
-        dw_acc_t = dw_acc
-        if TAIL_N > 0:
-            tcols = BLOCK_N // 2 + tl.arange(0, TAIL_N)[None, :]
-            dw_acc_t = tl.zeros([ROWS, TAIL_N], dtype=tl.float32)
-        rows = row_start + tile_rows
-        if PREFETCH:
-            # Software pipelining by hand: the next tile's loads are issued before this
-            # tile's reductions, so each program keeps two tiles of x and dy in flight.
-            x, dy, offs, mask, xt, dyt, toffs, tmask = _load_tile(X, DY, rows, row_end, cols, tcols, N, TAIL_N)
-            for r0 in range(ROWS, rows_per_partial + ROWS, ROWS):
-                nx, ndy, noffs, nmask, nxt, ndyt, ntoffs, ntmask = _load_tile(X, DY, rows + r0, row_end, cols,
-                                                                              tcols, N, TAIL_N)
-                dw, dw_t = _bwd_tile(x, dy, offs, mask, cols, xt, dyt, toffs, tmask, tcols, W, DX, DRES, N, eps,
-                                     weight_offset, HAS_WEIGHT, HAS_DRES, JOINT_REDUCE, TAIL_N, RELOAD_WEIGHT)
-                dw_acc += dw
-                x, dy, offs, mask = nx, ndy, noffs, nmask
-                if TAIL_N > 0:
-                    dw_acc_t += dw_t
-                    xt, dyt, toffs, tmask = nxt, ndyt, ntoffs, ntmask
-        else:
-            for r0 in range(0, rows_per_partial, ROWS):
-                x, dy, offs, mask, xt, dyt, toffs, tmask = _load_tile(X, DY, rows + r0, row_end, cols, tcols, N,
-                                                                      TAIL_N)
-                dw, dw_t = _bwd_tile(x, dy, offs, mask, cols, xt, dyt, toffs, tmask, tcols, W, DX, DRES, N, eps,
-                                     weight_offset, HAS_WEIGHT, HAS_DRES, JOINT_REDUCE, TAIL_N, RELOAD_WEIGHT)
-                dw_acc += dw
-                if TAIL_N > 0:
-                    dw_acc_t += dw_t
-        if HAS_WEIGHT:
-            _store_dw_piece(DW, partial_row, dw_acc, 0, N, num_partials, TREE)
+    # The head piece (the whole tile without a tail), and the tail's columns after it.
+    cols = tl.arange(0, BLOCK_N // 2 if TAIL_N > 0 else BLOCK_N)[None, :]
+    dw_acc = tl.zeros([ROWS, cols.shape[1]], dtype=tl.float32)
+    tcols = cols
+    dw_acc_t = dw_acc
+    if TAIL_N > 0:
+        tcols = BLOCK_N // 2 + tl.arange(0, TAIL_N)[None, :]
+        dw_acc_t = tl.zeros([ROWS, TAIL_N], dtype=tl.float32)
+    rows = row_start + tile_rows
+    if PREFETCH:
+        # Software pipelining by hand: the next tile's loads are issued before this
+        # tile's reductions, so each program keeps two tiles of x and dy in flight.
+        x, dy, offs, mask, xt, dyt, toffs, tmask = _load_tile(X, DY, rows, row_end, cols, tcols, N, TAIL_N)
+        for r0 in range(ROWS, rows_per_partial + ROWS, ROWS):
+            nx, ndy, noffs, nmask, nxt, ndyt, ntoffs, ntmask = _load_tile(X, DY, rows + r0, row_end, cols,
+                                                                          tcols, N, TAIL_N)
+            dw, dw_t = _bwd_tile(x, dy, offs, mask, cols, xt, dyt, toffs, tmask, tcols, W, DX, DRES, N, eps,
+                                 weight_offset, HAS_WEIGHT, HAS_DRES, JOINT_REDUCE, TAIL_N, RELOAD_WEIGHT)
+            dw_acc += dw
+            x, dy, offs, mask = nx, ndy, noffs, nmask
             if TAIL_N > 0:
-                _store_dw_piece(DW, partial_row, dw_acc_t, BLOCK_N // 2, N, num_partials, TREE)
+                dw_acc_t += dw_t
+                xt, dyt, toffs, tmask = nxt, ndyt, ntoffs, ntmask
     else:
-        # Long rows, one at a time: pass one reduces x^2 and g*x over the chunks, pass two
-        # writes dx; the partial row is accumulated in place in PARTIAL[pid] (each element
-        # read and written by the same thread, so no barrier is needed).
-        cols = tl.arange(0, BLOCK_N)[None, :]
-        w_cols = tl.arange(0, BLOCK_N)
-        # The one partial of a one-row call (TREE) is that row's dw: stored as dW directly.
-        direct = TREE and num_partials == 1
-        if HAS_WEIGHT and not direct:
-            for c in range(NUM_CHUNKS):
-                tl.store(partial_row + c * BLOCK_N + w_cols, tl.zeros([BLOCK_N], tl.float32),
-                         mask=c * BLOCK_N + w_cols < N)
-        for i in range(rows_per_partial):
-            row = row_start + i
-            row_off = row.to(tl.int64) * N
-            sq = tl.zeros([1, BLOCK_N], dtype=tl.float32)
-            gx = tl.zeros([1, BLOCK_N], dtype=tl.float32)
-            for c in range(NUM_CHUNKS):
-                ccols = c * BLOCK_N + cols
-                mask = (ccols < N) & (row < row_end)
-                x = to_f32(tl.load(X + row_off + ccols, mask=mask, other=0.0))
-                g = _weighted_grad(tl.load(DY + row_off + ccols, mask=mask, other=0.0), W, ccols, N, weight_offset,
-                                   HAS_WEIGHT, "")
-                sq = tl.fma(x, x, sq)
-                gx = tl.fma(g, x, gx)
-            inv = row_inv_rms(sq, N, eps)[:, None]
-            c_row = (tl.sum(gx, axis=1) / N)[:, None] * inv
-            for c in range(NUM_CHUNKS):
-                ccols = c * BLOCK_N + cols
-                mask = (ccols < N) & (row < row_end)
-                x = to_f32(tl.load(X + row_off + ccols, mask=mask, other=0.0))
-                dy = to_f32(tl.load(DY + row_off + ccols, mask=mask, other=0.0))
-                g = _weighted_grad(dy, W, ccols, N, weight_offset, HAS_WEIGHT, "")
-                dw = _store_dx(x, dy, g, inv, c_row, DX, DRES, row_off + ccols, mask, HAS_DRES)
-                if HAS_WEIGHT:
-                    if direct:
-                        # + 0.0: a zero partial is +0.0 after the combine's sums, and so here.
-                        tl.store(DW + ccols, round_to(dw + 0.0, DW.dtype.element_ty), mask=mask)
-                    else:
-                        p_ptr = partial_row + ccols
-                        tl.store(p_ptr, tl.load(p_ptr, mask=mask, other=0.0) + dw, mask=mask)
+        for r0 in range(0, rows_per_partial, ROWS):
+            x, dy, offs, mask, xt, dyt, toffs, tmask = _load_tile(X, DY, rows + r0, row_end, cols, tcols, N,
+                                                                  TAIL_N)
+            dw, dw_t = _bwd_tile(x, dy, offs, mask, cols, xt, dyt, toffs, tmask, tcols, W, DX, DRES, N, eps,
+                                 weight_offset, HAS_WEIGHT, HAS_DRES, JOINT_REDUCE, TAIL_N, RELOAD_WEIGHT)
+            dw_acc += dw
+            if TAIL_N > 0:
+                dw_acc_t += dw_t
+    if HAS_WEIGHT:
+        _store_dw_piece(DW, partial_row, dw_acc, 0, N, num_partials, TREE)
+        if TAIL_N > 0:
+            _store_dw_piece(DW, partial_row, dw_acc_t, BLOCK_N // 2, N, num_partials, TREE)
 
 
 # Row counts are not specialised: one compiled kernel per (N, dtype, combine mode) serves
@@ -674,7 +648,7 @@ def _bwd_rows(DY, X, W, DX, DRES, PARTIAL, DW, pid, n_rows, N, rows_per_partial,
 def rms_norm_bwd_kernel(
     DY, X, W, DX, DRES, PARTIAL, GROUP_SUM, COUNTERS, DW,
     n_rows, N, rows_per_partial, num_partials, num_combine_programs, eps, weight_offset,
-    BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, ROWS: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_DRES: tl.constexpr, COMBINE: tl.constexpr,
     GROUP_SIZE: tl.constexpr, PREFETCH: tl.constexpr, JOINT_REDUCE: tl.constexpr, RELOAD_WEIGHT: tl.constexpr,
     COMBINE_BLOCK: tl.constexpr,
@@ -690,7 +664,7 @@ def rms_norm_bwd_kernel(
         pid = tl.program_id(0)
     if pid < num_partials:
         _bwd_rows(DY, X, W, DX, DRES, PARTIAL, DW, pid, n_rows, N, rows_per_partial, num_partials, eps,
-                  weight_offset, BLOCK_N, TAIL_N, NUM_CHUNKS, ROWS, HAS_WEIGHT, HAS_DRES, COMBINE == COMBINE_TREE,
+                  weight_offset, BLOCK_N, TAIL_N, ROWS, HAS_WEIGHT, HAS_DRES, COMBINE == COMBINE_TREE,
                   PREFETCH, JOINT_REDUCE, RELOAD_WEIGHT)
         if COMBINE == COMBINE_TREE and num_partials > 1:
             _finish_dw(PARTIAL, GROUP_SUM, COUNTERS, DW, pid, num_partials, N, GROUP_SIZE, BLOCK_N)
@@ -702,30 +676,127 @@ def rms_norm_bwd_kernel(
                            GROUP_SIZE, COMBINE_BLOCK)
 
 
+# ---------------------------------------------------------------------------------------
+# Backward of chunked rows (N > _MAX_REGISTER_ROW_ELEMS)
+#
+# A row too long for registers needs its sums of x^2 and g*x before any of its dx, but each
+# column's dx and dW term needs only that column. So the work goes to programs per (partial,
+# chunk) in three launches: each chunk's two sums per row, each row's totals (added in chunk
+# order), then dx per chunk with the partial's dW terms held in registers across its rows.
+# x and dy are still read twice, but no fp32 partial row goes through memory per row: one
+# program per row-partial used to add each row's dW terms into its partial row in memory, a
+# 256 KiB read and write per bf16 row of 65536 (31% of copy bandwidth on H200, M=16384).
+
+
+@triton.jit(do_not_specialize=["n_rows", "rows_per_partial"])
+def rms_norm_bwd_chunk_sums_kernel(DY, X, W, CHUNK_SUMS, n_rows, N, rows_per_partial, weight_offset,
+                                   BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+    """CHUNK_SUMS[row, c] = (sum of x^2, sum of g*x) over chunk c's columns, g = dy * (w +
+    weight_offset), for the rows of partial program_id(0) and c = program_id(1).
+    CHUNK_SUMS is [n_rows, NUM_CHUNKS, 2] fp32."""
+    chunk = tl.program_id(1)
+    row_start = tl.program_id(0) * rows_per_partial
+    row_end = tl.minimum(row_start + rows_per_partial, n_rows)
+    rows = row_start + tl.arange(0, 1)
+    cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    x, dy, _, _ = _load_piece(X, DY, rows, row_end, cols, N)
+    for r in range(1, rows_per_partial + 1):  # row r - 1, with row r's loads in flight
+        nx, ndy, _, _ = _load_piece(X, DY, rows + r, row_end, cols, N)
+        g = _weighted_grad(dy, W, cols, N, weight_offset, HAS_WEIGHT, "")
+        sq, gx = _bwd_row_sums(to_f32(x), g, False)  # single 8 KiB rows: see _BWD_TWO_REDUCTION_BLOCK_N
+        out = CHUNK_SUMS + ((rows + r - 1).to(tl.int64) * NUM_CHUNKS + chunk) * 2
+        tl.store(out, sq, mask=rows + r - 1 < row_end)
+        tl.store(out + 1, gx, mask=rows + r - 1 < row_end)
+        x, dy = nx, ndy
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def rms_norm_bwd_row_stats_kernel(CHUNK_SUMS, ROW_STATS, n_rows, N, eps, NUM_CHUNKS: tl.constexpr,
+                                  BLOCK: tl.constexpr):
+    """ROW_STATS[row] = (inv_rms, mean(g * x) * inv_rms) from the row's CHUNK_SUMS, added in
+    chunk order: elementwise over a block of rows, so in that order whatever the layout."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = rows < n_rows
+    sums = CHUNK_SUMS + rows.to(tl.int64) * (NUM_CHUNKS * 2)
+    sq = tl.load(sums, mask=mask, other=0.0)
+    gx = tl.load(sums + 1, mask=mask, other=0.0)
+    for c in range(1, NUM_CHUNKS):
+        sq += tl.load(sums + 2 * c, mask=mask, other=0.0)
+        gx += tl.load(sums + 2 * c + 1, mask=mask, other=0.0)
+    inv = inv_rms(sq, N, eps)
+    tl.store(ROW_STATS + 2 * rows, inv, mask=mask)
+    tl.store(ROW_STATS + 2 * rows + 1, gx / N * inv, mask=mask)
+
+
+@triton.jit
+def _load_row_stats(ROW_STATS, rows, row_end):
+    """inv_rms and mean(g * x) * inv_rms of rows [ROWS] (zero from row_end on), as [ROWS, 1]."""
+    mask = rows < row_end
+    ptr = ROW_STATS + 2 * rows.to(tl.int64)
+    return tl.load(ptr, mask=mask, other=0.0)[:, None], tl.load(ptr + 1, mask=mask, other=0.0)[:, None]
+
+
+@triton.jit(do_not_specialize=["n_rows", "rows_per_partial", "num_partials"])
+def rms_norm_bwd_chunks_kernel(DY, X, W, DX, DRES, ROW_STATS, PARTIAL, COUNTERS, DW,
+                               n_rows, N, rows_per_partial, num_partials, weight_offset,
+                               BLOCK_N: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_DRES: tl.constexpr,
+                               FUSED_COMBINE: tl.constexpr, GROUP_SIZE: tl.constexpr):
+    """dx at chunk c = program_id(1) of the rows of partial p = program_id(0) (+ DRES), and
+    with HAS_WEIGHT chunk c of PARTIAL[p] (of dW itself when FUSED_COMBINE and there is one
+    partial). With FUSED_COMBINE the last partial program of each chunk to finish sums that
+    chunk's partials into dW, in dw_combine_kernel's order; arrival is counted in
+    COUNTERS[c] as in _finish_dw, and the finisher resets it to 0."""
+    pid = tl.program_id(0)
+    chunk = tl.program_id(1)
+    row_start = pid * rows_per_partial
+    row_end = tl.minimum(row_start + rows_per_partial, n_rows)
+    rows = row_start + tl.arange(0, 1)
+    cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    dw_acc = tl.zeros([1, BLOCK_N], dtype=tl.float32)
+    x, dy, offs, mask = _load_piece(X, DY, rows, row_end, cols, N)
+    inv, c = _load_row_stats(ROW_STATS, rows, row_end)
+    for r in range(1, rows_per_partial + 1):  # row r - 1, with row r's loads in flight
+        nx, ndy, noffs, nmask = _load_piece(X, DY, rows + r, row_end, cols, N)
+        ninv, nc = _load_row_stats(ROW_STATS, rows + r, row_end)
+        g = _weighted_grad(dy, W, cols, N, weight_offset, HAS_WEIGHT, "")
+        dw_acc += _store_dx(to_f32(x), to_f32(dy), g, inv, c, DX, DRES, offs, mask, HAS_DRES)
+        x, dy, offs, mask, inv, c = nx, ndy, noffs, nmask, ninv, nc
+    if HAS_WEIGHT:
+        _store_dw_piece(DW, PARTIAL + pid.to(tl.int64) * N, dw_acc, chunk * BLOCK_N, N, num_partials,
+                        FUSED_COMBINE)
+        if FUSED_COMBINE and num_partials > 1:
+            tl.debug_barrier()
+            if tl.atomic_add(COUNTERS + chunk, 1, sem="acq_rel", scope="gpu") == num_partials - 1:
+                tl.atomic_xchg(COUNTERS + chunk, 0, sem="relaxed", scope="gpu")
+                _combine_columns(PARTIAL, DW, chunk, num_partials, N, GROUP_SIZE, BLOCK_N)
+
+
 _dw_counters: dict[torch.device, torch.Tensor] = {}
 
 
-def _dw_counters_for(device: torch.device, max_groups: int) -> torch.Tensor:
-    """Zeroed int32 counters for the in-kernel dW combine, one set per device.
+def _dw_counters_for(device: torch.device) -> torch.Tensor:
+    """Zeroed int32 counters (``_DW_COUNTERS`` of them) for the in-kernel dW combine, one
+    set per device.
 
     The kernels leave them at zero, so they are allocated once and reused by every later
-    call, eager or inside CUDA graphs. Consequences: backward calls that combine dW in the
-    kernel must not run concurrently on two streams of one device (two graphs replayed at
-    once included): with the tree they would compute a wrong dW, with the column programs
+    call, eager or inside CUDA graphs (never reallocated: a captured graph keeps their
+    address). Consequences: backward calls that combine dW in the kernel must not run
+    concurrently on two streams of one device (two graphs replayed at once included): with
+    the tree or the chunks they would compute a wrong dW, with the column programs
     (``DwPlan.combine == "columns"``) they can also skip dx rows or hang the GPU, as one
     call's reset can hide the other's partial count from its waiting programs. And the
     first such call on a device must not be under graph capture (memory allocated there
     would belong to the graph and be zeroed only by its replays).
     """
     counters = _dw_counters.get(device)
-    if counters is None or counters.numel() < max_groups + 1:
+    if counters is None:
         if not INTERPRETER and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 "tpfuse.rms_norm backward: the first in-kernel dW reduction on "
                 f"{device} ran under CUDA graph capture; run one backward eagerly (e.g. the "
                 "usual warm-up iteration) before capturing, so its counters are allocated outside "
                 "the graph")
-        counters = torch.zeros(max_groups + 1, dtype=torch.int32, device=device)
+        counters = torch.zeros(_DW_COUNTERS, dtype=torch.int32, device=device)
         _dw_counters[device] = counters
     return counters
 
@@ -757,33 +828,64 @@ def rms_norm_bwd(
     cfg = NormConfig.from_shape(n, x.dtype)
     plan = DwPlan.from_shape(n_rows, n, x.dtype)
     has_weight = weight is not None
-    combine = COMBINE_LAUNCH
-    if has_weight and fused_combine:
-        combine = COMBINE_TREE if plan.combine == "tree" else COMBINE_COLUMNS
-    partial = group_sum = counters = None
-    if has_weight:
-        partial = torch.empty((plan.num_partials, n), dtype=torch.float32, device=x.device)
-        if combine == COMBINE_TREE:
-            group_sum = torch.empty((plan.num_groups, n), dtype=torch.float32, device=x.device)
-        if combine != COMBINE_LAUNCH:
-            counters = _dw_counters_for(x.device, triton.cdiv(_MAX_DW_PARTIALS, _DW_GROUP_SIZE))
-    # A "columns" combine runs its column programs after the partials, in the same launch.
-    grid = plan.num_partials + (plan.num_combine_programs if combine == COMBINE_COLUMNS else 0)
-    rms_norm_bwd_kernel[(grid,)](
-        DY=dy, X=x, W=weight if has_weight else x, DX=dx,
-        DRES=dresidual_out if dresidual_out is not None else dx,
-        PARTIAL=partial if has_weight else dx, GROUP_SUM=group_sum if group_sum is not None else dx,
-        COUNTERS=counters if counters is not None else dx, DW=dweight if dweight is not None else dx,
-        n_rows=n_rows, N=n, rows_per_partial=plan.rows_per_partial, num_partials=plan.num_partials,
-        num_combine_programs=plan.num_combine_programs, eps=eps, weight_offset=weight_offset,
-        BLOCK_N=cfg.block_n, TAIL_N=cfg.bwd_tail_n, NUM_CHUNKS=cfg.num_chunks, ROWS=cfg.bwd_rows,
-        HAS_WEIGHT=has_weight, HAS_DRES=dresidual_out is not None, COMBINE=combine.value,
-        GROUP_SIZE=plan.group_size, PREFETCH=cfg.bwd_prefetch, JOINT_REDUCE=cfg.bwd_joint_reduce,
-        RELOAD_WEIGHT=cfg.bwd_reload_weight,
-        COMBINE_BLOCK=_COMBINE_BLOCK, num_warps=cfg.bwd_num_warps, **EXACT_FP,
-    )
-    if has_weight and combine == COMBINE_LAUNCH:
+    fused = has_weight and fused_combine and plan.combine != "launch"
+    partial = torch.empty((plan.num_partials, n), dtype=torch.float32, device=x.device) if has_weight else None
+    counters = _dw_counters_for(x.device) if fused else None
+    operands = dict(DY=dy, X=x, W=weight if has_weight else x, DX=dx,
+                    DRES=dresidual_out if dresidual_out is not None else dx,
+                    PARTIAL=partial if has_weight else dx, COUNTERS=counters if fused else dx,
+                    DW=dweight if has_weight else dx)
+    if cfg.num_chunks > 1:
+        _rms_norm_bwd_chunked(cfg, plan, operands, n_rows, n, eps, weight_offset, has_weight,
+                              dresidual_out is not None, fused)
+    else:
+        combine = COMBINE_LAUNCH
+        if fused:
+            combine = COMBINE_TREE if plan.combine == "tree" else COMBINE_COLUMNS
+        group_sum = torch.empty((plan.num_groups, n), dtype=torch.float32, device=x.device) \
+            if combine == COMBINE_TREE else dx
+        # A "columns" combine runs its column programs after the partials, in the same launch.
+        grid = plan.num_partials + (plan.num_combine_programs if combine == COMBINE_COLUMNS else 0)
+        rms_norm_bwd_kernel[(grid,)](
+            **operands, GROUP_SUM=group_sum,
+            n_rows=n_rows, N=n, rows_per_partial=plan.rows_per_partial, num_partials=plan.num_partials,
+            num_combine_programs=plan.num_combine_programs, eps=eps, weight_offset=weight_offset,
+            BLOCK_N=cfg.block_n, TAIL_N=cfg.bwd_tail_n, ROWS=cfg.bwd_rows,
+            HAS_WEIGHT=has_weight, HAS_DRES=dresidual_out is not None, COMBINE=combine.value,
+            GROUP_SIZE=plan.group_size, PREFETCH=cfg.bwd_prefetch, JOINT_REDUCE=cfg.bwd_joint_reduce,
+            RELOAD_WEIGHT=cfg.bwd_reload_weight,
+            COMBINE_BLOCK=_COMBINE_BLOCK, num_warps=cfg.bwd_num_warps, **EXACT_FP,
+        )
+    if has_weight and not fused:
         dw_combine_kernel[(plan.num_combine_programs,)](
             PARTIAL=partial, DW=dweight, num_partials=plan.num_partials, N=n,
             GROUP_SIZE=plan.group_size, BLOCK=_COMBINE_BLOCK, num_warps=4, **EXACT_FP,
         )
+
+
+_ROW_STATS_BLOCK = 1024  # rows per program of rms_norm_bwd_row_stats_kernel
+
+
+def _rms_norm_bwd_chunked(cfg: NormConfig, plan: DwPlan, operands: dict, n_rows: int, n: int, eps: float,
+                          weight_offset: float, has_weight: bool, has_dres: bool, fused: bool) -> None:
+    """The three launches of the chunked rows' backward (see rms_norm_bwd_chunks_kernel)."""
+    x = operands["X"]
+    chunk_sums = torch.empty((n_rows, cfg.num_chunks, 2), dtype=torch.float32, device=x.device)
+    row_stats = torch.empty((n_rows, 2), dtype=torch.float32, device=x.device)
+    grid = (plan.num_partials, cfg.num_chunks)
+    rms_norm_bwd_chunk_sums_kernel[grid](
+        DY=operands["DY"], X=x, W=operands["W"], CHUNK_SUMS=chunk_sums, n_rows=n_rows, N=n,
+        rows_per_partial=plan.rows_per_partial, weight_offset=weight_offset,
+        BLOCK_N=cfg.block_n, NUM_CHUNKS=cfg.num_chunks, HAS_WEIGHT=has_weight,
+        num_warps=_CHUNKED_BWD_WARPS, **EXACT_FP,
+    )
+    rms_norm_bwd_row_stats_kernel[(triton.cdiv(n_rows, _ROW_STATS_BLOCK),)](
+        CHUNK_SUMS=chunk_sums, ROW_STATS=row_stats, n_rows=n_rows, N=n, eps=eps,
+        NUM_CHUNKS=cfg.num_chunks, BLOCK=_ROW_STATS_BLOCK, num_warps=4, **EXACT_FP,
+    )
+    rms_norm_bwd_chunks_kernel[grid](
+        **operands, ROW_STATS=row_stats, n_rows=n_rows, N=n, rows_per_partial=plan.rows_per_partial,
+        num_partials=plan.num_partials, weight_offset=weight_offset, BLOCK_N=cfg.block_n,
+        HAS_WEIGHT=has_weight, HAS_DRES=has_dres, FUSED_COMBINE=fused,
+        GROUP_SIZE=plan.group_size, num_warps=_CHUNKED_BWD_WARPS, **EXACT_FP,
+    )
