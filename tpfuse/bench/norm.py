@@ -25,7 +25,7 @@ MS = [1, 16, 128, 1024, 4096, 16384, 32768, 65536]
 NS = [256, 512, 1024, 2048, 2880, 4096, 5120, 7168, 8192, 16384, 65536]
 COMPILE_MS = [4096, 32768]  # torch.compile recompiles per shape: measured on a subset
 COMPILE_NS = [1024, 2048, 4096, 8192, 16384]
-MAX_ELEMENTS = 1 << 30
+MAX_TENSOR_BYTES = 4 << 30  # bf16 M=32768 x N=65536 (the forward target shape) and no larger
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 BYTES_PER_ELEMENT = {"fwd": 2, "add_fwd": 4, "bwd": 3}
 EPS = 1e-6
@@ -118,7 +118,7 @@ def _gpu(args) -> int:
         esize = torch.empty((), dtype=dtype).element_size()
         for n in args.n:
             for m in args.m:
-                if m * n > MAX_ELEMENTS or (dname == "fp32" and m not in args.fp32_m):
+                if m * n * esize > MAX_TENSOR_BYTES or (dname == "fp32" and m not in args.fp32_m):
                     continue
                 for op in args.ops:
                     times = _time_shape(impls, op, m, n, dtype)
