@@ -102,9 +102,6 @@ _COMBINE_BLOCK = 1024  # dW columns per program of a column-parallel combine
 # (partial, chunk), about _CHUNKED_BWD_PROGRAMS of them (see rms_norm_bwd_chunks_kernel).
 _CHUNKED_BWD_PROGRAMS = 512
 _CHUNKED_BWD_WARPS = 8
-# In-kernel combine counters per device: the tree's and the column programs' (at most
-# 1 + _MAX_DW_PARTIALS / _DW_GROUP_SIZE), or one per chunk of a chunked row.
-_DW_COUNTERS = 1024
 # Where the backward kernel's dW partials are combined (its COMBINE argument): by a separate
 # dw_combine_kernel launch, or inside the launch as DwPlan.combine says.
 COMBINE_LAUNCH = tl.constexpr(0)
@@ -351,14 +348,10 @@ class DwPlan:
     - "tree": the last program to finish in each group sums the group, and the last of
       those sums the group sums (``_finish_dw``). The finishers overlap with programs still
       running, which wins with many partials, but each reads whole partial rows alone.
-      With one partial (M=1) there is nothing to combine: its program stores dW itself.
+      With one partial (M=1) there is nothing to combine: its programs store dW themselves.
     - "columns": ``num_combine_programs`` extra programs, one per ``_COMBINE_BLOCK``
       columns, wait for every partial row and sum their columns (``_combine_when_done``).
-    - "chunks" (chunked rows, ``NormConfig.num_chunks > 1``): every partial runs a program
-      per chunk (``rms_norm_bwd_chunks_kernel``), and the last of a chunk's programs to
-      finish sums that chunk's columns. With one partial its programs store dW themselves.
-    - "launch": only the separate combine launch (chunked rows of more chunks than there
-      are in-kernel counters, ``_DW_COUNTERS``).
+    - "launch": the separate combine launch (chunked rows of more than one partial).
 
     Depends on (M, N, dtype) only.
     """
@@ -387,10 +380,16 @@ class DwPlan:
         # 17.6; N=4096 M=16 6.1 vs 5.4, M=128 8.9 vs 8.1, M=1024 17.0 vs 25.3; N=8192 M=1024
         # 32.1 vs 31.3; N=16384 M=1024 66.9 vs 58.3; but fp32 M=32768 (256 partials) went
         # from 93-96% of copy bandwidth at N=5120-8192 to 70-84% with the columns. A single
-        # partial (M=1) needs no combine at all: its program writes dW.
-        if cfg.num_chunks > 1:
-            combine = "chunks" if cfg.num_chunks <= _DW_COUNTERS else "launch"
-        elif num_partials == 1 or n <= 2048 or (n <= 8192 and num_partials >= 128):
+        # partial (M=1) needs no combine at all: its program writes dW. Chunked rows, whose
+        # backward is three launches over (partial, chunk) programs, lost to the separate
+        # launch with an in-kernel combine (the last of each chunk's programs summing the
+        # chunk), H200 bf16 N=65536, us, in-kernel vs separate: M=16 17.0 vs 14.1, M=128
+        # 41.3 vs 38.2, M=1024 202.7 vs 204.7; at M=1 6.7 vs 8.3.
+        if num_partials == 1:
+            combine = "tree"
+        elif cfg.num_chunks > 1:
+            combine = "launch"
+        elif n <= 2048 or (n <= 8192 and num_partials >= 128):
             combine = "tree"
         else:
             combine = "columns"
@@ -685,7 +684,8 @@ def rms_norm_bwd_kernel(
 # order), then dx per chunk with the partial's dW terms held in registers across its rows.
 # x and dy are still read twice, but no fp32 partial row goes through memory per row: one
 # program per row-partial used to add each row's dW terms into its partial row in memory, a
-# 256 KiB read and write per bf16 row of 65536 (31% of copy bandwidth on H200, M=16384).
+# 256 KiB read and write per bf16 row of 65536 (31% of copy bandwidth on H200, M=16384; now
+# 59%). The partials are summed by the separate combine launch (DwPlan says why).
 
 
 @triton.jit(do_not_specialize=["n_rows", "rows_per_partial"])
@@ -737,15 +737,13 @@ def _load_row_stats(ROW_STATS, rows, row_end):
 
 
 @triton.jit(do_not_specialize=["n_rows", "rows_per_partial", "num_partials"])
-def rms_norm_bwd_chunks_kernel(DY, X, W, DX, DRES, ROW_STATS, PARTIAL, COUNTERS, DW,
+def rms_norm_bwd_chunks_kernel(DY, X, W, DX, DRES, ROW_STATS, PARTIAL, DW,
                                n_rows, N, rows_per_partial, num_partials, weight_offset,
                                BLOCK_N: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_DRES: tl.constexpr,
-                               FUSED_COMBINE: tl.constexpr, GROUP_SIZE: tl.constexpr):
+                               TREE: tl.constexpr):
     """dx at chunk c = program_id(1) of the rows of partial p = program_id(0) (+ DRES), and
-    with HAS_WEIGHT chunk c of PARTIAL[p] (of dW itself when FUSED_COMBINE and there is one
-    partial). With FUSED_COMBINE the last partial program of each chunk to finish sums that
-    chunk's partials into dW, in dw_combine_kernel's order; arrival is counted in
-    COUNTERS[c] as in _finish_dw, and the finisher resets it to 0."""
+    with HAS_WEIGHT chunk c of PARTIAL[p], or of dW itself when TREE and there is one
+    partial (DwPlan "tree"); more partials are combined by dw_combine_kernel."""
     pid = tl.program_id(0)
     chunk = tl.program_id(1)
     row_start = pid * rows_per_partial
@@ -762,41 +760,33 @@ def rms_norm_bwd_chunks_kernel(DY, X, W, DX, DRES, ROW_STATS, PARTIAL, COUNTERS,
         dw_acc += _store_dx(to_f32(x), to_f32(dy), g, inv, c, DX, DRES, offs, mask, HAS_DRES)
         x, dy, offs, mask, inv, c = nx, ndy, noffs, nmask, ninv, nc
     if HAS_WEIGHT:
-        _store_dw_piece(DW, PARTIAL + pid.to(tl.int64) * N, dw_acc, chunk * BLOCK_N, N, num_partials,
-                        FUSED_COMBINE)
-        if FUSED_COMBINE and num_partials > 1:
-            tl.debug_barrier()
-            if tl.atomic_add(COUNTERS + chunk, 1, sem="acq_rel", scope="gpu") == num_partials - 1:
-                tl.atomic_xchg(COUNTERS + chunk, 0, sem="relaxed", scope="gpu")
-                _combine_columns(PARTIAL, DW, chunk, num_partials, N, GROUP_SIZE, BLOCK_N)
+        _store_dw_piece(DW, PARTIAL + pid.to(tl.int64) * N, dw_acc, chunk * BLOCK_N, N, num_partials, TREE)
 
 
 _dw_counters: dict[torch.device, torch.Tensor] = {}
 
 
-def _dw_counters_for(device: torch.device) -> torch.Tensor:
-    """Zeroed int32 counters (``_DW_COUNTERS`` of them) for the in-kernel dW combine, one
-    set per device.
+def _dw_counters_for(device: torch.device, max_groups: int) -> torch.Tensor:
+    """Zeroed int32 counters for the in-kernel dW combine, one set per device.
 
     The kernels leave them at zero, so they are allocated once and reused by every later
-    call, eager or inside CUDA graphs (never reallocated: a captured graph keeps their
-    address). Consequences: backward calls that combine dW in the kernel must not run
-    concurrently on two streams of one device (two graphs replayed at once included): with
-    the tree or the chunks they would compute a wrong dW, with the column programs
+    call, eager or inside CUDA graphs. Consequences: backward calls that combine dW in the
+    kernel must not run concurrently on two streams of one device (two graphs replayed at
+    once included): with the tree they would compute a wrong dW, with the column programs
     (``DwPlan.combine == "columns"``) they can also skip dx rows or hang the GPU, as one
     call's reset can hide the other's partial count from its waiting programs. And the
     first such call on a device must not be under graph capture (memory allocated there
     would belong to the graph and be zeroed only by its replays).
     """
     counters = _dw_counters.get(device)
-    if counters is None:
+    if counters is None or counters.numel() < max_groups + 1:
         if not INTERPRETER and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 "tpfuse.rms_norm backward: the first in-kernel dW reduction on "
                 f"{device} ran under CUDA graph capture; run one backward eagerly (e.g. the "
                 "usual warm-up iteration) before capturing, so its counters are allocated outside "
                 "the graph")
-        counters = torch.zeros(_DW_COUNTERS, dtype=torch.int32, device=device)
+        counters = torch.zeros(max_groups + 1, dtype=torch.int32, device=device)
         _dw_counters[device] = counters
     return counters
 
@@ -829,11 +819,9 @@ def rms_norm_bwd(
     plan = DwPlan.from_shape(n_rows, n, x.dtype)
     has_weight = weight is not None
     fused = has_weight and fused_combine and plan.combine != "launch"
-    partial = torch.empty((plan.num_partials, n), dtype=torch.float32, device=x.device) if has_weight else None
-    counters = _dw_counters_for(x.device) if fused else None
+    partial = torch.empty((plan.num_partials, n), dtype=torch.float32, device=x.device) if has_weight else dx
     operands = dict(DY=dy, X=x, W=weight if has_weight else x, DX=dx,
-                    DRES=dresidual_out if dresidual_out is not None else dx,
-                    PARTIAL=partial if has_weight else dx, COUNTERS=counters if fused else dx,
+                    DRES=dresidual_out if dresidual_out is not None else dx, PARTIAL=partial,
                     DW=dweight if has_weight else dx)
     if cfg.num_chunks > 1:
         _rms_norm_bwd_chunked(cfg, plan, operands, n_rows, n, eps, weight_offset, has_weight,
@@ -842,12 +830,15 @@ def rms_norm_bwd(
         combine = COMBINE_LAUNCH
         if fused:
             combine = COMBINE_TREE if plan.combine == "tree" else COMBINE_COLUMNS
-        group_sum = torch.empty((plan.num_groups, n), dtype=torch.float32, device=x.device) \
-            if combine == COMBINE_TREE else dx
+        group_sum = counters = dx
+        if combine == COMBINE_TREE:
+            group_sum = torch.empty((plan.num_groups, n), dtype=torch.float32, device=x.device)
+        if combine != COMBINE_LAUNCH:
+            counters = _dw_counters_for(x.device, triton.cdiv(_MAX_DW_PARTIALS, _DW_GROUP_SIZE))
         # A "columns" combine runs its column programs after the partials, in the same launch.
         grid = plan.num_partials + (plan.num_combine_programs if combine == COMBINE_COLUMNS else 0)
         rms_norm_bwd_kernel[(grid,)](
-            **operands, GROUP_SUM=group_sum,
+            **operands, GROUP_SUM=group_sum, COUNTERS=counters,
             n_rows=n_rows, N=n, rows_per_partial=plan.rows_per_partial, num_partials=plan.num_partials,
             num_combine_programs=plan.num_combine_programs, eps=eps, weight_offset=weight_offset,
             BLOCK_N=cfg.block_n, TAIL_N=cfg.bwd_tail_n, ROWS=cfg.bwd_rows,
@@ -867,8 +858,9 @@ _ROW_STATS_BLOCK = 1024  # rows per program of rms_norm_bwd_row_stats_kernel
 
 
 def _rms_norm_bwd_chunked(cfg: NormConfig, plan: DwPlan, operands: dict, n_rows: int, n: int, eps: float,
-                          weight_offset: float, has_weight: bool, has_dres: bool, fused: bool) -> None:
-    """The three launches of the chunked rows' backward (see rms_norm_bwd_chunks_kernel)."""
+                          weight_offset: float, has_weight: bool, has_dres: bool, tree: bool) -> None:
+    """The three launches of the chunked rows' backward (see rms_norm_bwd_chunks_kernel);
+    with ``tree`` (DwPlan "tree": one partial) the last stores dW itself."""
     x = operands["X"]
     chunk_sums = torch.empty((n_rows, cfg.num_chunks, 2), dtype=torch.float32, device=x.device)
     row_stats = torch.empty((n_rows, 2), dtype=torch.float32, device=x.device)
@@ -886,6 +878,5 @@ def _rms_norm_bwd_chunked(cfg: NormConfig, plan: DwPlan, operands: dict, n_rows:
     rms_norm_bwd_chunks_kernel[grid](
         **operands, ROW_STATS=row_stats, n_rows=n_rows, N=n, rows_per_partial=plan.rows_per_partial,
         num_partials=plan.num_partials, weight_offset=weight_offset, BLOCK_N=cfg.block_n,
-        HAS_WEIGHT=has_weight, HAS_DRES=has_dres, FUSED_COMBINE=fused,
-        GROUP_SIZE=plan.group_size, num_warps=_CHUNKED_BWD_WARPS, **EXACT_FP,
+        HAS_WEIGHT=has_weight, HAS_DRES=has_dres, TREE=tree, num_warps=_CHUNKED_BWD_WARPS, **EXACT_FP,
     )
