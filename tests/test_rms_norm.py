@@ -144,15 +144,20 @@ def test_fused_and_separate_dw_combine_give_the_same_bits(m, n):
     assert rel_err(outs[0][1], dw_ref) <= 2 * rel_err_budget(torch.bfloat16)
 
 
+@pytest.mark.parametrize("m", [1, 7])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_one_row_on_chunked_rows_writes_dw_without_a_combine(dtype):
-    """M=1 has one partial: on chunked rows its programs store dW themselves, with the
+def test_one_partial_on_chunked_rows_writes_dw_without_a_combine(dtype, m, monkeypatch):
+    """One partial (M=1; M=7 in one partial as rows of over _CHUNKED_BWD_PROGRAMS chunks
+    get it, forced here): on chunked rows its programs store dW themselves, with the
     separate launch's bits, signed zeros included."""
     n = 20000
+    if m > 1:
+        monkeypatch.setattr(K, "_CHUNKED_BWD_PROGRAMS", 1)
+    plan = K.DwPlan.from_shape(m, n, dtype)
     assert K.NormConfig.from_shape(n, dtype).num_chunks > 1
-    assert K.DwPlan.from_shape(1, n, dtype).combine == "tree"
-    x, w, _ = _inputs(1, n, dtype, "plain", seed=3)
-    dy = torch.randn(1, n).to(dtype).to(DEVICE)
+    assert plan.combine == "tree" and plan.rows_per_partial == m
+    x, w, _ = _inputs(m, n, dtype, "plain", seed=3)
+    dy = torch.randn(m, n).to(dtype).to(DEVICE)
     dy[:, :64], x[:, :32] = 0.0, -x[:, :32].abs() - 1  # dW[:32] = -0.0 per row, +0.0 once combined
     outs = []
     for fused in (True, False):
@@ -164,6 +169,20 @@ def test_one_row_on_chunked_rows_writes_dw_without_a_combine(dtype):
     dx_ref, dw_ref = reference.rms_norm_backward(dy, x, w)
     assert rel_err(outs[0][1], dw_ref) <= 2 * rel_err_budget(dtype)
     assert rel_err(outs[0][0], dx_ref) <= 2 * rel_err_budget(dtype)
+
+
+@pytest.mark.parametrize("n", [1000, 20000])
+def test_backward_dx_is_batch_invariant(n):
+    """A row's dx alone (one dW partial, the tree) and inside a batch at a random position:
+    the same bits."""
+    m = 300 if ON_GPU else 12
+    x, w, _ = _inputs(m, n, torch.bfloat16, "plain", seed=n + 1)
+    dy = torch.randn(m, n).to(torch.bfloat16).to(DEVICE)
+    pos = int(torch.randint(m, (1,)))
+    dx_batch, dx_alone = torch.full_like(x, float("nan")), torch.full_like(x[:1], float("nan"))
+    K.rms_norm_bwd(dy, x, w, dx_batch, torch.empty_like(w), 1e-6, 0.0)
+    K.rms_norm_bwd(dy[pos:pos + 1].clone(), x[pos:pos + 1].clone(), w, dx_alone, torch.empty_like(w), 1e-6, 0.0)
+    assert not dx_alone.isnan().any() and torch.equal(dx_batch[pos:pos + 1], dx_alone)
 
 
 # The backward's row layouts (NormConfig): rows in two pieces (bwd_tail_n) with and without

@@ -1,4 +1,5 @@
-"""RMSNorm kernels: forward, fused residual-add forward, backward with in-kernel dW reduction.
+"""RMSNorm kernels: forward, fused residual-add forward, backward with dW reduced in a fixed order
+(inside the backward launch, or for rows over 16384 elements in a combine launch).
 
 Every kernel works on tiles of ``ROWS x BLOCK_N`` (a row is split into ``NUM_CHUNKS`` column
 chunks of ``BLOCK_N`` when it is too long to keep in registers). ``NormConfig.from_shape``
@@ -89,8 +90,9 @@ _BWD_TWO_REDUCTION_BLOCK_N = 4096
 # Backward dW: per-program partial rows, combined in a fixed two-level order (groups of
 # DW_GROUP_SIZE summed in order, then the group sums in order). Their number depends on
 # (M, N, dtype) only, never the SM count, so dW has the same bits on every GPU of the arch:
-# half the rows, at least 16 (or one per row), at most 256, then rows per partial rounded
-# up to the backward tile's. 256 beat 1024 at every swept shape on H200;
+# half the rows, at least 16 (or one per row), at most 256 (chunked rows: at most
+# _CHUNKED_BWD_PROGRAMS / chunks, at least 1), then rows per partial rounded up to the
+# backward tile's. 256 beat 1024 at every swept shape on H200;
 # at small M more programs of fewer rows win (bf16, N=16384: M=16 in 16 one-row partials
 # 8.2 us, 8 two-row 10.2, 4 four-row 14.6; M=128 in 64 two-row partials 13.8, 128 one-row
 # 14.3, 32 four-row 16.4).
@@ -341,17 +343,19 @@ class DwPlan:
     ``num_partials`` programs each own ``rows_per_partial`` consecutive rows (a multiple of
     the tile height) and write one fp32 partial row. The partials are summed in a fixed
     two-level order: within groups of ``group_size`` in index order, then the group sums in
-    index order. ``combine`` says which programs of the backward launch do the sum, both in
-    that order, so the choice never changes a bit (nor does ``rms_norm_bwd``'s separate
-    combine launch, kept for comparison):
+    index order. ``combine`` says which programs do the sum, all in that order, so the
+    choice never changes a bit (nor does ``rms_norm_bwd(fused_combine=False)``, which always
+    takes the separate combine launch, for comparison):
 
     - "tree": the last program to finish in each group sums the group, and the last of
       those sums the group sums (``_finish_dw``). The finishers overlap with programs still
       running, which wins with many partials, but each reads whole partial rows alone.
-      With one partial (M=1) there is nothing to combine: its programs store dW themselves.
+      With one partial (M=1, or any M on chunked rows of over 2**20 bf16 elements) there is
+      nothing to combine: its program (each chunk's, on chunked rows) stores dW itself.
     - "columns": ``num_combine_programs`` extra programs, one per ``_COMBINE_BLOCK``
       columns, wait for every partial row and sum their columns (``_combine_when_done``).
-    - "launch": the separate combine launch (chunked rows of more than one partial).
+    - "launch": the separate combine launch, ``dw_combine_kernel`` (chunked rows of more
+      than one partial).
 
     Depends on (M, N, dtype) only.
     """
@@ -381,10 +385,10 @@ class DwPlan:
         # 32.1 vs 31.3; N=16384 M=1024 66.9 vs 58.3; but fp32 M=32768 (256 partials) went
         # from 93-96% of copy bandwidth at N=5120-8192 to 70-84% with the columns. A single
         # partial (M=1) needs no combine at all: its program writes dW. Chunked rows, whose
-        # backward is three launches over (partial, chunk) programs, lost to the separate
-        # launch with an in-kernel combine (the last of each chunk's programs summing the
-        # chunk), H200 bf16 N=65536, us, in-kernel vs separate: M=16 17.0 vs 14.1, M=128
-        # 41.3 vs 38.2, M=1024 202.7 vs 204.7; at M=1 6.7 vs 8.3.
+        # backward is three launches over (partial, chunk) programs, take the separate
+        # launch: an in-kernel combine there (the last of each chunk's programs summing the
+        # chunk) lost to it, H200 bf16 N=65536, us, in-kernel vs separate: M=16 17.0 vs
+        # 14.1, M=128 41.3 vs 38.2, M=1024 202.7 vs 204.7 (at M=1, no combine: 6.7 vs 8.3).
         if num_partials == 1:
             combine = "tree"
         elif cfg.num_chunks > 1:
@@ -804,9 +808,9 @@ def rms_norm_bwd(
 ) -> None:
     """Launch the backward on 2-D contiguous aligned operands; writes dx and dweight.
 
-    dW is combined inside the backward launch as ``DwPlan.combine`` says, or with
-    ``fused_combine=False`` by a second, column-parallel launch (the same bits; the
-    benchmark compares the two).
+    dW is combined as ``DwPlan.combine`` says (inside the backward launch, or by the
+    column-parallel ``dw_combine_kernel`` launch after it), or with ``fused_combine=False``
+    always by that launch (the same bits; the benchmark compares the two).
     """
     if (weight is None) != (dweight is None):
         raise ValueError("rms_norm_bwd: weight and dweight go together")
@@ -818,12 +822,14 @@ def rms_norm_bwd(
     cfg = NormConfig.from_shape(n, x.dtype)
     plan = DwPlan.from_shape(n_rows, n, x.dtype)
     has_weight = weight is not None
+    # Whether dW is summed (or, with one partial, stored) by the backward's own programs.
     fused = has_weight and fused_combine and plan.combine != "launch"
     partial = torch.empty((plan.num_partials, n), dtype=torch.float32, device=x.device) if has_weight else dx
     operands = dict(DY=dy, X=x, W=weight if has_weight else x, DX=dx,
                     DRES=dresidual_out if dresidual_out is not None else dx, PARTIAL=partial,
                     DW=dweight if has_weight else dx)
     if cfg.num_chunks > 1:
+        fused = fused and plan.num_partials == 1  # chunked rows only store a single partial as dW
         _rms_norm_bwd_chunked(cfg, plan, operands, n_rows, n, eps, weight_offset, has_weight,
                               dresidual_out is not None, fused)
     else:
