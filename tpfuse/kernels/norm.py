@@ -350,8 +350,8 @@ class DwPlan:
     - "tree": the last program to finish in each group sums the group, and the last of
       those sums the group sums (``_finish_dw``). The finishers overlap with programs still
       running, which wins with many partials, but each reads whole partial rows alone.
-      With one partial (M=1, or any M on chunked rows of over 2**20 bf16 elements) there is
-      nothing to combine: its program (each chunk's, on chunked rows) stores dW itself.
+      With one partial (M=1, or any M on rows of over 256 chunks, 2 MiB) there is nothing
+      to combine: its program (each chunk's, on chunked rows) stores dW itself.
     - "columns": ``num_combine_programs`` extra programs, one per ``_COMBINE_BLOCK``
       columns, wait for every partial row and sum their columns (``_combine_when_done``).
     - "launch": the separate combine launch, ``dw_combine_kernel`` (chunked rows of more
