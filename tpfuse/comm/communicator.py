@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from tpfuse import _runtime
+from tpfuse.comm import ops as comm_ops
 from tpfuse.comm.peer_memory import PeerMemory, PeerMemoryUnavailable
 from tpfuse.comm.plan import MAX_BLOCKS, AllReducePlan, FusedPlan, check_algo, check_fused_algo, ll_max_bytes
 from tpfuse.comm.quant_plan import QuantPlan, check_quant, default_quant_min_bytes
@@ -108,6 +109,8 @@ class Communicator:
         """Why no peer workspace exists (empty when one does, or when world_size is 1)."""
         if self.world_size > 1:
             self._setup()
+        self.group_name = comm_ops.register(self, self.group.group_name)
+        """This communicator's name for the ``torch.ops.tpfuse`` collectives (``tpfuse.comm.ops``)."""
 
     def _setup(self) -> None:
         peers = [None] * self.world_size
@@ -183,21 +186,29 @@ class Communicator:
             CommTimeoutError: a peer did not arrive (here or in an earlier call).
             RuntimeError: the communicator is closed or failed earlier.
         """
+        self._check_open()
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        check_quant(quant, quant_min_bytes)
+        if quant is None:
+            return torch.ops.tpfuse.all_reduce(x, self.group_name, algo)
+        if algo != "auto":
+            raise ValueError(f"quant={quant!r} needs algo='auto' (got {algo!r}): the quantized path picks its own "
+                             "algorithm")
+        return torch.ops.tpfuse.quantized_all_reduce(x, self.group_name, quant, quant_min_bytes)
+
+    def _check_input(self, x: torch.Tensor) -> None:
         self._check_usable()
         _runtime.check_float_tensor(x, "x")
         if x.device != self.device and self.world_size > 1:
             raise ValueError(f"x is on {x.device}, but this communicator serves {self.device}")
-        check_algo(algo)  # also where the call returns before planning
-        check_quant(quant, quant_min_bytes)
-        if quant is not None and algo != "auto":
-            raise ValueError(f"quant={quant!r} needs algo='auto' (got {algo!r}): the quantized path picks its own "
-                             "algorithm")
+
+    def _all_reduce(self, x: torch.Tensor, algo: str) -> torch.Tensor:
+        """``torch.ops.tpfuse.all_reduce``'s implementation: ``all_reduce(x, algo=algo)``."""
+        self._check_input(x)
+        check_algo(algo)
         if x.numel() == 0 or self.world_size == 1:
             return x.clone(memory_format=torch.contiguous_format)
-        if quant is not None:
-            out = self._quant_all_reduce(x, quant, quant_min_bytes)
-            if out is not None:
-                return out
         plan = AllReducePlan.from_numel(x.numel(), self.world_size, x.dtype, self.layout, algo)
         if plan.algo == "nccl":
             # A silent loss of the bitwise contract would surprise: warn unless it was asked for.
@@ -216,7 +227,17 @@ class Communicator:
             self._check_usable()
         return out
 
-    def _quant_all_reduce(self, x: torch.Tensor, codec: str, min_bytes: int | None) -> torch.Tensor | None:
+    def _quantized_all_reduce(self, x: torch.Tensor, codec: str, min_bytes: int | None) -> torch.Tensor:
+        """``torch.ops.tpfuse.quantized_all_reduce``'s implementation: ``all_reduce(x, quant=codec,
+        quant_min_bytes=min_bytes)``."""
+        self._check_input(x)
+        check_quant(codec, min_bytes)
+        if x.numel() == 0 or self.world_size == 1:
+            return x.clone(memory_format=torch.contiguous_format)
+        out = self._quantized_segments(x, codec, min_bytes)
+        return self._all_reduce(x, "auto") if out is None else out
+
+    def _quantized_segments(self, x: torch.Tensor, codec: str, min_bytes: int | None) -> torch.Tensor | None:
         """The quantized all-reduce of x, or None when the exact path serves this call."""
         threshold = default_quant_min_bytes(codec, self.world_size) if min_bytes is None else min_bytes
         if threshold is None or x.numel() * x.element_size() < threshold:
@@ -274,7 +295,14 @@ class Communicator:
         an explicit algo the workspace cannot serve) are raised before any communication
         starts. Other errors as ``all_reduce``. Not differentiable (no autograd).
         """
-        return self._all_reduce_norm(x, residual, weight, eps, weight_offset, algo, inplace)
+        self._check_open()
+        _check_no_grad(x, residual, weight)
+        if inplace:
+            y = torch.ops.tpfuse.all_reduce_add_rms_norm_(x, residual, weight, float(eps), float(weight_offset),
+                                                          self.group_name, algo)
+            return y, residual
+        return torch.ops.tpfuse.all_reduce_add_rms_norm(x, residual, weight, float(eps), float(weight_offset),
+                                                        self.group_name, algo)
 
     def all_reduce_rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, *,
                             weight_offset: float = 0.0, algo: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,9 +310,12 @@ class Communicator:
         to ``reduced = self.all_reduce(x); y = tpfuse.rms_norm(reduced, weight, eps,
         weight_offset=weight_offset)``. Arguments and errors as ``all_reduce_add_rms_norm``
         without the residual; both outputs are new tensors shaped like x."""
-        return self._all_reduce_norm(x, None, weight, eps, weight_offset, algo, False)
+        self._check_open()
+        _check_no_grad(x, None, weight)
+        return torch.ops.tpfuse.all_reduce_rms_norm(x, weight, float(eps), float(weight_offset), self.group_name, algo)
 
     def _all_reduce_norm(self, x, residual, weight, eps, weight_offset, algo, inplace):
+        """The fused ops' implementation (``tpfuse.comm.ops``): the methods above."""
         self._check_usable()
         check_norm_args(x, weight, weight_offset, residual)
         if x.device != self.device and self.world_size > 1:
@@ -295,7 +326,7 @@ class Communicator:
         plan = (FusedPlan("split", reason="one rank") if self.world_size == 1 or x.numel() == 0 else
                 FusedPlan.from_shape(x.numel() // n, n, self.world_size, x.dtype, self.layout, algo))
         if plan.algo == "split":
-            reduced = self.all_reduce(x)
+            reduced = self._all_reduce(x, "auto")
             if residual is None:
                 return rms_norm(reduced, weight, eps, weight_offset=weight_offset), reduced
             return add_rms_norm(reduced, residual, weight, eps, weight_offset=weight_offset, inplace=inplace)
@@ -328,9 +359,11 @@ class Communicator:
         self._check_usable()
 
     def close(self) -> None:
-        """Release the peer workspace (local; call it after this rank's last call)."""
+        """Release the peer workspace (local; call it after this rank's last call) and
+        unregister ``group_name``."""
         if self._closed:
             return
+        comm_ops.unregister(self.group_name)
         if self._peer is not None:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # no kernel of ours still uses the workspace
@@ -344,9 +377,12 @@ class Communicator:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _check_usable(self) -> None:
+    def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this Communicator is closed")
+
+    def _check_usable(self) -> None:
+        self._check_open()
         if self._failure is None and self._peer is not None:
             record = decode_status(self._status_view)
             if record is not None:
@@ -359,3 +395,12 @@ class Communicator:
         if message not in self._logged:
             self._logged.add(message)
             logger.log(level, "%s", message)
+
+
+def _check_no_grad(*tensors) -> None:
+    for t in tensors:
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"expected a torch.Tensor or None, got {type(t).__name__}")
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise ValueError("the fused all-reduce + RMSNorm is not differentiable: call it under torch.no_grad(), or "
+                         "use comm.all_reduce and tpfuse.add_rms_norm / tpfuse.rms_norm")

@@ -1,0 +1,120 @@
+"""The Communicator's collectives as ``torch.library`` custom ops, found by group name.
+
+``torch.compile`` cannot trace a Python method that launches Triton kernels on peer memory,
+and a graph break at every layer boundary would cost a compiled model most of its gain. So
+each collective is a custom op with a fake implementation (shapes only), and the
+``Communicator`` methods call these ops: eager, compiled and CUDA-graph-captured code run the
+same implementation, and so give the same bits.
+
+A communicator is named by its ``group_name`` (the process group's name, with ``#k``
+appended when another open communicator of the same group already holds that name; ranks
+that construct and close their communicators in the same order agree on the names). It is
+registered when constructed and unregistered by ``close()``; an op naming no open
+communicator raises ``KeyError``.
+
+Ops (every rank of the group must call them in the same order, with the same shapes):
+
+- ``tpfuse::all_reduce(x, group_name, algo) -> Tensor``
+- ``tpfuse::quantized_all_reduce(x, group_name, codec, min_bytes) -> Tensor`` (min_bytes:
+  None = the codec's table, ``tpfuse.comm.quant_plan``)
+- ``tpfuse::all_reduce_add_rms_norm(x, residual, weight, eps, weight_offset, group_name,
+  algo) -> (y, residual_out)``
+- ``tpfuse::all_reduce_add_rms_norm_(...)`` the same arguments, writes residual_out into
+  ``residual`` (declared mutated) and returns y
+- ``tpfuse::all_reduce_rms_norm(x, weight, eps, weight_offset, group_name, algo) -> (y,
+  reduced)``
+
+Their semantics are the Communicator methods' of the same names. Outputs are new contiguous
+tensors of x's shape and dtype; none aliases an input. The ops are not differentiable.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+Tensor = torch.Tensor
+
+_COMMUNICATORS: dict = {}
+"""Open communicators of this process by group name."""
+
+
+def register(comm, group_name: str) -> str:
+    """Register ``comm`` under ``group_name`` (``#1``, ``#2``, ... appended while taken); the name."""
+    name, k = group_name, 0
+    while name in _COMMUNICATORS:
+        k += 1
+        name = f"{group_name}#{k}"
+    _COMMUNICATORS[name] = comm
+    return name
+
+
+def unregister(group_name: str) -> None:
+    _COMMUNICATORS.pop(group_name, None)
+
+
+def lookup(group_name: str):
+    """The open communicator named ``group_name``; KeyError naming the open ones otherwise."""
+    comm = _COMMUNICATORS.get(group_name)
+    if comm is None:
+        raise KeyError(f"no open tpfuse Communicator has group_name {group_name!r} (open: {sorted(_COMMUNICATORS)}); "
+                       "construct one on this process group first, and do not close it while ops still use it")
+    return comm
+
+
+def _like(x: Tensor) -> Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("tpfuse::all_reduce", mutates_args=())
+def all_reduce(x: Tensor, group_name: str, algo: str) -> Tensor:
+    return lookup(group_name)._all_reduce(x, algo)
+
+
+@all_reduce.register_fake
+def _(x, group_name, algo):
+    return _like(x)
+
+
+@torch.library.custom_op("tpfuse::quantized_all_reduce", mutates_args=())
+def quantized_all_reduce(x: Tensor, group_name: str, codec: str, min_bytes: Optional[int]) -> Tensor:
+    return lookup(group_name)._quantized_all_reduce(x, codec, min_bytes)
+
+
+@quantized_all_reduce.register_fake
+def _(x, group_name, codec, min_bytes):
+    return _like(x)
+
+
+@torch.library.custom_op("tpfuse::all_reduce_add_rms_norm", mutates_args=())
+def all_reduce_add_rms_norm(x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float, weight_offset: float,
+                            group_name: str, algo: str) -> tuple[Tensor, Tensor]:
+    return lookup(group_name)._all_reduce_norm(x, residual, weight, eps, weight_offset, algo, inplace=False)
+
+
+@all_reduce_add_rms_norm.register_fake
+def _(x, residual, weight, eps, weight_offset, group_name, algo):
+    return _like(x), _like(x)
+
+
+@torch.library.custom_op("tpfuse::all_reduce_add_rms_norm_", mutates_args=("residual",))
+def all_reduce_add_rms_norm_(x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float, weight_offset: float,
+                             group_name: str, algo: str) -> Tensor:
+    return lookup(group_name)._all_reduce_norm(x, residual, weight, eps, weight_offset, algo, inplace=True)[0]
+
+
+@all_reduce_add_rms_norm_.register_fake
+def _(x, residual, weight, eps, weight_offset, group_name, algo):
+    return _like(x)
+
+
+@torch.library.custom_op("tpfuse::all_reduce_rms_norm", mutates_args=())
+def all_reduce_rms_norm(x: Tensor, weight: Optional[Tensor], eps: float, weight_offset: float, group_name: str,
+                        algo: str) -> tuple[Tensor, Tensor]:
+    return lookup(group_name)._all_reduce_norm(x, None, weight, eps, weight_offset, algo, inplace=False)
+
+
+@all_reduce_rms_norm.register_fake
+def _(x, weight, eps, weight_offset, group_name, algo):
+    return _like(x), _like(x)
