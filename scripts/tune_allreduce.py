@@ -49,8 +49,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import tpfuse.comm  # noqa: E402,F401  (sets the no-multicast environment before ranks are spawned)
 from tpfuse import reference  # noqa: E402
-from tpfuse.bench import allreduce as B  # noqa: E402
-from tpfuse.bench.common import rotation, run_header  # noqa: E402
+from tpfuse.bench import common as C  # noqa: E402
+from tpfuse.bench.common import fmt_size, random_inputs, rotation, run_header, same_bits, spawn_ranks  # noqa: E402
 
 KiB, MiB = 1024, 1024 * 1024
 # Most telling first, so a run stopped by --budget-s still covers the targets.
@@ -62,7 +62,7 @@ KNOBS = {
     "twoshot": dict(ctas=[32, 64, 96, 128], tile=[8 * KiB, 16 * KiB, 32 * KiB], warps=[4, 8, 16],
                     gather=["push", "pull"], ll=["-"]),
 }
-B.REPEATS, B.MIN_SAMPLE_MS = 3, 5.0  # the bench's 5 x 20 ms per point would not fit
+C.REPEATS, C.MIN_SAMPLE_MS = 3, 5.0  # the bench's 5 x 20 ms per point would not fit
 
 
 def _configs(algo):
@@ -123,7 +123,7 @@ def _summary(records, world) -> str:
                 bests.append(best["us"])
         ratio = f"{min(bests) / nccl['us']:.2f}" if bests and nccl else "-"
         ncell = "-" if nccl is None else f"{nccl['us']:.1f} ({nccl['busbw_gbps']:.0f})"
-        lines.append(f"| {B._fmt_size(s)} | {ncell} | " + " | ".join(cells) + f" | {ratio} |")
+        lines.append(f"| {fmt_size(s)} | {ncell} | " + " | ".join(cells) + f" | {ratio} |")
     lines.append("")
     # One setting per algorithm (the knobs do not depend on the size): the configuration whose
     # time, over the sizes the algorithm serves, is closest to the per-size best (geomean).
@@ -146,11 +146,11 @@ def _summary(records, world) -> str:
                 if ratios:
                     scores.append((math.exp(sum(map(math.log, ratios)) / len(ratios)), cfg, ratios))
         scores.sort(key=lambda t: t[0])
-        lines.append(f"{algo} over {', '.join(B._fmt_size(s) for s in sizes)}: closest to per-size best (geomean "
+        lines.append(f"{algo} over {', '.join(fmt_size(s) for s in sizes)}: closest to per-size best (geomean "
                      "ratio; per-size ratios):")
         for score, cfg, ratios in scores[:5]:
             lines.append(f"  {_fmt_cfg(cfg):<22} {score:.3f}  " + " ".join(f"{x:.2f}" for x in ratios))
-    wrong = sorted({f"{B._fmt_size(r['size_bytes'])} {r['algo']} {_fmt_cfg(r['cfg'])}" for r in records
+    wrong = sorted({f"{fmt_size(r['size_bytes'])} {r['algo']} {_fmt_cfg(r['cfg'])}" for r in records
                     if r["algo"] != "nccl" and not r["bitwise"]})
     lines.append("")
     lines.append("NOT BITWISE: " + "; ".join(wrong) if wrong else "every tpfuse result bitwise equal to the reference")
@@ -166,8 +166,8 @@ def _worker(rank: int, world: int, port: int, opts: dict) -> None:
     smoke = opts["cpu_smoke"]
     if smoke:  # the sweep's logic on CPU ranks under Triton's interpreter; times are meaningless
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        B._agreed_max = _agreed_max_cpu
-        B._graph_us = _wall_us
+        C.agreed_max = _agreed_max_cpu
+        C.collective_graph_us = _wall_us
     else:
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -180,7 +180,7 @@ def _worker(rank: int, world: int, port: int, opts: dict) -> None:
                         ll=P.LL_MAX_BYTES.get(world, P.LL_MAX_BYTES[8]) if a == "oneshot" else "-")
                 for a in ("oneshot", "twoshot")}
     header = run_header() | {"world_size": world, "dtype": "bf16", "knobs": KNOBS, "defaults": defaults,
-                             "repeats": B.REPEATS, "min_sample_ms": B.MIN_SAMPLE_MS}
+                             "repeats": C.REPEATS, "min_sample_ms": C.MIN_SAMPLE_MS}
     records, stopped = [], None
     try:
         saved_ll, P.LL_MAX_BYTES = P.LL_MAX_BYTES, dict.fromkeys(P.LL_MAX_BYTES, max(ONESHOT_SIZES, default=0))
@@ -191,7 +191,7 @@ def _worker(rank: int, world: int, port: int, opts: dict) -> None:
         with comm:
             for nbytes in sizes:
                 n = nbytes // dtype.itemsize
-                xs = B._inputs(n, dtype, world, "cpu" if smoke else "cuda", seed=nbytes)
+                xs = random_inputs(n, dtype, world, "cpu" if smoke else "cuda", seed=nbytes)
                 ref = reference.all_reduce(xs)
                 pool = [xs[rank].clone() for _ in range(rotation(nbytes))]
 
@@ -202,15 +202,15 @@ def _worker(rank: int, world: int, port: int, opts: dict) -> None:
                     records.append(rec | (extra or {}))
 
                 nccl_pool = [p.clone() for p in pool]
-                put("nccl", None, B._graph_us(lambda i: dist.all_reduce(nccl_pool[i]), len(nccl_pool)), False)
+                put("nccl", None, C.collective_graph_us(lambda i: dist.all_reduce(nccl_pool[i]), len(nccl_pool)), False)
                 for algo in opts["algos"]:
                     if algo == "oneshot" and nbytes not in ONESHOT_SIZES:
                         continue
                     seen = {}
                     for cfg in _configs(algo):
                         # Agreed across ranks, so every rank stops at the same configuration.
-                        if B._agreed_max(time.monotonic() - t0) > opts["budget_s"]:
-                            stopped = f"budget of {opts['budget_s']} s reached at {B._fmt_size(nbytes)} {algo}"
+                        if C.agreed_max(time.monotonic() - t0) > opts["budget_s"]:
+                            stopped = f"budget of {opts['budget_s']} s reached at {fmt_size(nbytes)} {algo}"
                             raise TimeoutError(stopped)
                         with _Knobs(P, algo, cfg):
                             plan = P.AllReducePlan.from_numel(n, world, dtype, comm.layout, algo)
@@ -220,15 +220,15 @@ def _worker(rank: int, world: int, port: int, opts: dict) -> None:
                                 put(algo, cfg, r["us"], r["bitwise"], dict(grid=plan.grid, same_as=r["cfg"]))
                                 continue
                             out = comm.all_reduce(pool[0], algo=algo)
-                            bitwise = B._same_bits(out, ref)
-                            us = B._graph_us(lambda i: comm.all_reduce(pool[i], algo=algo), len(pool))  # noqa: B023
+                            bitwise = same_bits(out, ref)
+                            us = C.collective_graph_us(lambda i: comm.all_reduce(pool[i], algo=algo), len(pool))  # noqa: B023
                         put(algo, cfg, us, bitwise, dict(grid=plan.grid))
                         seen[key] = records[-1]
                 if rank == 0:
                     done = [r for r in records if r["size_bytes"] == nbytes]
                     best = {a: min((r for r in done if r["algo"] == a), key=lambda r: r["us"], default=None)
                             for a in ("nccl", "oneshot", "twoshot")}
-                    print(f"[{time.monotonic() - t0:5.0f}s] {B._fmt_size(nbytes):>8}: " + "  ".join(
+                    print(f"[{time.monotonic() - t0:5.0f}s] {fmt_size(nbytes):>8}: " + "  ".join(
                         f"{a} {r['us']:.1f}us" + (f" ({_fmt_cfg(r['cfg'])})" if r["cfg"] else "")
                         for a, r in best.items() if r), flush=True)
                     _write(opts["out"], header, records, None)
@@ -288,12 +288,12 @@ def main(argv=None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"  # the spawned ranks run the kernels on CPU
         knobs = {a: k | dict(ctas=[1, 4], tile=[8 * KiB, 64 * KiB], warps=[4]) for a, k in knobs.items()}
         opts.update(sizes=[8 * KiB, 64 * KiB], oneshot_sizes=[8 * KiB, 64 * KiB], knobs=knobs, max_size=64 * KiB)
-        return B.spawn_ranks(_worker, 2, opts)
+        return spawn_ranks(_worker, 2, opts)
     world = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if world < 2:
         print(f"{world} CUDA GPU(s): this sweep needs 2 or more")
         return 1
-    return B.spawn_ranks(_worker, world, opts)
+    return spawn_ranks(_worker, world, opts)
 
 
 if __name__ == "__main__":

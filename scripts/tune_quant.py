@@ -17,7 +17,7 @@ import sys
 import torch
 
 from tpfuse.bench import quant as bench_quant
-from tpfuse.bench.allreduce import spawn_ranks
+from tpfuse.bench.common import spawn_ranks
 from tpfuse.comm import quant_plan
 
 CONFIGS = [(2048, 8, 128), (4096, 8, 128), (2048, 16, 128), (4096, 16, 128), (8192, 16, 128), (16384, 16, 128),

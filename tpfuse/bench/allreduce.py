@@ -17,114 +17,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import tpfuse.comm  # noqa: F401  (sets the no-multicast environment before ranks are spawned)
 from tpfuse import reference
-from tpfuse.bench.common import graph_time_us, header_markdown, rotation, run_header, write_results
+from tpfuse.bench.common import (DTYPES, KiB, SymmMemAllReduce, collective_graph_us, fmt_size, header_markdown,
+                                 init_rank, random_inputs, rotation, run_header, run_workers, same_bits, write_results)
 
-KiB, MiB = 1024, 1024 * 1024
 SIZES = [4 * KiB << i for i in range(17)]  # 4 KiB .. 256 MiB
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 METHODS = ["nccl", "symm_oneshot", "symm_twoshot", "tpfuse_auto", "tpfuse_oneshot", "tpfuse_twoshot"]
-CALLS_PER_GRAPH, REPEATS, MIN_SAMPLE_MS = 20, 5, 20.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _inputs(numel: int, dtype: torch.dtype, world: int, device: str, seed: int = 0) -> list[torch.Tensor]:
-    """Every rank's input (the same on every rank, from the seed), never zeros."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    return [torch.randn(numel, generator=g, device=device).to(dtype) for _ in range(world)]
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-
-
-def _agreed_max(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
-def _graph_us(fn, rot: int) -> float:
-    """Microseconds per call of ``fn(i)``, 20 calls captured in one graph; every rank replays
-    the same number of times (a collective must), starting together; slowest rank's median."""
-    # _agreed_max, REPEATS and MIN_SAMPLE_MS are looked up per call: scripts/tune_allreduce.py
-    # replaces them.
-    return graph_time_us(lambda i: fn(i % rot), CALLS_PER_GRAPH, REPEATS, MIN_SAMPLE_MS, agree=_agreed_max,
-                         capture_error_mode="thread_local")  # NCCL's watchdog thread keeps running
-
-
-def spawn_ranks(worker, world: int, opts: dict) -> int:
-    """Run ``worker(rank, world, port, opts)`` in ``world`` spawned processes (a free local
-    port for the process group); 0 when every rank returns, else 1 after printing the failure."""
-    try:
-        mp.spawn(worker, args=(world, _free_port(), opts), nprocs=world, join=True)
-    # The two kinds of ProcessException: torch.multiprocessing does not export the base class.
-    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-        print(e, file=sys.stderr)
-        return 1
-    return 0
-
-
-def run_workers(gpu_worker, cpu_worker, opts: dict) -> int:
-    """Run a collective benchmark where it can run: as this torchrun rank, on every visible
-    GPU (2 or more, one spawned process each), or else as two CPU ranks under Triton's
-    interpreter (``cpu_worker``, a correctness check). Returns the exit code."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
-        gpu_worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, opts)
-        return 0
-    ngpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if ngpu >= 2:
-        return spawn_ranks(gpu_worker, ngpu, opts)
-    print(f"{ngpu} CUDA GPU(s): running the CPU emulation instead")
-    os.environ["TRITON_INTERPRET"] = "1"  # the spawned ranks run the kernels on CPU
-    return spawn_ranks(cpu_worker, 2, opts)
-
-
-def init_rank(rank: int, world: int, port: int | None, backend: str) -> None:
-    """Join the benchmark's process group: "nccl" on GPU LOCAL_RANK (default: rank), or
-    "gloo" on CPU; port None means torchrun's environment."""
-    init = "env://" if port is None else f"tcp://127.0.0.1:{port}"
-    if backend == "gloo":
-        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-        return
-    local = int(os.environ.get("LOCAL_RANK", rank))
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world,
-                            device_id=torch.device("cuda", local))
-
-
-class _SymmMem:
-    """torch's own symmetric-memory all-reduce ops on one registered buffer (the peer we
-    compare with; tpfuse itself reaches symmetric memory only through tpfuse.comm)."""
-
-    def __init__(self, nbytes: int, dtype: torch.dtype):
-        import torch.distributed._symmetric_memory as symm_mem
-
-        group = dist.group.WORLD
-        self.group_name = group.group_name
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):
-            symm_mem.enable_symm_mem_for_group(self.group_name)
-        self.buf = symm_mem.empty(nbytes // dtype.itemsize, dtype=dtype, device="cuda")
-        symm_mem.rendezvous(self.buf, group)
-
-    def oneshot(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.symm_mem.one_shot_all_reduce(x, "sum", self.group_name)
-
-    def twoshot(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.symm_mem.two_shot_all_reduce_(x, "sum", self.group_name)
 
 
 def _measure_size(nbytes, dtype, comm, symm, world, rank):
@@ -132,7 +36,7 @@ def _measure_size(nbytes, dtype, comm, symm, world, rank):
     from tpfuse.comm.plan import AllReducePlan
 
     n = nbytes // dtype.itemsize
-    xs = _inputs(n, dtype, world, "cuda", seed=nbytes)
+    xs = random_inputs(n, dtype, world, "cuda", seed=nbytes)
     ref = reference.all_reduce(xs)
     rot = rotation(nbytes)
     pool = [xs[rank].clone() for _ in range(rot)]
@@ -152,11 +56,11 @@ def _measure_size(nbytes, dtype, comm, symm, world, rank):
         try:
             inputs[0].copy_(xs[rank])
             out = fn(inputs[0])
-            bitwise = _same_bits(inputs[0] if out is None else out, ref)  # nccl and two-shot work in place
-            us = _graph_us(lambda i: fn(inputs[i]), len(inputs))  # noqa: B023  (called right here)
+            bitwise = same_bits(inputs[0] if out is None else out, ref)  # nccl and two-shot work in place
+            us = collective_graph_us(lambda i: fn(inputs[i]), len(inputs))  # noqa: B023  (called right here)
         except Exception as e:  # noqa: BLE001  a peer's limit (every rank raises alike): keep measuring
             if rank == 0:
-                print(f"{method} at {_fmt_size(nbytes)} failed: {type(e).__name__}: {e}", flush=True)
+                print(f"{method} at {fmt_size(nbytes)} failed: {type(e).__name__}: {e}", flush=True)
             continue
         rec = dict(size_bytes=nbytes, method=method, us=round(us, 2), bitwise=bool(bitwise),
                    busbw_gbps=round(2 * (world - 1) / world * nbytes / (us * 1e-6) / 1e9, 1))
@@ -164,10 +68,6 @@ def _measure_size(nbytes, dtype, comm, symm, world, rank):
             rec["algo"] = AllReducePlan.from_numel(n, world, dtype, comm.layout).algo
         records.append(rec)
     return records
-
-
-def _fmt_size(nbytes: int) -> str:
-    return f"{nbytes // MiB} MiB" if nbytes >= MiB else f"{nbytes // KiB} KiB"
 
 
 def _markdown(records, header, world, dtype_name, max_bytes) -> str:
@@ -187,7 +87,7 @@ def _markdown(records, header, world, dtype_name, max_bytes) -> str:
         peers = [by[(s, m)]["us"] for m in ("nccl", "symm_oneshot", "symm_twoshot") if (s, m) in by]
         auto = by.get((s, "tpfuse_auto"))
         ratio = f"{auto['us'] / min(peers):.2f}" if auto and peers else "-"
-        md += f"| {_fmt_size(s)} | " + " | ".join(cells) + f" | {ratio} |\n"
+        md += f"| {fmt_size(s)} | " + " | ".join(cells) + f" | {ratio} |\n"
     return md
 
 
@@ -220,7 +120,7 @@ def _gpu_worker(rank: int, world: int, port: int | None, opts: dict) -> None:
     max_bytes = max(sizes)
     try:
         try:
-            symm = _SymmMem(max_bytes, dtype)
+            symm = SymmMemAllReduce(max_bytes, dtype)
         except Exception as e:  # noqa: BLE001  torch builds without symmetric memory: measure the rest
             symm = None
             if rank == 0:
@@ -230,9 +130,9 @@ def _gpu_worker(rank: int, world: int, port: int | None, opts: dict) -> None:
             for nbytes in sizes:
                 records += _measure_size(nbytes, dtype, comm, symm, world, rank)
                 if rank == 0:
-                    print(f"{_fmt_size(nbytes):>8}: " + "  ".join(f"{r['method']} {r['us']:.1f}us" for r in records
+                    print(f"{fmt_size(nbytes):>8}: " + "  ".join(f"{r['method']} {r['us']:.1f}us" for r in records
                                                              if r["size_bytes"] == nbytes), flush=True)
-        wrong = [f"{_fmt_size(r['size_bytes'])} {r['method']}" for r in records
+        wrong = [f"{fmt_size(r['size_bytes'])} {r['method']}" for r in records
                  if r["method"].startswith("tpfuse") and not r["bitwise"]]
         if rank == 0:
             header = run_header() | {"world_size": world, "dtype": opts["dtype"], "tpfuse_max_bytes": max_bytes}
@@ -258,19 +158,19 @@ def _cpu_worker(rank: int, world: int, port: int, opts: dict) -> None:
     rows = []
     with Communicator(timeout_s=60) as comm:
         for nbytes in (4 * KiB, 64 * KiB, 256 * KiB):
-            xs = _inputs(nbytes // 2, torch.bfloat16, world, "cpu", seed=nbytes)
+            xs = random_inputs(nbytes // 2, torch.bfloat16, world, "cpu", seed=nbytes)
             ref = reference.all_reduce(xs)
             for algo in ("oneshot", "twoshot", "auto"):
                 start = time.perf_counter()
                 out = comm.all_reduce(xs[rank], algo=algo)
-                rows.append((nbytes, algo, _same_bits(out, ref), (time.perf_counter() - start) * 1e3))
+                rows.append((nbytes, algo, same_bits(out, ref), (time.perf_counter() - start) * 1e3))
     dist.destroy_process_group()
     if rank == 0:
         print(f"CPU emulation: {world} ranks under Triton's interpreter, bf16. Timings need GPUs; "
               "the milliseconds below are the interpreter's, not a measurement.\n")
         print("| size | algo | bitwise equal to reference | interpreter ms |\n|---|---|---|---|")
         for nbytes, algo, ok, ms in rows:
-            print(f"| {_fmt_size(nbytes)} | {algo} | {'yes' if ok else 'NO'} | {ms:.0f} |")
+            print(f"| {fmt_size(nbytes)} | {algo} | {'yes' if ok else 'NO'} | {ms:.0f} |")
     if not all(ok for _, _, ok, _ in rows):
         raise RuntimeError(f"rank {rank}: a result differs from tpfuse.reference.all_reduce")
 

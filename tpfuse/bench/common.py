@@ -1,4 +1,5 @@
-"""Shared benchmark utilities: the run header, CUDA-graph timing, copy bandwidth, output files."""
+"""Shared benchmark utilities: the run header, rank processes, CUDA-graph timing (alone and
+across ranks), copy bandwidth, inputs, bit comparison, output files."""
 
 from __future__ import annotations
 
@@ -6,11 +7,20 @@ import datetime
 import json
 import os
 import re
+import socket
 import statistics
 import subprocess
+import sys
 from typing import Callable
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+KiB, MiB = 1024, 1024 * 1024
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+CALLS_PER_GRAPH, REPEATS, MIN_SAMPLE_MS = 20, 5, 20.0
+"""Collective timing (``collective_graph_us``); scripts/tune_allreduce.py lowers the last two."""
 
 
 def _commit() -> str:
@@ -151,3 +161,102 @@ def write_results(out_dir: str, name: str, header: dict, records: list[dict], ma
 def header_markdown(title: str, header: dict) -> str:
     fields = ", ".join(f"{k} {v}" for k, v in header.items())
     return f"# {title}\n\n{fields}\n\n"
+
+
+# ---- collectives: rank processes and timing agreed over the ranks
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(worker, world: int, opts: dict) -> int:
+    """Run ``worker(rank, world, port, opts)`` in ``world`` spawned processes (a free local
+    port for the process group); 0 when every rank returns, else 1 after printing the failure."""
+    try:
+        mp.spawn(worker, args=(world, free_port(), opts), nprocs=world, join=True)
+    # The two kinds of ProcessException: torch.multiprocessing does not export the base class.
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        print(e, file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_workers(gpu_worker, cpu_worker, opts: dict) -> int:
+    """Run a collective benchmark where it can run: as this torchrun rank, on every visible
+    GPU (2 or more, one spawned process each), or else as two CPU ranks under Triton's
+    interpreter (``cpu_worker``, a correctness check). Returns the exit code."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
+        gpu_worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, opts)
+        return 0
+    ngpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if ngpu >= 2:
+        return spawn_ranks(gpu_worker, ngpu, opts)
+    print(f"{ngpu} CUDA GPU(s): running the CPU emulation instead")
+    os.environ["TRITON_INTERPRET"] = "1"  # the spawned ranks run the kernels on CPU
+    return spawn_ranks(cpu_worker, 2, opts)
+
+
+def init_rank(rank: int, world: int, port: int | None, backend: str) -> None:
+    """Join the benchmark's process group: "nccl" on GPU LOCAL_RANK (default: rank), or
+    "gloo" on CPU; port None means torchrun's environment."""
+    init = "env://" if port is None else f"tcp://127.0.0.1:{port}"
+    if backend == "gloo":
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+        return
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world,
+                            device_id=torch.device("cuda", local))
+
+
+def agreed_max(value: float) -> float:
+    """The largest ``value`` over the ranks (a collective on the GPU group)."""
+    t = torch.tensor([value], dtype=torch.float64, device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def collective_graph_us(fn, rot: int) -> float:
+    """Microseconds per call of ``fn(i)``, CALLS_PER_GRAPH calls captured in one graph; every
+    rank replays the same number of times (a collective must), starting together; slowest
+    rank's median."""
+    return graph_time_us(lambda i: fn(i % rot), CALLS_PER_GRAPH, REPEATS, MIN_SAMPLE_MS, agree=agreed_max,
+                         capture_error_mode="thread_local")  # NCCL's watchdog thread keeps running
+
+
+def random_inputs(numel: int, dtype: torch.dtype, world: int, device: str, seed: int = 0) -> list[torch.Tensor]:
+    """Every rank's input (the same on every rank, from the seed), never zeros."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    return [torch.randn(numel, generator=g, device=device).to(dtype) for _ in range(world)]
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def fmt_size(nbytes: int) -> str:
+    return f"{nbytes // MiB} MiB" if nbytes >= MiB else f"{nbytes // KiB} KiB"
+
+
+class SymmMemAllReduce:
+    """torch's own symmetric-memory all-reduce ops on one registered buffer (the peer we
+    compare with; tpfuse itself reaches symmetric memory only through tpfuse.comm)."""
+
+    def __init__(self, nbytes: int, dtype: torch.dtype):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        group = dist.group.WORLD
+        self.group_name = group.group_name
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):
+            symm_mem.enable_symm_mem_for_group(self.group_name)
+        self.buf = symm_mem.empty(nbytes // dtype.itemsize, dtype=dtype, device="cuda")
+        symm_mem.rendezvous(self.buf, group)
+
+    def oneshot(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.symm_mem.one_shot_all_reduce(x, "sum", self.group_name)
+
+    def twoshot(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.symm_mem.two_shot_all_reduce_(x, "sum", self.group_name)

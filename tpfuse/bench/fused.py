@@ -24,8 +24,8 @@ import torch.nn.functional as F
 
 import tpfuse
 from tpfuse import reference
-from tpfuse.bench.allreduce import _graph_us, _same_bits, init_rank, run_workers
-from tpfuse.bench.common import header_markdown, rotation, run_header, write_results
+from tpfuse.bench.common import (collective_graph_us, header_markdown, init_rank, rotation, run_header, run_workers,
+                                 same_bits, write_results)
 
 DECODE = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 PREFILL = [512, 1024, 2048, 4096, 8192, 16384]
@@ -68,7 +68,7 @@ def _measure_shape(tokens, hidden, comm, world, rank):
     x = xs[rank]
     methods = _methods(comm, weight)
     split_out = methods["split"](x, residual)
-    spec_ok = _same_bits(split_out[1], reference.all_reduce_add_rms_norm(xs, residual, weight, EPS)[1])
+    spec_ok = same_bits(split_out[1], reference.all_reduce_add_rms_norm(xs, residual, weight, EPS)[1])
     rot = rotation(2 * x.numel() * x.element_size())
     pool = [(x.clone(), residual.clone()) for _ in range(rot)]
     records = []
@@ -79,8 +79,8 @@ def _measure_shape(tokens, hidden, comm, world, rank):
             except ValueError:
                 continue  # this algorithm does not serve the shape with this workspace
         out = fn(x, residual)
-        bitwise = name == "nccl_torch" or (all(_same_bits(a, b) for a, b in zip(out, split_out)) and spec_ok)
-        us = _graph_us(lambda i: fn(*pool[i]), rot)  # noqa: B023  (called right here)
+        bitwise = name == "nccl_torch" or (all(same_bits(a, b) for a, b in zip(out, split_out)) and spec_ok)
+        us = collective_graph_us(lambda i: fn(*pool[i]), rot)  # noqa: B023  (called right here)
         rec = dict(tokens=tokens, hidden=hidden, method=name, us=round(us, 2), bitwise=bool(bitwise))
         if name == "auto":
             rec["algo"] = FusedPlan.from_shape(tokens, hidden, world, x.dtype, comm.layout).algo
@@ -147,7 +147,7 @@ def _cpu_worker(rank: int, world: int, port: int, opts: dict) -> None:
             split_out = methods["split"](xs[rank], residual)
             for name in ("oneshot", "twoshot", "auto"):
                 out = methods[name](xs[rank], residual)
-                rows.append((tokens, hidden, name, all(_same_bits(a, b) for a, b in zip(out, split_out))))
+                rows.append((tokens, hidden, name, all(same_bits(a, b) for a, b in zip(out, split_out))))
     dist.destroy_process_group()
     if rank == 0:
         print(f"CPU emulation: {world} ranks under Triton's interpreter, bf16 (timings need GPUs).\n")

@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from tpfuse import reference
-from tpfuse.bench.allreduce import DTYPES, KiB, MiB, _agreed_max, _fmt_size, _inputs, _same_bits, init_rank
-from tpfuse.bench.common import graph_time_us, header_markdown, rotation, run_header, write_results
+from tpfuse.bench.common import (DTYPES, KiB, MiB, agreed_max, fmt_size, graph_time_us, header_markdown, init_rank,
+                                 random_inputs, rotation, run_header, same_bits, write_results)
 
 QUANT_SIZES = [MiB << i for i in range(10)]  # 1 MiB .. 512 MiB
 CODECS = list(reference.QUANT_CODECS)
@@ -47,7 +47,7 @@ def _quantized(method: str) -> str | None:
 
 def _measure_size(nbytes, dtype, comm, qcomm, world, rank):
     n = nbytes // dtype.itemsize
-    xs = _inputs(n, dtype, world, "cuda", seed=nbytes)
+    xs = random_inputs(n, dtype, world, "cuda", seed=nbytes)
     exact64 = torch.zeros(n, dtype=torch.float64, device="cuda")
     for x in xs:
         exact64 += x.double()
@@ -64,14 +64,14 @@ def _measure_size(nbytes, dtype, comm, qcomm, world, rank):
             out = fn(pool[0])
             out = pool[0] if out is None else out  # NCCL works in place
             ref = reference.quantized_all_reduce(xs, codec) if codec else reference.all_reduce(xs)
-            bitwise = _same_bits(out, ref)
+            bitwise = same_bits(out, ref)
             err = reference.rel_err(out, exact64)
             del out, ref
             us = graph_time_us(lambda i: fn(pool[i % rot]), _calls_per_graph(nbytes), REPEATS,  # noqa: B023
-                               MIN_SAMPLE_MS, agree=_agreed_max, capture_error_mode="thread_local")
+                               MIN_SAMPLE_MS, agree=agreed_max, capture_error_mode="thread_local")
         except Exception as e:  # noqa: BLE001  every rank raises alike (a limit): keep measuring
             if rank == 0:
-                print(f"{method} at {_fmt_size(nbytes)} failed: {type(e).__name__}: {e}", flush=True)
+                print(f"{method} at {fmt_size(nbytes)} failed: {type(e).__name__}: {e}", flush=True)
             continue
         records.append(dict(size_bytes=nbytes, method=method, us=round(us, 2), bitwise=bool(bitwise),
                             rel_err=err, busbw_gbps=round(2 * (world - 1) / world * nbytes / (us * 1e-6) / 1e9, 1)))
@@ -113,16 +113,16 @@ def _markdown(records, header, world, dtype_name, max_bytes, quant_max_bytes) ->
             r = by.get((s, m))
             cells.append("-" if r is None else f"{r['us']:.1f} ({r['busbw_gbps']:.0f}) [{r['speedup_vs_nccl']:.2f}x]"
                          + ("" if r["bitwise"] or m == "nccl" else " x"))
-        md += f"| {_fmt_size(s)} | " + " | ".join(cells) + " |\n"
+        md += f"| {fmt_size(s)} | " + " | ".join(cells) + " |\n"
     md += "\nRelative RMS error against the float64 sum (Gaussian inputs), %:\n\n"
     md += "| size | " + " | ".join(METHODS) + " |\n" + "|---" * (len(METHODS) + 1) + "|\n"
     for s in sizes:
-        md += f"| {_fmt_size(s)} | " + " | ".join(
+        md += f"| {fmt_size(s)} | " + " | ".join(
             "-" if (s, m) not in by else f"{100 * by[(s, m)]['rel_err']:.3f}" for m in METHODS) + " |\n"
     budget = ", ".join(f"{c} {100 * b:g}%" for c, b in reference.QUANT_ERROR_BUDGET.items())
     md += f"\nError budget: {budget}.\n\nSuggested QUANT_MIN_BYTES[codec][{world}] (smallest size from which the codec "
     md += "beats NCCL and the exact path at every larger size): "
-    md += ", ".join(f"{c}: {'never' if s is None else _fmt_size(s)}" for c, s in suggested_min_bytes(records).items())
+    md += ", ".join(f"{c}: {'never' if s is None else fmt_size(s)}" for c, s in suggested_min_bytes(records).items())
     return md + "\n"
 
 
@@ -146,12 +146,12 @@ def gpu_worker(rank: int, world: int, port: int | None, opts: dict) -> None:
                 records += _measure_size(nbytes, dtype, comm, qcomm, world, rank)
                 torch.cuda.empty_cache()  # the next size's inputs may need what this size cached
                 if rank == 0:
-                    print(f"{_fmt_size(nbytes):>8}: " + "  ".join(
+                    print(f"{fmt_size(nbytes):>8}: " + "  ".join(
                         f"{r['method']} {r['us']:.1f}us {100 * r['rel_err']:.2f}%" for r in records
                         if r["size_bytes"] == nbytes), flush=True)
-        wrong = [f"{_fmt_size(r['size_bytes'])} {r['method']}" for r in records
+        wrong = [f"{fmt_size(r['size_bytes'])} {r['method']}" for r in records
                  if r["method"] != "nccl" and not r["bitwise"]]
-        over = [f"{_fmt_size(r['size_bytes'])} {r['method']} {100 * r['rel_err']:.2f}%" for r in records
+        over = [f"{fmt_size(r['size_bytes'])} {r['method']} {100 * r['rel_err']:.2f}%" for r in records
                 if _quantized(r["method"]) and r["rel_err"] > reference.QUANT_ERROR_BUDGET[_quantized(r["method"])]]
         if rank == 0:
             header = run_header() | {"world_size": world, "dtype": opts["dtype"], "tpfuse_max_bytes": max_bytes,
@@ -176,13 +176,13 @@ def cpu_worker(rank: int, world: int, port: int, opts: dict) -> None:
     with Communicator(max_bytes=64 * KiB, timeout_s=60) as comm:  # 256 KiB runs in segments
         for nbytes in (64 * KiB, 256 * KiB):
             n = nbytes // 2
-            xs = _inputs(n, torch.bfloat16, world, "cpu", seed=nbytes)
+            xs = random_inputs(n, torch.bfloat16, world, "cpu", seed=nbytes)
             exact64 = sum(x.double() for x in xs)
             for codec in CODECS:
                 start = time.perf_counter()
                 out = comm.all_reduce(xs[rank], quant=codec, quant_min_bytes=0)
                 ms = (time.perf_counter() - start) * 1e3
-                ok = _same_bits(out, reference.quantized_all_reduce(xs, codec))
+                ok = same_bits(out, reference.quantized_all_reduce(xs, codec))
                 err = reference.rel_err(out, exact64)
                 rows.append((nbytes, codec, ok, err, err <= reference.QUANT_ERROR_BUDGET[codec], ms))
     dist.destroy_process_group()
@@ -192,7 +192,7 @@ def cpu_worker(rank: int, world: int, port: int, opts: dict) -> None:
         print("| size | codec | bitwise equal to reference | relative error % | within budget | interpreter ms |\n"
               "|---|---|---|---|---|---|")
         for nbytes, codec, ok, err, within, ms in rows:
-            print(f"| {_fmt_size(nbytes)} | {codec} | {'yes' if ok else 'NO'} | {100 * err:.3f} | "
+            print(f"| {fmt_size(nbytes)} | {codec} | {'yes' if ok else 'NO'} | {100 * err:.3f} | "
                   f"{'yes' if within else 'NO'} | {ms:.0f} |")
     if not all(ok and within for _, _, ok, _, within, _ in rows):
         raise RuntimeError(f"rank {rank}: a quantized result differs from the reference or exceeds the budget")
