@@ -1,0 +1,7 @@
+"""Tensor-parallel models whose layer boundaries run on tpfuse (``TPModel``)."""
+
+from tpfuse.models.boundary import BOUNDARIES
+from tpfuse.models.config import ARCHITECTURES, PRESETS, ModelConfig
+from tpfuse.models.llama import Decoder, TPModel
+
+__all__ = ["TPModel", "Decoder", "ModelConfig", "PRESETS", "ARCHITECTURES", "BOUNDARIES"]

@@ -1,0 +1,420 @@
+"""A tensor-parallel Llama-family decoder whose layer boundaries run on tpfuse.
+
+Megatron-style tensor parallelism over a ``tpfuse.Communicator`` of W ranks, every rank
+holding 1/W of each block:
+
+- attention: q, k and v in one column-parallel projection (rank r holds query heads
+  [r * H/W, (r + 1) * H/W) and the matching kv heads), rotary embedding, causal attention
+  with grouped-query heads, then the row-parallel o_proj, which leaves a partial sum;
+- MLP: gate and up in one column-parallel projection, the activation, the row-parallel
+  down_proj (a partial sum);
+- each partial sum goes through the layer boundary (``tpfuse.models.boundary``: all-reduce,
+  residual add and the next RMSNorm; after the last layer, the final norm);
+- embedding replicated on every rank (a lookup: no communication); LM head vocab-parallel
+  (rank r holds vocabulary rows [r * V/W, (r + 1) * V/W), V padded to a multiple of W), its
+  logits all-gathered, so every rank holds the same full logits and picks the same token.
+
+``TPModel.from_hf(hf_model, comm)`` takes the weights of a Hugging Face model by name (every
+rank passes the same model and keeps its shard); ``TPModel.random(config, comm, seed=...)``
+makes seeded random weights (benchmarks of large shapes without downloads). ``model(ids)``
+is a prefill returning logits; ``model.generate(ids, n)`` decodes greedily with a KV cache,
+the decode step captured in a CUDA graph on GPUs (``Decoder``) and optionally compiled.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tpfuse.models.boundary import Boundary
+from tpfuse.models.config import ModelConfig
+
+Tensor = torch.Tensor
+logger = logging.getLogger("tpfuse.models")
+
+
+@dataclass
+class Shard:
+    """This rank's part of the model: world size, rank and the local sizes."""
+
+    world_size: int
+    rank: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int  # rows of the LM head shard (padded vocabulary / world size)
+
+    @classmethod
+    def of(cls, config: ModelConfig, world_size: int, rank: int) -> "Shard":
+        config.check_tensor_parallel(world_size)
+        return cls(world_size, rank, config.num_heads // world_size, config.num_kv_heads // world_size,
+                   config.intermediate_size // world_size, -(-config.vocab_size // world_size))
+
+
+def _param(*shape, dtype, device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class DecoderLayer(nn.Module):
+    """One block's local weights; the computation is in ``TPModel`` (one place to read)."""
+
+    def __init__(self, c: ModelConfig, s: Shard, dtype, device):
+        super().__init__()
+        d = c.head_dim
+        self.qkv_proj = _param((s.heads + 2 * s.kv_heads) * d, c.hidden_size, dtype=dtype, device=device)
+        self.qkv_bias = _param((s.heads + 2 * s.kv_heads) * d, dtype=dtype, device=device) if c.qkv_bias else None
+        self.q_norm = _param(d, dtype=dtype, device=device) if c.qk_norm else None
+        self.k_norm = _param(d, dtype=dtype, device=device) if c.qk_norm else None
+        self.o_proj = _param(c.hidden_size, s.heads * d, dtype=dtype, device=device)
+        self.gate_up_proj = _param(2 * s.intermediate, c.hidden_size, dtype=dtype, device=device)
+        self.down_proj = _param(c.hidden_size, s.intermediate, dtype=dtype, device=device)
+        self.input_norm = _param(c.hidden_size, dtype=dtype, device=device)
+        self.post_attention_norm = _param(c.hidden_size, dtype=dtype, device=device)
+
+
+class TPModel(nn.Module):
+    """A dense decoder-only transformer, tensor-parallel over ``comm``.
+
+    Args:
+        config: the shape (``ModelConfig``; presets in ``tpfuse.models.PRESETS``).
+        comm: a ``tpfuse.Communicator`` of the tensor-parallel group, or None for one rank.
+        boundary: the layer boundary, one of ``tpfuse.models.BOUNDARIES`` ("fused": tpfuse's
+            fused all-reduce + residual + RMSNorm; "split": the same bits unfused; "torch",
+            "symm_mem": the torch stacks, for comparison).
+        dtype, device: of the weights and activations (device: the communicator's, or CPU).
+
+    Weights are uninitialised: use ``from_hf`` or ``random``. Every rank must run the same
+    calls in the same order (each forward is a sequence of collectives). Raises ValueError
+    when heads, kv heads or the MLP width do not split over the world size.
+    """
+
+    def __init__(self, config: ModelConfig, comm=None, *, boundary: str = "fused", dtype=torch.bfloat16,
+                 device=None):
+        super().__init__()
+        world, rank = (1, 0) if comm is None else (comm.world_size, comm.rank)
+        self.config, self.comm = config, comm
+        self.shard = s = Shard.of(config, world, rank)
+        device = torch.device(device) if device is not None else (comm.device if comm is not None else
+                                                                   torch.device("cpu"))
+        self.dtype, self.device = dtype, device
+        self.boundary = Boundary(boundary, comm)
+        self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(config, s, dtype, device) for _ in range(config.num_layers))
+        self.norm = _param(config.hidden_size, dtype=dtype, device=device)
+        self.lm_head = _param(s.vocab, config.hidden_size, dtype=dtype, device=device)
+        self.inv_freq = torch.empty(config.head_dim // 2, dtype=torch.float32, device=device)
+        self.rope_scaling = 1.0  # cos and sin are multiplied by it (Hugging Face's attention_scaling)
+        self._rope_cache: tuple[int, Tensor, Tensor] | None = None
+        self._decoder: Decoder | None = None
+
+    # ------------------------------------------------------------------ construction
+
+    def set_boundary(self, name: str) -> None:
+        """Switch the layer boundary (drops captured decode graphs; collective on the group)."""
+        self.boundary = Boundary(name, self.comm)
+        self._decoder = None
+
+    @classmethod
+    def from_hf(cls, hf_model, comm=None, *, boundary: str = "fused", dtype=None, device=None) -> "TPModel":
+        """Shard a Hugging Face ``transformers`` causal LM (Llama, Mistral, Qwen2, Qwen3, Gemma).
+
+        Every rank passes a model with the same weights; weights are taken by name from its
+        state dict and converted to ``dtype`` (default: the model's). The rotary inverse
+        frequencies and scaling are taken from the model itself, so any static rope type
+        (default, llama3, linear, ...) matches it exactly."""
+        config = ModelConfig.from_hf(hf_model.config)
+        sd = hf_model.state_dict()
+        dtype = dtype or next(iter(sd.values())).dtype
+        model = cls(config, comm, boundary=boundary, dtype=dtype, device=device)
+        rotary = hf_model.model.rotary_emb
+        if getattr(rotary, "rope_type", "default") in ("dynamic", "longrope"):
+            raise NotImplementedError(f"rope type {rotary.rope_type!r} changes with the sequence length: not supported")
+        model.inv_freq.copy_(rotary.inv_freq.float())
+        model.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
+
+        def get(name):
+            return sd[name].to(dtype)
+
+        lm_head = get("lm_head.weight") if "lm_head.weight" in sd else get("model.embed_tokens.weight")
+        model.load_full_weights(get, lm_head)
+        return model
+
+    @classmethod
+    def random(cls, config: ModelConfig, comm=None, *, seed: int = 0, boundary: str = "fused",
+               dtype=torch.bfloat16, device=None) -> "TPModel":
+        """Seeded random weights (N(0, 1/fan_in) projections, norms near 1), made shard by
+        shard on the device: every rank gets the same replicated weights, and the sharded
+        ones depend on (seed, rank), so a model is reproducible for a given world size."""
+        model = cls(config, comm, boundary=boundary, dtype=dtype, device=device)
+        g = torch.Generator(device=model.device)
+        for i, (name, p) in enumerate(model.named_parameters()):
+            sharded = name.endswith(("_proj", "lm_head", "qkv_bias"))
+            g.manual_seed(seed * 1_000_003 + i * 1009 + (model.shard.rank if sharded else 0))
+            if p.dim() == 1:  # norms and biases
+                centre = 0.0 if name.endswith("qkv_bias") or config.norm_weight_offset else 1.0
+                p.copy_(centre + 0.1 * torch.randn(p.shape, generator=g, device=model.device))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g, device=model.device) / math.sqrt(p.shape[1]))
+        model.inv_freq.copy_(1.0 / (config.rope_theta ** (
+            torch.arange(0, config.head_dim, 2, dtype=torch.float32, device=model.device) / config.head_dim)))
+        return model
+
+    @torch.no_grad()
+    def load_full_weights(self, get, lm_head: Tensor) -> None:
+        """Copy this rank's shard out of full (unsharded) weights: ``get(hf_name)`` returns
+        the Hugging Face tensor of that name; ``lm_head`` is [vocab, hidden]."""
+        c, s, r = self.config, self.shard, self.shard.rank
+        d = c.head_dim
+
+        def rows(t, n):  # rank r's block of n rows
+            return t[r * n:(r + 1) * n]
+
+        self.embed_tokens.copy_(get("model.embed_tokens.weight"))
+        self.norm.copy_(get("model.norm.weight"))
+        padded = torch.zeros(s.vocab * s.world_size, c.hidden_size, dtype=lm_head.dtype, device=lm_head.device)
+        padded[:c.vocab_size] = lm_head
+        self.lm_head.copy_(rows(padded, s.vocab))
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            qkv = [rows(get(p + f"self_attn.{n}_proj.weight"), h * d)
+                   for n, h in (("q", s.heads), ("k", s.kv_heads), ("v", s.kv_heads))]
+            layer.qkv_proj.copy_(torch.cat(qkv))
+            if layer.qkv_bias is not None:
+                layer.qkv_bias.copy_(torch.cat([rows(get(p + f"self_attn.{n}_proj.bias"), h * d)
+                                                for n, h in (("q", s.heads), ("k", s.kv_heads), ("v", s.kv_heads))]))
+            if layer.q_norm is not None:
+                layer.q_norm.copy_(get(p + "self_attn.q_norm.weight"))
+                layer.k_norm.copy_(get(p + "self_attn.k_norm.weight"))
+            layer.o_proj.copy_(get(p + "self_attn.o_proj.weight")[:, r * s.heads * d:(r + 1) * s.heads * d])
+            layer.gate_up_proj.copy_(torch.cat([rows(get(p + "mlp.gate_proj.weight"), s.intermediate),
+                                                rows(get(p + "mlp.up_proj.weight"), s.intermediate)]))
+            layer.down_proj.copy_(get(p + "mlp.down_proj.weight")[:, r * s.intermediate:(r + 1) * s.intermediate])
+            layer.input_norm.copy_(get(p + "input_layernorm.weight"))
+            layer.post_attention_norm.copy_(get(p + "post_attention_layernorm.weight"))
+
+    # ------------------------------------------------------------------ the computation
+
+    def _rope(self, positions: int) -> tuple[Tensor, Tensor]:
+        """cos and sin tables [positions, head_dim] in the model dtype (Hugging Face's math:
+        fp32 angles, cos/sin times the rope scaling, rounded once)."""
+        if self._rope_cache is None or self._rope_cache[0] < positions:
+            t = torch.arange(positions, device=self.device, dtype=torch.float32)
+            freqs = t[:, None] * self.inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._rope_cache = (positions, (emb.cos() * self.rope_scaling).to(self.dtype),
+                                (emb.sin() * self.rope_scaling).to(self.dtype))
+        return self._rope_cache[1], self._rope_cache[2]
+
+    def _embed(self, ids: Tensor) -> Tensor:
+        h = F.embedding(ids, self.embed_tokens)
+        if self.config.scale_embeddings:
+            h = h * torch.tensor(self.config.hidden_size ** 0.5, dtype=h.dtype)
+        return h
+
+    def _attention(self, layer: DecoderLayer, h: Tensor, cos: Tensor, sin: Tensor, cache, pos) -> Tensor:
+        """Attention's partial sum for this rank's heads. Prefill (pos None): causal over h's
+        own tokens, written into ``cache`` ([B, kv_heads, S, head_dim] k and v) when given.
+        Decode (pos: [1] int64, h: [B, 1, hidden]): writes k, v at pos and attends to the
+        cache up to pos."""
+        c, s = self.config, self.shard
+        b, t, _ = h.shape
+        d = c.head_dim
+        qkv = F.linear(h, layer.qkv_proj, layer.qkv_bias)
+        q, k, v = qkv.split([s.heads * d, s.kv_heads * d, s.kv_heads * d], dim=-1)
+        q, k, v = q.view(b, t, s.heads, d), k.view(b, t, s.kv_heads, d), v.view(b, t, s.kv_heads, d)
+        if layer.q_norm is not None:
+            q = self.boundary.rms_norm(q, layer.q_norm, c.rms_norm_eps, 0.0)
+            k = self.boundary.rms_norm(k, layer.k_norm, c.rms_norm_eps, 0.0)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+        scale = d ** -0.5
+        if pos is None:
+            if cache is not None:
+                cache[0][:, :, :t] = k
+                cache[1][:, :, :t] = v
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                               enable_gqa=s.heads != s.kv_heads)
+        else:
+            cache[0][:, :, pos] = k
+            cache[1][:, :, pos] = v
+            # One query token: each kv head's query heads become its "query rows", so the
+            # cache is read once per kv head, with no expansion to every query head.
+            group = s.heads // s.kv_heads
+            mask = (torch.arange(cache[0].shape[2], device=h.device) <= pos).view(1, 1, 1, -1)
+            o = F.scaled_dot_product_attention(q.reshape(b, s.kv_heads, group, d), cache[0], cache[1],
+                                               attn_mask=mask, scale=scale)
+        o = o.reshape(b, s.heads, t, d).transpose(1, 2).reshape(b, t, s.heads * d)
+        return F.linear(o, layer.o_proj)
+
+    def _mlp(self, layer: DecoderLayer, h: Tensor) -> Tensor:
+        gate, up = F.linear(h, layer.gate_up_proj).chunk(2, dim=-1)
+        act = F.silu(gate) if self.config.hidden_act == "silu" else F.gelu(gate, approximate="tanh")
+        return F.linear(act * up, layer.down_proj)
+
+    def _hidden(self, ids: Tensor, cos: Tensor, sin: Tensor, caches, pos) -> Tensor:
+        """The final-normed hidden states [B, T, hidden] of ``ids`` [B, T]."""
+        c = self.config
+        eps, offset = c.rms_norm_eps, c.norm_weight_offset
+        residual = self._embed(ids)
+        h = self.boundary.rms_norm(residual, self.layers[0].input_norm, eps, offset)
+        for i, layer in enumerate(self.layers):
+            cache = None if caches is None else caches[i]
+            partial = self._attention(layer, h, cos, sin, cache, pos)
+            h, residual = self.boundary(partial, residual, layer.post_attention_norm, eps, offset)
+            next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
+            h, residual = self.boundary(self._mlp(layer, h), residual, next_norm, eps, offset)
+        return h
+
+    def _logits(self, h: Tensor) -> Tensor:
+        """Full logits [..., vocab] on every rank from the vocab-parallel LM head."""
+        return self.boundary.gather_last_dim(F.linear(h, self.lm_head))[..., :self.config.vocab_size]
+
+    @torch.no_grad()
+    def forward(self, input_ids: Tensor) -> Tensor:
+        """Prefill: logits [B, T, vocab] of ``input_ids`` [B, T] (int64) on every rank."""
+        t = self._check_ids(input_ids, 0)
+        cos, sin = self._rope(t)
+        return self._logits(self._hidden(input_ids, cos, sin, None, None))
+
+    def _check_ids(self, input_ids: Tensor, new_tokens: int) -> int:
+        if input_ids.dim() != 2 or input_ids.dtype != torch.int64:
+            raise ValueError(f"input_ids must be int64 [batch, tokens], got {input_ids.dtype} "
+                             f"{tuple(input_ids.shape)}")
+        if input_ids.device != self.device:
+            raise ValueError(f"input_ids is on {input_ids.device}, the model on {self.device}")
+        total = input_ids.shape[1] + new_tokens
+        c = self.config
+        if total > c.max_position_embeddings:
+            raise ValueError(f"{total} tokens exceed max_position_embeddings={c.max_position_embeddings}")
+        if c.sliding_window is not None and total > c.sliding_window:
+            raise NotImplementedError(f"{total} tokens exceed the sliding window ({c.sliding_window}): "
+                                      "sliding-window attention is not supported")
+        return input_ids.shape[1]
+
+    # ------------------------------------------------------------------ decoding
+
+    def decoder(self, batch: int, seq_len: int, *, cuda_graph: bool | None = None,
+                compile: bool | str = False) -> "Decoder":
+        """A ``Decoder`` for ``batch`` sequences of up to ``seq_len`` tokens (reused while the
+        arguments and the boundary stay the same; a new one frees the previous cache)."""
+        cuda_graph = self.device.type == "cuda" if cuda_graph is None else cuda_graph
+        key = (batch, seq_len, cuda_graph, compile)
+        if self._decoder is None or self._decoder.key != key:
+            self._decoder = None  # free the old cache first
+            self._decoder = Decoder(self, batch, seq_len, cuda_graph=cuda_graph, compile=compile)
+        return self._decoder
+
+    @torch.no_grad()
+    def generate(self, input_ids: Tensor, max_new_tokens: int, *, cuda_graph: bool | None = None,
+                 compile: bool | str = False, return_logits: bool = False):
+        """Greedy decoding: ``input_ids`` [B, T] int64 (B prompts of T tokens) -> [B, T +
+        max_new_tokens], the same on every rank. With ``return_logits``, also the logits
+        [B, max_new_tokens, vocab] each new token was picked from. The decode step runs as a
+        captured CUDA graph (``cuda_graph``, default on CUDA) and, with ``compile``, compiled
+        by ``torch.compile(fullgraph=True)`` (True: inductor; a string names another backend).
+        A new (batch, length, cuda_graph, compile) or boundary captures a new step; the same
+        arguments reuse it."""
+        t = self._check_ids(input_ids, max_new_tokens)
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        dec = self.decoder(input_ids.shape[0], t + max_new_tokens, cuda_graph=cuda_graph, compile=compile)
+        logits = [dec.prefill(input_ids)]
+        tokens = [input_ids, logits[0].argmax(-1, keepdim=True)]
+        for _ in range(max_new_tokens - 1):
+            logits.append(dec.step(tokens[-1][:, 0]).clone())
+            tokens.append(logits[-1].argmax(-1, keepdim=True))
+        out = torch.cat(tokens, dim=1)
+        return (out, torch.stack(logits, dim=1)) if return_logits else out
+
+
+def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Hugging Face's rotate-half rotary embedding, op for op (x: [B, H, T, D]; cos, sin: [T, D])."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Decoder:
+    """Greedy decode state of a ``TPModel``: the KV cache ([B, kv_heads, seq_len, head_dim]
+    per layer, zero-initialised) and the decode step, captured as a CUDA graph when
+    ``cuda_graph`` (inputs copied into static buffers, replayed per token) and compiled
+    with ``torch.compile(fullgraph=True)`` when ``compile``.
+
+    ``prefill(ids) -> logits [B, vocab]`` of the last prompt token; ``step(tokens [B]) ->
+    logits [B, vocab]`` of the next position (a view of a static buffer under a graph:
+    clone it to keep it)."""
+
+    def __init__(self, model: TPModel, batch: int, seq_len: int, *, cuda_graph: bool, compile: bool | str):
+        self.model, self.batch, self.seq_len = model, batch, seq_len
+        self.key = (batch, seq_len, cuda_graph, compile)
+        s, c = model.shard, model.config
+        shape = (batch, s.kv_heads, seq_len, c.head_dim)
+        self.caches = [(torch.zeros(shape, dtype=model.dtype, device=model.device),
+                        torch.zeros(shape, dtype=model.dtype, device=model.device)) for _ in model.layers]
+        self.cos, self.sin = model._rope(seq_len)
+        self.position = 0
+        self.tokens = torch.zeros(batch, dtype=torch.int64, device=model.device)
+        self.pos = torch.zeros(1, dtype=torch.int64, device=model.device)
+        self._step = self._eager_step
+        if compile:
+            # Inductor fuses elementwise chains and would keep bf16 intermediates in fp32;
+            # emulate_precision_casts rounds them where eager does, so compiled decode gives
+            # eager's bits (tested; GEMMs and attention stay the same library calls).
+            backend = "inductor" if compile is True else compile
+            options = {"emulate_precision_casts": True} if backend == "inductor" else None
+            self._step = torch.compile(self._eager_step, fullgraph=True, backend=backend, options=options)
+        self.graph = self._capture() if cuda_graph else None
+
+    def _eager_step(self, tokens: Tensor, pos: Tensor) -> Tensor:
+        m = self.model
+        cos, sin = self.cos[pos], self.sin[pos]
+        h = m._hidden(tokens[:, None], cos, sin, self.caches, pos)
+        return m._logits(h[:, 0])
+
+    def _capture(self) -> torch.cuda.CUDAGraph:
+        """Warm up (compilation, Triton JIT, allocator) on a side stream, capture one step,
+        then clear the cache the warm-up steps wrote into (slot 0)."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                self._step(self.tokens, self.pos)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: NCCL's watchdog thread keeps running during the capture.
+        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+            self.logits = self._step(self.tokens, self.pos)
+        for k, v in self.caches:
+            k.zero_()
+            v.zero_()
+        return graph
+
+    @torch.no_grad()
+    def prefill(self, input_ids: Tensor) -> Tensor:
+        t = input_ids.shape[1]
+        if input_ids.shape[0] != self.batch or t >= self.seq_len:
+            raise ValueError(f"prefill of {tuple(input_ids.shape)} does not fit this decoder "
+                             f"(batch {self.batch}, {self.seq_len} tokens)")
+        for k, v in self.caches:
+            k.zero_()
+            v.zero_()
+        h = self.model._hidden(input_ids, self.cos[:t], self.sin[:t], self.caches, None)
+        self.position = t
+        return self.model._logits(h[:, -1])
+
+    @torch.no_grad()
+    def step(self, tokens: Tensor) -> Tensor:
+        if self.position >= self.seq_len:
+            raise ValueError(f"the decoder holds {self.seq_len} tokens: no position left")
+        self.tokens.copy_(tokens)
+        self.pos.fill_(self.position)
+        self.position += 1
+        if self.graph is None:
+            return self._step(self.tokens, self.pos)
+        self.graph.replay()
+        return self.logits
