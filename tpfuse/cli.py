@@ -10,6 +10,7 @@ BENCHES = {
     "norm": "tpfuse.bench.norm",
     "allreduce": "tpfuse.bench.allreduce",
     "fused": "tpfuse.bench.fused",
+    "decode": "tpfuse.bench.decode",
 }
 
 USAGE = f"""usage: tpfuse bench [NAME [options]] | tpfuse bench [--out DIR]

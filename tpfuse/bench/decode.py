@@ -1,0 +1,238 @@
+"""``tpfuse bench decode``: what the layer boundary costs per generated token, in a real model.
+
+A tensor-parallel ``TPModel`` (a preset's shapes, seeded random weights, bf16) over every
+visible GPU (one process each, or torchrun's ranks). Per batch size: a prompt of
+``--prompt`` random tokens, then ``--steps`` greedy decode steps, each step one CUDA-graph
+replay, with a KV cache of ``--context`` positions (attention spans all of them, masked
+beyond the filled ones: the cost of a context that long). Per boundary (``tpfuse.models.
+boundary``: "torch", "symm_mem", "split", "fused", and "torch"/"fused" under
+``torch.compile`` at ``--compile-batches``): ms per decode step (median over the steps,
+slowest rank), tokens per second, and the share of the step spent at the layer boundary
+(the 2 x layers boundary calls of one step timed alone, graph-replayed, over the step).
+
+The same run checks the bits: "fused" and compiled "fused" give "split"'s logits at every
+step, and a second "fused" decode (a new capture) repeats the first. Results: a table, JSON,
+markdown and a PNG plot (ms per step vs batch) under ``--out``. On a machine without GPUs:
+a tiny config over two CPU ranks under Triton's interpreter, checking the bits; timings
+need GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import tpfuse
+from tpfuse.bench.common import (agreed_max, graph_time_us, header_markdown, init_rank, run_header, run_workers,
+                                 same_bits, spawn_ranks, write_results)
+
+BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+BOUNDARIES = ["torch", "symm_mem", "split", "fused"]
+COMPILED = ["torch", "fused"]
+
+
+def _options(argv):
+    p = argparse.ArgumentParser(prog="tpfuse bench decode", description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="llama3-8b", help="a tpfuse.models.PRESETS name (default llama3-8b)")
+    p.add_argument("--batch", type=lambda s: [int(b) for b in s.split(",")], default=BATCHES,
+                   help="comma-separated batch sizes (default 1,2,...,256)")
+    p.add_argument("--compile-batches", type=lambda s: [int(b) for b in s.split(",") if b], default=[1, 32],
+                   help="batch sizes also measured under torch.compile (default 1,32; '' for none)")
+    p.add_argument("--prompt", type=int, default=32, help="prompt tokens (default 32)")
+    p.add_argument("--context", type=int, default=1024, help="KV-cache positions (default 1024)")
+    p.add_argument("--steps", type=int, default=32, help="timed decode steps (default 32)")
+    p.add_argument("--boundaries", default=",".join(BOUNDARIES), help="comma-separated (default: all four)")
+    p.add_argument("--out", default="bench_out", help="output folder (GPU runs)")
+    p.add_argument("--plot", action="store_true", help="also write a PNG plot (needs matplotlib)")
+    opts = vars(p.parse_args(argv))
+    opts["boundaries"] = opts["boundaries"].split(",")
+    return opts
+
+
+def _decode(model, ids, steps, context, compile):
+    """Greedy decode of ``steps`` tokens after ``ids``: (per-step ms, logits [steps, B, V])."""
+    dec = model.decoder(ids.shape[0], context, compile=compile)
+    logits = dec.prefill(ids)
+    out, times = [], []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(steps):
+        tokens = logits.argmax(-1)
+        dist.barrier()  # the ranks start each step together: the slowest rank's time is the step's
+        start.record()
+        logits = dec.step(tokens)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+        out.append(logits.clone())
+    return times, torch.stack(out)
+
+
+def _boundary_ms(model, batch):
+    """ms of one step's 2 x layers boundary calls, alone, graph-replayed."""
+    c = model.config
+    g = torch.Generator(device="cuda").manual_seed(batch)
+    x = torch.randn(batch, 1, c.hidden_size, generator=g, device="cuda").to(model.dtype)
+    residual = torch.randn_like(x)
+    weight = model.norm
+
+    def calls(_):
+        h, r = x, residual
+        for _ in range(2 * c.num_layers):
+            h, r = model.boundary(x, r, weight, c.rms_norm_eps, c.norm_weight_offset)
+        return h
+
+    return graph_time_us(calls, calls_per_graph=1, repeats=5, min_replay_ms=20.0, agree=agreed_max,
+                         capture_error_mode="thread_local") / 1e3
+
+
+def _gpu_worker(rank, world, port, opts):
+    init_rank(rank, world, port, "nccl")
+    from tpfuse.models import PRESETS, TPModel
+
+    config = PRESETS[opts["preset"]]
+    header = run_header() | {"world_size": world, "preset": opts["preset"], "prompt": opts["prompt"],
+                             "context": opts["context"], "steps": opts["steps"]}
+    records, failures = [], []
+    with tpfuse.Communicator() as comm:
+        t0 = time.time()
+        model = TPModel.random(config, comm, seed=0, boundary="split")
+        for batch in opts["batch"]:
+            g = torch.Generator(device="cuda").manual_seed(batch)
+            ids = torch.randint(0, config.vocab_size, (batch, opts["prompt"]), generator=g, device="cuda")
+            # split first (the bits the fused runs must give), a second fused decode last (a new
+            # capture, which must repeat the first).
+            runs = sorted([(b, False) for b in opts["boundaries"]], key=lambda r: r[0] != "split")
+            runs += [(b, True) for b in COMPILED if batch in opts["compile_batches"] and b in opts["boundaries"]]
+            if "fused" in opts["boundaries"]:
+                runs.append(("fused", False))
+            reference, seen = None, set()
+            for boundary, compiled in runs:
+                model.set_boundary(boundary)
+                times, logits = _decode(model, ids, opts["steps"], opts["context"], compiled)
+                ms = agreed_max(statistics.median(times))
+                name = boundary + ("+compile" if compiled else "") + (" (again)" if (boundary, compiled) in seen
+                                                                      else "")
+                rec = dict(batch=batch, boundary=name, ms_per_step=round(ms, 4),
+                           tokens_per_s=round(batch / ms * 1e3, 1))
+                if boundary == "split" and not compiled:
+                    reference = logits
+                elif boundary == "fused" and reference is not None:
+                    rec["bitwise_vs_split"] = bool(same_bits(logits, reference))
+                    if not rec["bitwise_vs_split"]:
+                        failures.append(f"batch {batch} {name}: logits differ from split's")
+                if (boundary, compiled) not in seen and not compiled:
+                    rec["boundary_ms"] = round(_boundary_ms(model, batch), 4)
+                    rec["boundary_share"] = round(rec["boundary_ms"] / ms, 3)
+                seen.add((boundary, compiled))
+                records.append(rec)
+                if rank == 0:
+                    print(f"[{time.time() - t0:6.0f} s] batch {batch:3d} {name:16s} {ms:7.3f} ms/step "
+                          f"{rec['tokens_per_s']:9.1f} tok/s" + (f"  boundary {rec['boundary_ms']:.3f} ms"
+                                                                  if "boundary_ms" in rec else "")
+                          + (f"  bits==split: {rec['bitwise_vs_split']}" if "bitwise_vs_split" in rec else ""),
+                          flush=True)
+                del logits
+            model.set_boundary("split")
+            torch.cuda.empty_cache()
+    if rank == 0:
+        md = _markdown(records, header, world)
+        print(md)
+        name = f"decode_{opts['preset']}_tp{world}"
+        paths = write_results(opts["out"], name, header, records, md)
+        print("wrote", *paths)
+        if opts["plot"]:
+            _plot(records, f"{opts['out']}/{name}.png", f"{opts['preset']}, TP={world}, decode step")
+    dist.destroy_process_group()
+    if failures:
+        raise AssertionError("; ".join(failures))
+
+
+def _markdown(records, header, world) -> str:
+    by = {(r["batch"], r["boundary"]): r for r in records}
+    names = list(dict.fromkeys(r["boundary"] for r in records))
+    md = header_markdown(f"decode step, {header['preset']}, TP={world}", header)
+    md += ("ms per decode step (CUDA-graph replay, median over the steps, slowest rank); in brackets the "
+           "boundary's share of the step. `=` marks fused runs whose logits equal split's bit for bit at "
+           "every step, `x` runs that differ.\n\n")
+    md += "| batch | " + " | ".join(names) + " | fused tok/s | fused vs torch | fused vs split |\n"
+    md += "|---" * (len(names) + 4) + "|\n"
+    for b in sorted({r["batch"] for r in records}):
+        cells = []
+        for n in names:
+            r = by.get((b, n))
+            if r is None:
+                cells.append("-")
+                continue
+            mark = {True: " =", False: " x"}.get(r.get("bitwise_vs_split"), "")
+            share = f" ({100 * r['boundary_share']:.0f}%)" if "boundary_share" in r else ""
+            cells.append(f"{r['ms_per_step']:.3f}{share}{mark}")
+        fused, torch_, split = by.get((b, "fused")), by.get((b, "torch")), by.get((b, "split"))
+        ratio = (lambda other: f"{other['ms_per_step'] / fused['ms_per_step']:.2f}x" if fused and other else "-")
+        md += (f"| {b} | " + " | ".join(cells) + f" | {fused['tokens_per_s']:.0f} | " if fused else
+               f"| {b} | " + " | ".join(cells) + " | - | ") + f"{ratio(torch_)} | {ratio(split)} |\n"
+    return md
+
+
+def _plot(records, path, title):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot needs matplotlib; no plot written")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in dict.fromkeys(r["boundary"] for r in records):
+        pts = sorted((r["batch"], r["ms_per_step"]) for r in records if r["boundary"] == name)
+        if len(pts) > 1 and "again" not in name:
+            ax.plot(*zip(*pts), marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch")
+    ax.set_ylabel("ms per decode step")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print("wrote", path)
+
+
+def _cpu_worker(rank, world, port, opts):
+    """Two CPU ranks, a tiny config: split, fused and compiled fused give the same bits."""
+    init_rank(rank, world, port, "gloo")
+    from tpfuse.models import PRESETS, TPModel
+
+    config = PRESETS["llama3-8b"].replace(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
+                                          num_heads=4, num_kv_heads=2, head_dim=16)
+    ids = torch.randint(0, config.vocab_size, (2, 4), generator=torch.Generator().manual_seed(0))
+    with tpfuse.Communicator(max_bytes=1 << 18) as comm:
+        model = TPModel.random(config, comm, seed=0, boundary="split")
+        results = {}
+        for boundary, compiled in (("split", False), ("fused", False), ("torch", False), ("fused", "aot_eager")):
+            model.set_boundary(boundary)
+            results[(boundary, compiled)] = model.generate(ids, 6, compile=compiled, return_logits=True)[1]
+    ok = {k: same_bits(v, results[("split", False)]) for k, v in results.items() if k[0] == "fused"}
+    if rank == 0:
+        print("CPU check (2 ranks under Triton's interpreter, a 2-layer hidden-64 model, 6 greedy steps):")
+        for (boundary, compiled), same in ok.items():
+            print(f"  {boundary}{' compiled' if compiled else ''}: logits bitwise equal to split's: {same}")
+        print("  torch boundary: max |logit - split's| "
+              f"{(results[('torch', False)] - results[('split', False)]).abs().max().item():.3g} (torch's "
+              "all-reduce and norm promise closeness to tpfuse's, not bits)")
+        print("Timings need GPUs.")
+    dist.destroy_process_group()
+    if not all(ok.values()):
+        raise AssertionError("fused logits differ from split's")
+
+
+def main(argv=None) -> int:
+    opts = _options(sys.argv[1:] if argv is None else argv)
+    if torch.cuda.is_available() and torch.cuda.device_count() == 1 and "RANK" not in os.environ:
+        return spawn_ranks(_gpu_worker, 1, opts)  # TP=1: the baseline without communication
+    return run_workers(_gpu_worker, _cpu_worker, opts)
