@@ -20,6 +20,7 @@ need GPUs.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -91,55 +92,63 @@ def _boundary_ms(model, batch):
                          capture_error_mode="thread_local") / 1e3
 
 
+def _measure(comm, config, opts, rank):
+    """Every (batch, boundary) record, and the bit failures."""
+    from tpfuse.models import TPModel
+
+    records, failures = [], []
+    t0 = time.time()
+    model = TPModel.random(config, comm, seed=0, boundary="split")
+    for batch in opts["batch"]:
+        g = torch.Generator(device="cuda").manual_seed(batch)
+        ids = torch.randint(0, config.vocab_size, (batch, opts["prompt"]), generator=g, device="cuda")
+        # split first (the bits the fused runs must give), a second fused decode last (a new
+        # capture, which must repeat the first).
+        runs = sorted([(b, False) for b in opts["boundaries"]], key=lambda r: r[0] != "split")
+        runs += [(b, True) for b in COMPILED if batch in opts["compile_batches"] and b in opts["boundaries"]]
+        if "fused" in opts["boundaries"]:
+            runs.append(("fused", False))
+        reference, seen = None, set()
+        for boundary, compiled in runs:
+            model.set_boundary(boundary)
+            times, logits = _decode(model, ids, opts["steps"], opts["context"], compiled)
+            ms = agreed_max(statistics.median(times))
+            again = (boundary, compiled) in seen
+            name = boundary + ("+compile" if compiled else "") + (" (again)" if again else "")
+            rec = dict(batch=batch, boundary=name, ms_per_step=round(ms, 4), tokens_per_s=round(batch / ms * 1e3, 1))
+            if boundary == "split" and not compiled:
+                reference = logits
+            elif boundary == "fused" and reference is not None:
+                rec["bitwise_vs_split"] = bool(same_bits(logits, reference))
+                if not rec["bitwise_vs_split"]:
+                    failures.append(f"batch {batch} {name}: logits differ from split's")
+            if not again and not compiled:
+                rec["boundary_ms"] = round(_boundary_ms(model, batch), 4)
+                rec["boundary_share"] = round(rec["boundary_ms"] / ms, 3)
+            seen.add((boundary, compiled))
+            records.append(rec)
+            if rank == 0:
+                print(f"[{time.time() - t0:6.0f} s] batch {batch:3d} {name:16s} {ms:7.3f} ms/step "
+                      f"{rec['tokens_per_s']:9.1f} tok/s" + (f"  boundary {rec['boundary_ms']:.3f} ms"
+                                                              if "boundary_ms" in rec else "")
+                      + (f"  bits==split: {rec['bitwise_vs_split']}" if "bitwise_vs_split" in rec else ""),
+                      flush=True)
+            del logits
+        torch.cuda.empty_cache()
+    return records, failures
+
+
 def _gpu_worker(rank, world, port, opts):
     init_rank(rank, world, port, "nccl")
-    from tpfuse.models import PRESETS, TPModel
+    from tpfuse.models import PRESETS
 
-    config = PRESETS[opts["preset"]]
     header = run_header() | {"world_size": world, "preset": opts["preset"], "prompt": opts["prompt"],
                              "context": opts["context"], "steps": opts["steps"]}
-    records, failures = [], []
     with tpfuse.Communicator() as comm:
-        t0 = time.time()
-        model = TPModel.random(config, comm, seed=0, boundary="split")
-        for batch in opts["batch"]:
-            g = torch.Generator(device="cuda").manual_seed(batch)
-            ids = torch.randint(0, config.vocab_size, (batch, opts["prompt"]), generator=g, device="cuda")
-            # split first (the bits the fused runs must give), a second fused decode last (a new
-            # capture, which must repeat the first).
-            runs = sorted([(b, False) for b in opts["boundaries"]], key=lambda r: r[0] != "split")
-            runs += [(b, True) for b in COMPILED if batch in opts["compile_batches"] and b in opts["boundaries"]]
-            if "fused" in opts["boundaries"]:
-                runs.append(("fused", False))
-            reference, seen = None, set()
-            for boundary, compiled in runs:
-                model.set_boundary(boundary)
-                times, logits = _decode(model, ids, opts["steps"], opts["context"], compiled)
-                ms = agreed_max(statistics.median(times))
-                name = boundary + ("+compile" if compiled else "") + (" (again)" if (boundary, compiled) in seen
-                                                                      else "")
-                rec = dict(batch=batch, boundary=name, ms_per_step=round(ms, 4),
-                           tokens_per_s=round(batch / ms * 1e3, 1))
-                if boundary == "split" and not compiled:
-                    reference = logits
-                elif boundary == "fused" and reference is not None:
-                    rec["bitwise_vs_split"] = bool(same_bits(logits, reference))
-                    if not rec["bitwise_vs_split"]:
-                        failures.append(f"batch {batch} {name}: logits differ from split's")
-                if (boundary, compiled) not in seen and not compiled:
-                    rec["boundary_ms"] = round(_boundary_ms(model, batch), 4)
-                    rec["boundary_share"] = round(rec["boundary_ms"] / ms, 3)
-                seen.add((boundary, compiled))
-                records.append(rec)
-                if rank == 0:
-                    print(f"[{time.time() - t0:6.0f} s] batch {batch:3d} {name:16s} {ms:7.3f} ms/step "
-                          f"{rec['tokens_per_s']:9.1f} tok/s" + (f"  boundary {rec['boundary_ms']:.3f} ms"
-                                                                  if "boundary_ms" in rec else "")
-                          + (f"  bits==split: {rec['bitwise_vs_split']}" if "bitwise_vs_split" in rec else ""),
-                          flush=True)
-                del logits
-            model.set_boundary("split")
-            torch.cuda.empty_cache()
+        records, failures = _measure(comm, PRESETS[opts["preset"]], opts, rank)
+    # The model and its captured graphs are gone: NCCL's teardown waits for graphs that hold its work.
+    gc.collect()
+    torch.cuda.synchronize()
     if rank == 0:
         md = _markdown(records, header, world)
         print(md)
@@ -148,6 +157,7 @@ def _gpu_worker(rank, world, port, opts):
         print("wrote", *paths)
         if opts["plot"]:
             _plot(records, f"{opts['out']}/{name}.png", f"{opts['preset']}, TP={world}, decode step")
+    dist.barrier()
     dist.destroy_process_group()
     if failures:
         raise AssertionError("; ".join(failures))

@@ -216,22 +216,22 @@ class TPModel(nn.Module):
             h = h * torch.tensor(self.config.hidden_size ** 0.5, dtype=h.dtype)
         return h
 
-    def _attention(self, layer: DecoderLayer, h: Tensor, cos: Tensor, sin: Tensor, cache, pos) -> Tensor:
+    def _attention(self, layer: DecoderLayer, h: Tensor, cos: Tensor, sin: Tensor, cache, pos, mask) -> Tensor:
         """Attention's partial sum for this rank's heads. Prefill (pos None): causal over h's
         own tokens, written into ``cache`` ([B, kv_heads, S, head_dim] k and v) when given.
-        Decode (pos: [1] int64, h: [B, 1, hidden]): writes k, v at pos and attends to the
-        cache up to pos."""
+        Decode (pos: [1] int64, h: [B, 1, hidden], mask: [1, 1, 1, S] bool, the positions up
+        to pos): writes k, v at pos and attends to the cache under the mask."""
         c, s = self.config, self.shard
         b, t, _ = h.shape
         d = c.head_dim
-        qkv = F.linear(h, layer.qkv_proj, layer.qkv_bias)
-        q, k, v = qkv.split([s.heads * d, s.kv_heads * d, s.kv_heads * d], dim=-1)
-        q, k, v = q.view(b, t, s.heads, d), k.view(b, t, s.kv_heads, d), v.view(b, t, s.kv_heads, d)
+        qkv = F.linear(h, layer.qkv_proj, layer.qkv_bias).view(b, t, s.heads + 2 * s.kv_heads, d)
+        qk, v = qkv[:, :, :s.heads + s.kv_heads], qkv[:, :, s.heads + s.kv_heads:]
         if layer.q_norm is not None:
-            q = self.boundary.rms_norm(q, layer.q_norm, c.rms_norm_eps, 0.0)
-            k = self.boundary.rms_norm(k, layer.k_norm, c.rms_norm_eps, 0.0)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+            qk = torch.cat([self.boundary.rms_norm(qk[:, :, :s.heads], layer.q_norm, c.rms_norm_eps, 0.0),
+                            self.boundary.rms_norm(qk[:, :, s.heads:], layer.k_norm, c.rms_norm_eps, 0.0)], dim=2)
+        # q and k rotated together: the same elementwise ops, half the kernels.
+        qk = _apply_rope(qk.transpose(1, 2), cos, sin)
+        q, k, v = qk[:, :s.heads], qk[:, s.heads:], v.transpose(1, 2)
         scale = d ** -0.5
         if pos is None:
             if cache is not None:
@@ -245,7 +245,6 @@ class TPModel(nn.Module):
             # One query token: each kv head's query heads become its "query rows", so the
             # cache is read once per kv head, with no expansion to every query head.
             group = s.heads // s.kv_heads
-            mask = (torch.arange(cache[0].shape[2], device=h.device) <= pos).view(1, 1, 1, -1)
             o = F.scaled_dot_product_attention(q.reshape(b, s.kv_heads, group, d), cache[0], cache[1],
                                                attn_mask=mask, scale=scale)
         o = o.reshape(b, s.heads, t, d).transpose(1, 2).reshape(b, t, s.heads * d)
@@ -260,11 +259,14 @@ class TPModel(nn.Module):
         """The final-normed hidden states [B, T, hidden] of ``ids`` [B, T]."""
         c = self.config
         eps, offset = c.rms_norm_eps, c.norm_weight_offset
+        mask = None
+        if pos is not None:  # decode: the cache positions up to pos, for every layer
+            mask = (torch.arange(caches[0][0].shape[2], device=ids.device) <= pos).view(1, 1, 1, -1)
         residual = self._embed(ids)
         h = self.boundary.rms_norm(residual, self.layers[0].input_norm, eps, offset)
         for i, layer in enumerate(self.layers):
             cache = None if caches is None else caches[i]
-            partial = self._attention(layer, h, cos, sin, cache, pos)
+            partial = self._attention(layer, h, cos, sin, cache, pos, mask)
             h, residual = self.boundary(partial, residual, layer.post_attention_norm, eps, offset)
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             h, residual = self.boundary(self._mlp(layer, h), residual, next_norm, eps, offset)
