@@ -134,6 +134,10 @@ def _measure(comm, config, opts, rank):
                       + (f"  bits==split: {rec['bitwise_vs_split']}" if "bitwise_vs_split" in rec else ""),
                       flush=True)
             del logits
+            if compiled:  # torch.compile's cache keeps a compiled decoder (and its KV cache) alive
+                model.set_boundary("split")
+                torch._dynamo.reset()
+                gc.collect()
         torch.cuda.empty_cache()
     return records, failures
 

@@ -320,7 +320,8 @@ class TPModel(nn.Module):
         captured CUDA graph (``cuda_graph``, default on CUDA) and, with ``compile``, compiled
         by ``torch.compile(fullgraph=True)`` (True: inductor; a string names another backend).
         A new (batch, length, cuda_graph, compile) or boundary captures a new step; the same
-        arguments reuse it."""
+        arguments reuse it. A compiled step stays in torch.compile's cache, and with it its KV
+        cache, until ``torch._dynamo.reset()``."""
         t = self._check_ids(input_ids, max_new_tokens)
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
