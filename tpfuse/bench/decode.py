@@ -137,7 +137,6 @@ def _measure(comm, config, opts, rank):
             if compiled:  # torch.compile's cache keeps a compiled decoder (and its KV cache) alive
                 model.set_boundary("split")
                 torch._dynamo.reset()
-                gc.collect()
         torch.cuda.empty_cache()
     return records, failures
 

@@ -23,6 +23,7 @@ the decode step captured in a CUDA graph on GPUs (``Decoder``) and optionally co
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 from dataclasses import dataclass
@@ -117,7 +118,13 @@ class TPModel(nn.Module):
     def set_boundary(self, name: str) -> None:
         """Switch the layer boundary (drops captured decode graphs; collective on the group)."""
         self.boundary = Boundary(name, self.comm)
+        self._drop_decoder()
+
+    def _drop_decoder(self) -> None:
+        # A Decoder refers to itself through its step function: only the cycle collector
+        # frees it, and with it a KV cache of up to tens of GB.
         self._decoder = None
+        gc.collect()
 
     @classmethod
     def from_hf(cls, hf_model, comm=None, *, boundary: str = "fused", dtype=None, device=None) -> "TPModel":
@@ -307,7 +314,7 @@ class TPModel(nn.Module):
         cuda_graph = self.device.type == "cuda" if cuda_graph is None else cuda_graph
         key = (batch, seq_len, cuda_graph, compile)
         if self._decoder is None or self._decoder.key != key:
-            self._decoder = None  # free the old cache first
+            self._drop_decoder()  # free the old cache first
             self._decoder = Decoder(self, batch, seq_len, cuda_graph=cuda_graph, compile=compile)
         return self._decoder
 
