@@ -186,9 +186,8 @@ class Communicator:
             CommTimeoutError: a peer did not arrive (here or in an earlier call).
             RuntimeError: the communicator is closed or failed earlier.
         """
-        self._check_open()
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        self._check_args(x)
+        check_algo(algo)
         check_quant(quant, quant_min_bytes)
         if quant is None:
             return torch.ops.tpfuse.all_reduce(x, self.group_name, algo)
@@ -197,11 +196,20 @@ class Communicator:
                              "algorithm")
         return torch.ops.tpfuse.quantized_all_reduce(x, self.group_name, quant, quant_min_bytes)
 
-    def _check_input(self, x: torch.Tensor) -> None:
-        self._check_usable()
-        _runtime.check_float_tensor(x, "x")
+    def _check_args(self, x: torch.Tensor, residual=None, weight=None, weight_offset=0.0, norm=False) -> None:
+        """Argument errors, raised by the methods before the op (also for devices, such as
+        meta, on which the op would run its fake) and again by the ops' implementations."""
+        self._check_open()
+        if norm:
+            check_norm_args(x, weight, weight_offset, residual)
+        else:
+            _runtime.check_float_tensor(x, "x")
         if x.device != self.device and self.world_size > 1:
             raise ValueError(f"x is on {x.device}, but this communicator serves {self.device}")
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        self._check_usable()
+        self._check_args(x)
 
     def _all_reduce(self, x: torch.Tensor, algo: str) -> torch.Tensor:
         """``torch.ops.tpfuse.all_reduce``'s implementation: ``all_reduce(x, algo=algo)``."""
@@ -295,8 +303,9 @@ class Communicator:
         an explicit algo the workspace cannot serve) are raised before any communication
         starts. Other errors as ``all_reduce``. Not differentiable (no autograd).
         """
-        self._check_open()
+        self._check_args(x, residual, weight, weight_offset, norm=True)
         _check_no_grad(x, residual, weight)
+        check_fused_algo(algo)
         if inplace:
             y = torch.ops.tpfuse.all_reduce_add_rms_norm_(x, residual, weight, float(eps), float(weight_offset),
                                                           self.group_name, algo)
@@ -310,16 +319,15 @@ class Communicator:
         to ``reduced = self.all_reduce(x); y = tpfuse.rms_norm(reduced, weight, eps,
         weight_offset=weight_offset)``. Arguments and errors as ``all_reduce_add_rms_norm``
         without the residual; both outputs are new tensors shaped like x."""
-        self._check_open()
+        self._check_args(x, None, weight, weight_offset, norm=True)
         _check_no_grad(x, None, weight)
+        check_fused_algo(algo)
         return torch.ops.tpfuse.all_reduce_rms_norm(x, weight, float(eps), float(weight_offset), self.group_name, algo)
 
     def _all_reduce_norm(self, x, residual, weight, eps, weight_offset, algo, inplace):
         """The fused ops' implementation (``tpfuse.comm.ops``): the methods above."""
         self._check_usable()
-        check_norm_args(x, weight, weight_offset, residual)
-        if x.device != self.device and self.world_size > 1:
-            raise ValueError(f"x is on {x.device}, but this communicator serves {self.device}")
+        self._check_args(x, residual, weight, weight_offset, norm=True)
         check_fused_algo(algo)
         n = x.shape[-1]
         cfg = NormConfig.from_shape(n, x.dtype)
@@ -398,9 +406,6 @@ class Communicator:
 
 
 def _check_no_grad(*tensors) -> None:
-    for t in tensors:
-        if t is not None and not isinstance(t, torch.Tensor):
-            raise TypeError(f"expected a torch.Tensor or None, got {type(t).__name__}")
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         raise ValueError("the fused all-reduce + RMSNorm is not differentiable: call it under torch.no_grad(), or "
                          "use comm.all_reduce and tpfuse.add_rms_norm / tpfuse.rms_norm")
