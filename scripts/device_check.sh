@@ -2,18 +2,19 @@
 # One call on the GPU machine: GPU tests and benchmarks, results under $OUT.
 #   scripts/device_check.sh [STEP|GROUP ...]   (default: all)
 # Steps: test_norm bench_norm test_allreduce bench_allreduce test_fused bench_fused
-#        test_quant bench_quant test_models bench_decode; groups: norm, allreduce, fused, quant,
-#        models (test_models and bench_decode), all. DECODE_ARGS passes arguments to bench_decode. A device call may run 600 s, so "all" needs the largest machines' patience:
+#        test_quant bench_quant test_codecs bench_codecs test_models bench_decode; groups: norm,
+#        allreduce, fused, quant, codecs (one GPU: the codec kernels alone), models (test_models
+#        and bench_decode), all. DECODE_ARGS passes arguments to bench_decode. A device call may run 600 s, so "all" needs the largest machines' patience:
 #        pick steps per call. BENCH_ARGS passes extra arguments to every benchmark.
 # Run from the repository root (the device tool does). Wheels missing on the machine
 # (liger-kernel) travel in .whl/ (carry it) and are installed to /tmp/site.
 set -uo pipefail
 steps=" ${*:-all} "
-for group in norm allreduce fused quant; do
+for group in norm allreduce fused quant codecs; do
   steps=${steps/ $group / test_$group bench_$group }
 done
 steps=${steps/ models / test_models bench_decode }
-steps=${steps/ all / test_norm bench_norm test_allreduce bench_allreduce test_fused bench_fused test_quant bench_quant test_models bench_decode }
+steps=${steps/ all / test_norm bench_norm test_allreduce bench_allreduce test_fused bench_fused test_quant bench_quant test_codecs bench_codecs test_models bench_decode }
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 # NVLink multicast stays off everywhere (it can take a shared host's GPUs down).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -46,6 +47,8 @@ want test_fused && multi test_fused && run test_fused 240 python3 -m pytest -q -
 want bench_fused && multi bench_fused && run bench_fused 240 python3 -m tpfuse.cli bench fused --out "$OUT" ${BENCH_ARGS:-}
 want test_quant && multi test_quant && run test_quant 240 python3 -m pytest -q -x -m "gpu or multigpu" tests/test_quant_gpu.py
 want bench_quant && multi bench_quant && run bench_quant 270 python3 -m tpfuse.cli bench allreduce --quant --out "$OUT" ${BENCH_ARGS:-}
+want test_codecs && run test_codecs 240 python3 -m pytest -q -x -m gpu tests/test_quant_gpu.py
+want bench_codecs && run bench_codecs 120 python3 scripts/bench_codecs.py --out "$OUT"
 want test_models && multi test_models && run test_models 360 python3 -m pytest -q -x -m multigpu tests/test_models_gpu.py
 # Every visible GPU is one rank: TP=2 on two GPUs, the TP=1 baseline on one.
 want bench_decode && run bench_decode 540 python3 -m tpfuse.cli bench decode --out "$OUT" --plot ${DECODE_ARGS:-}

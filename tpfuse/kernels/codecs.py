@@ -12,9 +12,12 @@ the same order, so kernels and reference agree on every bit:
   IEEE division under the interpreter: both correctly rounded), then ``x * r`` is one
   rounded fp32 product per value, at most 451.5 in magnitude for the values of the
   group the scale belongs to (never an overflow);
-- rounding to an integer is ``(v + 1.5 * 2**23) - 1.5 * 2**23`` in fp32 (half to even),
-  rounding to e4m3 is integer arithmetic on the fp32 bits (Triton's fp8 conversions are
-  not used: the interpreter's and the GPU's need not agree on ties and saturation);
+- rounding to an integer is ``(v + 1.5 * 2**23) - 1.5 * 2**23`` in fp32 (half to even);
+- e4m3 on GPUs of sm_89 and newer is the hardware conversion (``cvt.rn.satfinite.e4m3x2.f32``
+  and ``cvt.rn.f16x2.e4m3x2``, half an instruction per value) with the reference's zero and
+  NaN conventions patched in; elsewhere (the interpreter, older GPUs) it is integer
+  arithmetic on the fp32 bits. tests/test_quant_gpu.py proves the two bitwise equal on every
+  fp32 value the encode can meet and on every byte the decode can meet;
 - a group's statistics (largest magnitude, the sign that attains it, NaN or Inf) come from
   one unsigned integer maximum over the rotated bits;
 - decoding is one exact fp32 product of a small integer (or e4m3 value) and the scale, and
@@ -31,6 +34,8 @@ calls the same functions on its workspace slots.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -80,8 +85,38 @@ def _e4m3_rne(v):
     return code | tl.where((b < 0) & (code != 0), 0x80, 0)
 
 
+@functools.cache
+def hardware_e4m3(device: torch.device) -> bool:
+    """Whether kernels on ``device`` convert e4m3 in hardware (the HW_E4M3 constexpr of the
+    kernels here): compiled for a GPU with fp8 conversions, sm_89 (Ada) and newer."""
+    return not _runtime.INTERPRETER and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 @triton.jit
-def encode_groups(x, CODEC: tl.constexpr):
+def _e4m3_encode(v, HW_E4M3: tl.constexpr):
+    """fp32 v (|v| < 452) -> e4m3 code (``_e4m3_rne``). The hardware conversion rounds to
+    nearest even and saturates at 448 as the reference does; it keeps the sign of a value
+    that rounds to zero (0x80), where the reference writes +0."""
+    if HW_E4M3:
+        code = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+        return tl.where(code == 0x80, 0, code)
+    else:
+        return _e4m3_rne(v)
+
+
+@triton.jit
+def _e4m3_decode(codes):
+    """The fp32 value of e4m3 codes (int32 0..255) by the hardware conversion (exact), with
+    the reference's reading of the two bytes where e4m3's hardware and the reference differ
+    (neither is ever encoded): 0x7F/0xFF (NaN in hardware) are +-480, and 0x80 is +0."""
+    mag = codes & 0x7F
+    v = mag.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    v = tl.where(mag == 0x7F, 480.0, v)
+    return tl.where((codes & 0x80) != 0, 0.0 - v, v)
+
+
+@triton.jit
+def encode_groups(x, CODEC: tl.constexpr, HW_E4M3: tl.constexpr):
     """(codes [GB, 32] int32, scales [GB] int32 bf16 bits) of fp32 groups x [GB, 32]
     (``reference._encode``). The codes of a group with NaN or Inf are undefined here:
     ``store_packed`` stores them as zeros, and its NaN scale decodes them to NaN."""
@@ -106,7 +141,7 @@ def encode_groups(x, CODEC: tl.constexpr):
     scale = tl.where(bad, _SCALE_NAN, scale)
     v = x * tl.math.div_rn(1.0, bf16_bits_to_f32(scale))[:, None]
     if CODEC == 0:
-        codes = _e4m3_rne(v)
+        codes = _e4m3_encode(v, HW_E4M3)
     else:
         t = tl.minimum(tl.maximum(v + _RINT_MAGIC, _RINT_MAGIC - (1 << K)), _RINT_MAGIC + ((1 << K) - 1))
         codes = t.to(tl.int32, bitcast=True) - _RINT_MAGIC_BITS
@@ -114,16 +149,18 @@ def encode_groups(x, CODEC: tl.constexpr):
 
 
 @triton.jit
-def decode_groups(codes, scale, CODEC: tl.constexpr):
+def decode_groups(codes, scale, CODEC: tl.constexpr, HW_E4M3: tl.constexpr):
     """fp32 values [GB, 32] of codes [GB, 32] and bf16 scale bits [GB] (``reference._decode``)."""
     s = bf16_bits_to_f32(scale & 0x7FFF)
-    if CODEC == 0:
+    if CODEC == 0 and HW_E4M3:
+        v = _e4m3_decode(codes)
+    elif CODEC == 0:
         mag = codes & 0x7F
         e4 = mag >> 3
         sig = (mag & 7) + tl.where(e4 > 0, 8, 0)
         pow2 = ((tl.maximum(e4, 1) - 10 + 127) << 23).to(tl.float32, bitcast=True)
         v = sig.to(tl.float32) * pow2
-        v = tl.where((codes & 0x80) != 0, -v, v)
+        v = tl.where((codes & 0x80) != 0, 0.0 - v, v)  # +0.0 for the code 0x80, as the reference
     else:
         v = tl.where(((scale & 0x8000) != 0)[:, None], -codes, codes).to(tl.float32)
     return v * s[:, None]
@@ -218,19 +255,21 @@ def load_groups(x_ptr, tile, limit, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def quantize_kernel(x_ptr, packed_addr, numel, p0, p1, psc, CODEC: tl.constexpr, BLOCK: tl.constexpr):
+def quantize_kernel(x_ptr, packed_addr, numel, p0, p1, psc, CODEC: tl.constexpr, HW_E4M3: tl.constexpr,
+                    BLOCK: tl.constexpr):
     x, offs, gidx, gmask = load_groups(x_ptr, tl.program_id(0), numel, BLOCK)
-    codes, scale = encode_groups(x, CODEC)
+    codes, scale = encode_groups(x, CODEC, HW_E4M3)
     store_packed(packed_addr, p0, p1, psc, gidx, gmask, codes, scale, CODEC)
 
 
 @triton.jit
-def dequantize_kernel(packed_addr, out_ptr, numel, p0, p1, psc, CODEC: tl.constexpr, BLOCK: tl.constexpr):
+def dequantize_kernel(packed_addr, out_ptr, numel, p0, p1, psc, CODEC: tl.constexpr, HW_E4M3: tl.constexpr,
+                      BLOCK: tl.constexpr):
     GB: tl.constexpr = BLOCK // _GROUP
     gidx = tl.program_id(0) * GB + tl.arange(0, GB)
     offs = gidx[:, None] * _GROUP + tl.arange(0, _GROUP)[None, :]
     codes, scale = load_packed(packed_addr, p0, p1, psc, gidx, gidx * _GROUP < numel, CODEC)
-    y = decode_groups(codes, scale, CODEC)
+    y = decode_groups(codes, scale, CODEC, HW_E4M3)
     tl.store(out_ptr + offs, round_to(y, out_ptr.dtype.element_ty), mask=offs < numel)
 
 
@@ -242,8 +281,8 @@ def quantize_into(x: torch.Tensor, packed: torch.Tensor, codec: str) -> None:
     planes, psc, _ = packed_layout(x.numel(), codec)
     grid = (triton.cdiv(x.numel(), TILE_ELEMS),)
     quantize_kernel[grid](x_ptr=x, packed_addr=packed.data_ptr(), numel=x.numel(), p0=planes[0],
-                          p1=planes[-1], psc=psc, CODEC=CODEC_IDS[codec], BLOCK=TILE_ELEMS,
-                          num_warps=NUM_WARPS, **EXACT_FP)
+                          p1=planes[-1], psc=psc, CODEC=CODEC_IDS[codec], HW_E4M3=hardware_e4m3(x.device),
+                          BLOCK=TILE_ELEMS, num_warps=NUM_WARPS, **EXACT_FP)
 
 
 def dequantize_into(packed: torch.Tensor, codec: str, out: torch.Tensor) -> None:
@@ -251,8 +290,8 @@ def dequantize_into(packed: torch.Tensor, codec: str, out: torch.Tensor) -> None
     planes, psc, _ = packed_layout(out.numel(), codec)
     grid = (triton.cdiv(out.numel(), TILE_ELEMS),)
     dequantize_kernel[grid](packed_addr=packed.data_ptr(), out_ptr=out, numel=out.numel(), p0=planes[0],
-                            p1=planes[-1], psc=psc, CODEC=CODEC_IDS[codec], BLOCK=TILE_ELEMS,
-                            num_warps=NUM_WARPS, **EXACT_FP)
+                            p1=planes[-1], psc=psc, CODEC=CODEC_IDS[codec], HW_E4M3=hardware_e4m3(out.device),
+                            BLOCK=TILE_ELEMS, num_warps=NUM_WARPS, **EXACT_FP)
 
 
 def quantize(x: torch.Tensor, codec: str) -> torch.Tensor:

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from tpfuse.kernels.allreduce import _begin, _flag_row
-from tpfuse.kernels.codecs import (CODEC_IDS, decode_groups, encode_groups, load_groups, load_packed,
+from tpfuse.kernels.codecs import (CODEC_IDS, decode_groups, encode_groups, hardware_e4m3, load_groups, load_packed,
                                    store_packed)
 from tpfuse.kernels.common import EXACT_FP, round_to
 from tpfuse.kernels.sync import end_call, signal, wait
@@ -44,7 +44,7 @@ OP_QUANT_GATHER = tl.constexpr(11)
 def quant_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, status_addr, rank, timeout_ns,
                             flags_offset, flags_bytes, data_offset, data_bytes, gather_offset, slot_bytes,
                             p0, p1, psc, W: tl.constexpr, PEERS: tl.constexpr, BLOCK: tl.constexpr,
-                            CODEC: tl.constexpr):
+                            CODEC: tl.constexpr, HW_E4M3: tl.constexpr):
     ELEM: tl.constexpr = out_ptr.dtype.element_ty
     GB: tl.constexpr = BLOCK // 32
     pid, grid, ctrl, status, epoch, data, n_tiles = _begin(local, status_addr, data_offset, data_bytes, chunk, BLOCK)
@@ -55,7 +55,7 @@ def quant_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, stat
             c = (rank + k) % W
             limit = tl.minimum(chunk, numel - c * chunk)
             x, offs, gidx, gmask = load_groups(x_ptr + c * chunk, tile, limit, BLOCK)
-            codes, scale = encode_groups(x, CODEC)
+            codes, scale = encode_groups(x, CODEC, HW_E4M3)
             store_packed(tl.load(table_ptr + c) + data + rank * slot_bytes, p0, p1, psc, gidx, gmask, codes, scale,
                          CODEC)
     signal(table_ptr, flags_offset + (pid * W + rank) * 8, epoch, W, PEERS)
@@ -67,16 +67,16 @@ def quant_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, stat
             offs = gidx[:, None] * 32 + tl.arange(0, 32)[None, :]
             gmask = gidx * 32 < limit
             codes, scale = load_packed(local + data, p0, p1, psc, gidx, gmask, CODEC)
-            acc = decode_groups(codes, scale, CODEC)
+            acc = decode_groups(codes, scale, CODEC, HW_E4M3)
             for s in range(1, W):
                 codes, scale = load_packed(local + data + s * slot_bytes, p0, p1, psc, gidx, gmask, CODEC)
-                acc += decode_groups(codes, scale, CODEC)
-            codes, scale = encode_groups(acc, CODEC)
+                acc += decode_groups(codes, scale, CODEC, HW_E4M3)
+            codes, scale = encode_groups(acc, CODEC, HW_E4M3)
             for k in range(1, W):  # from the next rank on, as in phase 1
                 peer = tl.load(table_ptr + (rank + k) % W)
                 store_packed(peer + data + gather_offset + rank * slot_bytes, p0, p1, psc, gidx, gmask, codes, scale,
                              CODEC)
-            y = decode_groups(codes, scale, CODEC)
+            y = decode_groups(codes, scale, CODEC, HW_E4M3)
             tl.store(out_ptr + rank * chunk + offs, round_to(y, ELEM), mask=offs < limit)
     # 3. Decode the other ranks' reduced chunks. After a failed first wait the abort word
     # makes this wait return at once.
@@ -91,7 +91,7 @@ def quant_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, stat
                     limit = tl.minimum(chunk, numel - c * chunk)
                     codes, scale = load_packed(local + data + gather_offset + c * slot_bytes, p0, p1, psc, gidx,
                                                gidx * 32 < limit, CODEC)
-                    y = decode_groups(codes, scale, CODEC)
+                    y = decode_groups(codes, scale, CODEC, HW_E4M3)
                     tl.store(out_ptr + c * chunk + offs, round_to(y, ELEM), mask=offs < limit)
     end_call(ctrl, epoch)
 
@@ -115,4 +115,5 @@ def quant_all_reduce_into(x: torch.Tensor, out: torch.Tensor, *, codec: str, chu
         flags_bytes=layout.flag_region_bytes, data_offset=layout.data_offset(0), data_bytes=layout.data_bytes,
         gather_offset=layout.gather_offset, slot_bytes=layout.twoshot_slot_bytes, p0=planes[0], p1=planes[-1],
         psc=scale_offset, W=world, PEERS=triton.next_power_of_2(world), BLOCK=block, CODEC=CODEC_IDS[codec],
+        HW_E4M3=hardware_e4m3(x.device),
         num_warps=num_warps, **EXACT_FP)
