@@ -7,7 +7,9 @@
 #        and bench_decode), all. DECODE_ARGS passes arguments to bench_decode. A device call may run 600 s, so "all" needs the largest machines' patience:
 #        pick steps per call. BENCH_ARGS passes extra arguments to every benchmark.
 # Run from the repository root (the device tool does). Wheels missing on the machine
-# (liger-kernel) travel in .whl/ (carry it) and are installed to /tmp/site.
+# (liger-kernel, quack-kernels and its CuTe DSL) travel in .whl/ (carry it), those over a call's
+# 64 MiB as parts in .whlparts/ over several calls, and are installed to /tmp/site:
+# scripts/join_wheels.sh says how.
 set -uo pipefail
 steps=" ${*:-all} "
 for group in norm allreduce fused quant codecs; do
@@ -19,10 +21,9 @@ OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 # NVLink multicast stays off everywhere (it can take a shared host's GPUs down).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
+# Python reads no .pth file on PYTHONPATH: the CuTe DSL's folder is added by hand.
+scripts/join_wheels.sh && [ -d /tmp/site ] \
+  && export PYTHONPATH=$PYTHONPATH:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
 # A commit passed in wins (the device copy of the tree may have no usable git history);
 # --verify prints nothing when HEAD is unborn (plain rev-parse prints "HEAD" and fails).
 export TPFUSE_COMMIT=${TPFUSE_COMMIT:-$(git rev-parse --verify -q HEAD 2>/dev/null || echo unknown)}

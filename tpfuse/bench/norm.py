@@ -1,6 +1,7 @@
 """``tpfuse bench norm``: RMSNorm forward, residual-add forward and backward (dx + dW), side
-by side with torch, torch.compile and Liger-Kernel, as effective bandwidth against a
-device-to-device copy measured in the same run; plus in-kernel vs separate dW combine.
+by side with torch, torch.compile, Liger-Kernel and quack (CuTe-DSL kernels; Liger and quack
+where installed), as effective bandwidth against a device-to-device copy measured in the same
+run; plus in-kernel vs separate dW combine.
 
 Bytes counted (each input read once, each output written once; the weight is negligible):
 forward 2*M*N, residual-add forward 4*M*N, backward 3*M*N elements.
@@ -46,6 +47,17 @@ def _impls(with_compile: bool):
     }
     if with_compile:
         impls["torch.compile"] = (torch.compile(torch_fwd, dynamic=False), torch.compile(torch_add, dynamic=False))
+    try:  # the CuTe DSL raises RuntimeError where it has no build for the CUDA driver
+        from quack import rmsnorm as quack_rmsnorm
+    except (ImportError, RuntimeError) as e:
+        if getattr(e, "name", None) != "quack":  # installed, but it does not load
+            print(f"# quack left out: {type(e).__name__}: {e}", flush=True)
+    else:
+        # Output in x's dtype. add+norm returns (norm, x + res rounded to res's dtype), normalizing
+        # the unrounded fp32 sum (torch and tpfuse normalize the rounded one). Backward: dW from
+        # fp32 partials, one per CTA over a fixed set of rows, summed by torch (deterministic).
+        impls["quack"] = (lambda x, w: quack_rmsnorm(x, w, eps=EPS),
+                          lambda x, res, w: quack_rmsnorm(x, w, residual=res, eps=EPS, prenorm=True))
     try:
         from liger_kernel.ops.rms_norm import LigerRMSNormFunction
     except ImportError:
@@ -109,9 +121,10 @@ def _gpu(args) -> int:
     header["copy_gbps"] = copy_gbps = copy_bandwidth_gbps()
     impls = _impls(not args.no_compile)
     header["impls"] = list(impls)
-    if "liger" in impls:
-        from importlib.metadata import version
-        header["liger_kernel"] = version("liger-kernel")
+    from importlib.metadata import version
+    for impl, dists in (("liger", ["liger-kernel"]), ("quack", ["quack-kernels", "nvidia-cutlass-dsl"])):
+        if impl in impls:
+            header.update({d.replace("-", "_"): version(d) for d in dists})
     print(f"# {header.get('gpu')}: copy bandwidth {copy_gbps:.0f} GB/s; impls {', '.join(impls)}", flush=True)
     records = []
     for dname in args.dtype:
