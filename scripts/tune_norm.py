@@ -1,4 +1,4 @@
-"""Time RMSNorm kernel variants on a GPU, to choose the values in tpfuse/kernels/norm.py.
+"""Time RMSNorm kernel variants on a GPU, to choose the values in tpfuse/kernels/norm*.py.
 Not part of the library: it patches ``NormConfig.from_shape`` and the dW partial count.
 
     python3 scripts/tune_norm.py [bwd|fwd|chunk|dw|fp32|split|bwdsplit[=dtype:N,...] ...] > tune.txt
@@ -19,9 +19,12 @@ import sys
 import torch
 
 from tpfuse.bench.common import copy_bandwidth_gbps, graph_time_us
-from tpfuse.kernels import norm as K
+from tpfuse.kernels import norm, norm_bwd_chunked, norm_dw
+from tpfuse.kernels.norm import NormConfig, rms_norm_fwd
+from tpfuse.kernels.norm_bwd import rms_norm_bwd
+from tpfuse.kernels.norm_dw import DwPlan
 
-base_from_shape = K.NormConfig.from_shape
+base_from_shape = NormConfig.from_shape
 DT = torch.bfloat16
 M = 32768
 
@@ -29,7 +32,7 @@ M = 32768
 def use_config(**fields):
     def from_shape(n, dtype):
         return dataclasses.replace(base_from_shape(n, dtype), **fields)
-    K.NormConfig.from_shape = staticmethod(from_shape)
+    NormConfig.from_shape = staticmethod(from_shape)
 
 
 def pct(nbytes, us, copy):
@@ -43,7 +46,7 @@ def bwd_variants(n):
     for rows, w, prefetch, joint in itertools.product(tile_rows, warps, (False, True), (False, True)):
         if w * 32 * 8 > rows * base.block_n * 2 and w > 4:  # more threads than 16-byte vectors
             continue
-        if prefetch and (base.num_chunks > 1 or rows * base.block_n > K._MAX_PREFETCH_LANES):
+        if prefetch and (base.num_chunks > 1 or rows * base.block_n > norm._MAX_PREFETCH_LANES):
             continue
         yield dict(bwd_rows=rows, bwd_num_warps=w, bwd_prefetch=prefetch, bwd_joint_reduce=joint, bwd_tail_n=0,
                    bwd_reload_weight=False)
@@ -64,9 +67,9 @@ def time_checked_bwd(x, dy, w, dx, dw, fused_combine=True):
     dx and dW are poisoned first."""
     dx.fill_(float("nan"))
     dw.fill_(float("nan"))
-    K.rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0, fused_combine=fused_combine)
+    rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0, fused_combine=fused_combine)
     ok = check_bwd(x, dy, w, dx, dw)
-    return graph_time_us(lambda i: K.rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0, fused_combine=fused_combine)), ok
+    return graph_time_us(lambda i: rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0, fused_combine=fused_combine)), ok
 
 
 def tune_bwd(copy):
@@ -85,12 +88,12 @@ def tune_bwd(copy):
             print(f"  {fields} {us:.1f}us {pct(3 * M * n * 2, us, copy):.0f}%{'' if ok else ' WRONG'}", flush=True)
         for us, fields in sorted(timed, key=lambda t: t[0])[:3]:
             use_config(**fields)
-            K._MAX_DW_PARTIALS = 512
-            us512 = graph_time_us(lambda i: K.rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0))
-            K._MAX_DW_PARTIALS = 256
+            norm_dw._MAX_DW_PARTIALS = 512
+            us512 = graph_time_us(lambda i: rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0))
+            norm_dw._MAX_DW_PARTIALS = 256
             print(f"  partials 512: {fields} {us512:.1f}us {pct(3 * M * n * 2, us512, copy):.0f}% "
                   f"(256: {us:.1f}us)", flush=True)
-    K.NormConfig.from_shape = staticmethod(base_from_shape)
+    NormConfig.from_shape = staticmethod(base_from_shape)
 
 
 def tune_fwd(copy):
@@ -101,10 +104,10 @@ def tune_fwd(copy):
         base = base_from_shape(n, DT)
         for warps, rows in itertools.product([4, 8, 16, 32], sorted({1, 2, base.rows})):
             use_config(num_warps=warps, rows=rows)
-            us = graph_time_us(lambda i: K.rms_norm_fwd(x, w, y, 1e-6, 0.0))
+            us = graph_time_us(lambda i: rms_norm_fwd(x, w, y, 1e-6, 0.0))
             print(f"fwd N={n} M={m} warps={warps} rows={rows} base=({base.num_warps},{base.rows}) {us:.1f}us "
                   f"{pct(2 * m * n * 2, us, copy):.0f}%", flush=True)
-    K.NormConfig.from_shape = staticmethod(base_from_shape)
+    NormConfig.from_shape = staticmethod(base_from_shape)
 
 
 def tune_chunk(copy):
@@ -115,35 +118,35 @@ def tune_chunk(copy):
     y = torch.empty_like(x)
     w = torch.randn(n, device="cuda", dtype=DT)
     for chunk_bytes in (8192, 16384, 32768):
-        K._CHUNK_BYTES = chunk_bytes
+        norm._CHUNK_BYTES = chunk_bytes
         base_from_shape.cache_clear()
         for warps in (8, 16, 32):
             use_config(num_warps=warps)
-            us = graph_time_us(lambda i: K.rms_norm_fwd(x, w, y, 1e-6, 0.0))
+            us = graph_time_us(lambda i: rms_norm_fwd(x, w, y, 1e-6, 0.0))
             print(f"fwd N={n} M={M} chunk={chunk_bytes} warps={warps} {us:.1f}us {pct(2 * M * n * 2, us, copy):.0f}%",
                   flush=True)
-    K._CHUNK_BYTES = 8192
+    norm._CHUNK_BYTES = 8192
     base_from_shape.cache_clear()
-    K.NormConfig.from_shape = staticmethod(base_from_shape)
+    NormConfig.from_shape = staticmethod(base_from_shape)
     del x, y
-    base = (K._CHUNKED_BWD_PROGRAMS, K._CHUNKED_BWD_WARPS)
+    base = (norm_dw._CHUNKED_BWD_PROGRAMS, norm_bwd_chunked._CHUNKED_BWD_WARPS)
     for dt, n, m in [(DT, 65536, 16), (DT, 65536, 1024), (DT, 65536, 16384), (torch.float32, 32768, 16384)]:
         x = torch.randn(m, n, device="cuda", dtype=dt)
         dy, w = torch.randn_like(x), torch.randn(n, device="cuda", dtype=dt)
         dx, dw = torch.empty_like(x), torch.empty_like(w)
         for programs, warps in itertools.product((256, 512, 1024), (4, 8, 16)):
-            K._CHUNKED_BWD_PROGRAMS, K._CHUNKED_BWD_WARPS = programs, warps
+            norm_dw._CHUNKED_BWD_PROGRAMS, norm_bwd_chunked._CHUNKED_BWD_WARPS = programs, warps
             us, ok = time_checked_bwd(x[:4096], dy[:4096], w, dx[:4096], dw)
             if m > 4096:  # checked on the first rows, timed on all
-                us = graph_time_us(lambda i: K.rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0))
+                us = graph_time_us(lambda i: rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0))
             print(f"bwd {str(dt)[6:]} N={n} M={m} programs={programs} warps={warps} {us:.1f}us "
                   f"{pct(3 * m * n * dt.itemsize, us, copy):.0f}%{'' if ok else ' WRONG'}", flush=True)
-        K._CHUNKED_BWD_PROGRAMS, K._CHUNKED_BWD_WARPS = base
+        norm_dw._CHUNKED_BWD_PROGRAMS, norm_bwd_chunked._CHUNKED_BWD_WARPS = base
         del x, dy, dx
 
 
 def tune_dw(copy):
-    base_plan = K.DwPlan.from_shape
+    base_plan = DwPlan.from_shape
     for m, n in itertools.product([16, 128, 1024], [2048, 4096, 8192, 16384]):
         x = torch.randn(m, n, device="cuda", dtype=DT)
         dy, w = torch.randn_like(x), torch.randn(n, device="cuda", dtype=DT)
@@ -152,12 +155,12 @@ def tune_dw(copy):
         tile_rows = base_from_shape(n, DT).bwd_rows
         print(f"dw M={m} N={n} plan {base}", flush=True)
         for rows, combine in itertools.product([1, 2, 4], ["tree", "columns", "launch"]):
-            rows = -(-max(rows, -(-m // K._MAX_DW_PARTIALS)) // tile_rows) * tile_rows
+            rows = -(-max(rows, -(-m // norm_dw._MAX_DW_PARTIALS)) // tile_rows) * tile_rows
             plan = dataclasses.replace(base, num_partials=-(-m // rows), rows_per_partial=rows,
                                        combine="columns" if combine == "launch" else combine)
-            K.DwPlan.from_shape = staticmethod(lambda m_, n_, d_, plan=plan: plan)
+            DwPlan.from_shape = staticmethod(lambda m_, n_, d_, plan=plan: plan)
             us, ok = time_checked_bwd(x, dy, w, dx, dw, fused_combine=combine != "launch")
-            K.DwPlan.from_shape = staticmethod(base_plan)
+            DwPlan.from_shape = staticmethod(base_plan)
             print(f"  rows_per_partial={rows} partials={plan.num_partials} {combine} {us:.1f}us"
                   f"{'' if ok else ' WRONG'}", flush=True)
 
@@ -169,11 +172,11 @@ def tune_fp32(copy):
     dx, dw = torch.empty_like(x), torch.empty_like(w)
     for warps in (8, 16, 32):
         use_config(num_warps=warps, bwd_num_warps=warps)
-        us = graph_time_us(lambda i: K.rms_norm_fwd(x, w, y, 1e-6, 0.0))
+        us = graph_time_us(lambda i: rms_norm_fwd(x, w, y, 1e-6, 0.0))
         print(f"fp32 fwd N={n} warps={warps} {us:.1f}us {pct(2 * m * n * 4, us, copy):.0f}%", flush=True)
-        us = graph_time_us(lambda i: K.rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0))
+        us = graph_time_us(lambda i: rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0))
         print(f"fp32 bwd N={n} warps={warps} {us:.1f}us {pct(3 * m * n * 4, us, copy):.0f}%", flush=True)
-    K.NormConfig.from_shape = staticmethod(base_from_shape)
+    NormConfig.from_shape = staticmethod(base_from_shape)
 
 
 def tune_split(copy):
@@ -184,7 +187,7 @@ def tune_split(copy):
         if not base.tail_n:
             continue
         esize = dt.itemsize
-        padded_warps = K._pow2_warps(base.rows * base.block_n // (16 // esize) // 2, 8)
+        padded_warps = norm._pow2_warps(base.rows * base.block_n // (16 // esize) // 2, 8)
         variants = [("padded", dict(tail_n=0, num_warps=padded_warps))]
         variants += [(f"split w{w}", dict(num_warps=w)) for w in (4, 8, 16)]
         for m in (M, 1):
@@ -195,13 +198,13 @@ def tune_split(copy):
             for name, fields in variants:
                 use_config(**fields)
                 y.fill_(float("nan"))
-                K.rms_norm_fwd(x, w, y, 1e-6, 0.0)
+                rms_norm_fwd(x, w, y, 1e-6, 0.0)
                 ok = torch.allclose(y.float(), ref, rtol=1e-2, atol=1e-2)
-                fwd = graph_time_us(lambda i: K.rms_norm_fwd(x, w, y, 1e-6, 0.0))
-                add = graph_time_us(lambda i: K.rms_norm_fwd(x, w, y, 1e-6, 0.0, res, r_out))
+                fwd = graph_time_us(lambda i: rms_norm_fwd(x, w, y, 1e-6, 0.0))
+                add = graph_time_us(lambda i: rms_norm_fwd(x, w, y, 1e-6, 0.0, res, r_out))
                 print(f"split {str(dt)[6:]} N={n} M={m} {name}: "
                       f"fwd {fwd:.2f}us {pct(2 * m * n * esize, fwd, copy):.0f}% add {add:.2f}us {pct(4 * m * n * esize, add, copy):.0f}%{'' if ok else ' WRONG'}", flush=True)
-    K.NormConfig.from_shape = staticmethod(base_from_shape)
+    NormConfig.from_shape = staticmethod(base_from_shape)
 
 
 def tune_bwd_split(copy, cases="bf16:2880,bf16:5120,bf16:7168,bf16:8192,bf16:10240,bf16:16384,fp32:2880,"
@@ -218,9 +221,9 @@ def tune_bwd_split(copy, cases="bf16:2880,bf16:5120,bf16:7168,bf16:8192,bf16:102
         dx, dw = torch.empty_like(x), torch.empty_like(w)
         variants = [("base", {})]
         if base.bwd_tail_n:
-            lanes_cap = min(K._MAX_PREFETCH_LANES, K._MAX_PREFETCH_BYTES // dt.itemsize)
+            lanes_cap = min(norm._MAX_PREFETCH_LANES, norm._MAX_PREFETCH_BYTES // dt.itemsize)
             variants.append(("padded", dict(
-                bwd_tail_n=0, bwd_num_warps=max(4, K._pow2_warps(base.block_n // (16 // dt.itemsize), 16)),
+                bwd_tail_n=0, bwd_num_warps=max(4, norm._pow2_warps(base.block_n // (16 // dt.itemsize), 16)),
                 bwd_prefetch=base.block_n <= lanes_cap, bwd_reload_weight=False)))
         for warps, prefetch, reload in itertools.product((4, 8, 16, 32), (False, True), (False, True)):
             if warps == 32 and n < 16384 or warps == 4 and n >= 16384 or warps * 32 * 4 > n:
@@ -230,9 +233,9 @@ def tune_bwd_split(copy, cases="bf16:2880,bf16:5120,bf16:7168,bf16:8192,bf16:102
         for name, fields in variants:
             use_config(**fields)
             us, ok = time_checked_bwd(x, dy, w, dx, dw)
-            print(f"bwdsplit {str(dt)[6:]} N={n} tail={K.NormConfig.from_shape(n, dt).bwd_tail_n} {name}: "
+            print(f"bwdsplit {str(dt)[6:]} N={n} tail={NormConfig.from_shape(n, dt).bwd_tail_n} {name}: "
                   f"{us:.1f}us {pct(3 * M * n * dt.itemsize, us, copy):.0f}%{'' if ok else ' WRONG'}", flush=True)
-    K.NormConfig.from_shape = staticmethod(base_from_shape)
+    NormConfig.from_shape = staticmethod(base_from_shape)
 
 
 if __name__ == "__main__":

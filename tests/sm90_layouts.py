@@ -43,7 +43,8 @@ from triton.runtime.jit import JITFunction, create_function_from_signature  # no
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tpfuse.comm.workspace import WorkspaceLayout  # noqa: E402
 from tpfuse.kernels.fused import all_reduce_norm_into  # noqa: E402
-from tpfuse.kernels.norm import NormConfig, rms_norm_bwd, rms_norm_fwd  # noqa: E402
+from tpfuse.kernels.norm import NormConfig, rms_norm_fwd  # noqa: E402
+from tpfuse.kernels.norm_bwd import rms_norm_bwd  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -7,7 +7,10 @@ import torch
 
 import tpfuse
 from tpfuse import reference
-from tpfuse.kernels import norm as K
+from tpfuse.kernels import norm_dw
+from tpfuse.kernels.norm import NormConfig, rms_norm_fwd
+from tpfuse.kernels.norm_bwd import rms_norm_bwd
+from tpfuse.kernels.norm_dw import DwPlan
 from tests.conftest import DEVICE, ON_GPU
 from tests.test_allreduce import _same_bits
 from tpfuse.reference import rel_err, rel_err_budget
@@ -125,7 +128,7 @@ def test_fused_and_separate_dw_combine_give_the_same_bits(m, n):
     columns = ((n in (3000, 4096, 5120) and m in (5, 64))  # few partials
                or (n in (10240, 16384) and m > 1))  # rows over 8192 in one chunk: columns from 2 partials
     expected = ("launch" if m > 1 else "tree") if n == 20000 else "columns" if columns else "tree"
-    assert K.DwPlan.from_shape(m, n, torch.bfloat16).combine == expected
+    assert DwPlan.from_shape(m, n, torch.bfloat16).combine == expected
     x, w, _ = _inputs(m, n, torch.bfloat16, "plain", seed=m + n)
     dy = torch.randn(m, n).to(torch.bfloat16).to(DEVICE)
     dy[:, 0], x[:, 0] = 0.0, -x[:, 0].abs() - 1  # dW[0] sums -0.0 terms: +0.0 in either combine
@@ -133,10 +136,10 @@ def test_fused_and_separate_dw_combine_give_the_same_bits(m, n):
     for fused in (True, True, False):
         dx = torch.full_like(x, float("nan"))
         dw = torch.full_like(w, float("nan"))
-        K.rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0, fused_combine=fused)
+        rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0, fused_combine=fused)
         outs.append((dx, dw))
-        if fused and x.device in K._dw_counters:
-            assert not K._dw_counters[x.device].any()
+        if fused and x.device in norm_dw._dw_counters:
+            assert not norm_dw._dw_counters[x.device].any()
     assert not outs[0][1].isnan().any() and not outs[0][0].isnan().any()
     for dx, dw in outs[1:]:
         assert _same_bits(outs[0][0], dx) and _same_bits(outs[0][1], dw)
@@ -152,9 +155,9 @@ def test_one_partial_on_chunked_rows_writes_dw_without_a_combine(dtype, m, monke
     separate launch's bits, signed zeros included."""
     n = 20000
     if m > 1:
-        monkeypatch.setattr(K, "_CHUNKED_BWD_PROGRAMS", 1)
-    plan = K.DwPlan.from_shape(m, n, dtype)
-    assert K.NormConfig.from_shape(n, dtype).num_chunks > 1
+        monkeypatch.setattr(norm_dw, "_CHUNKED_BWD_PROGRAMS", 1)
+    plan = DwPlan.from_shape(m, n, dtype)
+    assert NormConfig.from_shape(n, dtype).num_chunks > 1
     assert plan.combine == "tree" and plan.rows_per_partial == m
     x, w, _ = _inputs(m, n, dtype, "plain", seed=3)
     dy = torch.randn(m, n).to(dtype).to(DEVICE)
@@ -162,7 +165,7 @@ def test_one_partial_on_chunked_rows_writes_dw_without_a_combine(dtype, m, monke
     outs = []
     for fused in (True, False):
         dx, dw = torch.full_like(x, float("nan")), torch.full_like(w, float("nan"))
-        K.rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0, fused_combine=fused)
+        rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0, fused_combine=fused)
         outs.append((dx, dw))
     assert _same_bits(outs[0][0], outs[1][0]) and _same_bits(outs[0][1], outs[1][1])
     assert not torch.signbit(outs[0][1][:32]).any()
@@ -180,8 +183,8 @@ def test_backward_dx_is_batch_invariant(n):
     dy = torch.randn(m, n).to(torch.bfloat16).to(DEVICE)
     pos = int(torch.randint(m, (1,)))
     dx_batch, dx_alone = torch.full_like(x, float("nan")), torch.full_like(x[:1], float("nan"))
-    K.rms_norm_bwd(dy, x, w, dx_batch, torch.empty_like(w), 1e-6, 0.0)
-    K.rms_norm_bwd(dy[pos:pos + 1].clone(), x[pos:pos + 1].clone(), w, dx_alone, torch.empty_like(w), 1e-6, 0.0)
+    rms_norm_bwd(dy, x, w, dx_batch, torch.empty_like(w), 1e-6, 0.0)
+    rms_norm_bwd(dy[pos:pos + 1].clone(), x[pos:pos + 1].clone(), w, dx_alone, torch.empty_like(w), 1e-6, 0.0)
     assert not dx_alone.isnan().any() and torch.equal(dx_batch[pos:pos + 1], dx_alone)
 
 
@@ -197,11 +200,11 @@ BWD_LAYOUT_CASES = [(torch.bfloat16, 5000, 5, True), (torch.float32, 2049, 3, Fa
 
 
 def test_backward_layout_cases_cover_every_row_layout():
-    cfgs = [(K.NormConfig.from_shape(n, dtype), n) for dtype, n, _, _ in BWD_LAYOUT_CASES]
+    cfgs = [(NormConfig.from_shape(n, dtype), n) for dtype, n, _, _ in BWD_LAYOUT_CASES]
     kinds = {(c.num_chunks, c.bwd_tail_n > 0, c.bwd_prefetch, c.bwd_reload_weight) for c, _ in cfgs}
     assert {(1, True, True, True), (1, True, True, False), (1, True, False, False), (1, False, False, True)} <= kinds
     assert any(c.bwd_tail_n and n < c.block_n // 2 + c.bwd_tail_n for c, n in cfgs)  # a masked tail
-    plans = [K.DwPlan.from_shape(m, n, dtype) for dtype, n, m, _ in BWD_LAYOUT_CASES]
+    plans = [DwPlan.from_shape(m, n, dtype) for dtype, n, m, _ in BWD_LAYOUT_CASES]
     assert any(c.num_chunks > 1 and p.rows_per_partial > 1 and p.num_partials * p.rows_per_partial > m
                for (c, _), p, (_, _, m, _) in zip(cfgs, plans, BWD_LAYOUT_CASES))  # a chunked partial of fewer rows
 
@@ -219,11 +222,11 @@ def test_backward_row_layouts(dtype, n, m, with_dres):
         dx_buf = torch.full((m * n + 2 * guard,), float("nan"), dtype=dtype, device=DEVICE)
         dw_buf = torch.full((n + 2 * guard,), float("nan"), dtype=dtype, device=DEVICE)
         dx, dw = dx_buf[guard:guard + m * n].view(m, n), dw_buf[guard:guard + n]
-        K.rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0, dres, fused_combine=fused)
+        rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0, dres, fused_combine=fused)
         for buf, inner in ((dx_buf, m * n), (dw_buf, n)):
             assert buf[:guard].isnan().all() and buf[guard + inner:].isnan().all()
-        if fused and x.device in K._dw_counters:
-            assert not K._dw_counters[x.device].any()
+        if fused and x.device in norm_dw._dw_counters:
+            assert not norm_dw._dw_counters[x.device].any()
         outs.append((dx, dw))
     for dx, dw in outs[1:]:
         assert torch.equal(outs[0][0], dx) and torch.equal(outs[0][1], dw)
@@ -241,7 +244,7 @@ def test_launchers_write_every_output_element(n):
     residual = torch.randn(m, n).to(torch.float16).to(DEVICE)
     y = torch.full_like(x, float("nan"))
     r_out = torch.full_like(x, float("nan"))
-    K.rms_norm_fwd(x, w, y, 1e-6, 0.0, residual=residual, residual_out=r_out)
+    rms_norm_fwd(x, w, y, 1e-6, 0.0, residual=residual, residual_out=r_out)
     assert not y.isnan().any() and not r_out.isnan().any()
 
 
@@ -345,9 +348,9 @@ def test_launchers_reject_inconsistent_outputs():
     x = torch.randn(3, 64, device=DEVICE)
     w = torch.randn(64, device=DEVICE)
     with pytest.raises(ValueError, match="residual and residual_out"):
-        K.rms_norm_fwd(x, w, torch.empty_like(x), 1e-6, 0.0, residual=x.clone())
+        rms_norm_fwd(x, w, torch.empty_like(x), 1e-6, 0.0, residual=x.clone())
     with pytest.raises(ValueError, match="weight and dweight"):
-        K.rms_norm_bwd(x, x, w, torch.empty_like(x), None, 1e-6, 0.0)
+        rms_norm_bwd(x, x, w, torch.empty_like(x), None, 1e-6, 0.0)
 
 
 def test_bad_inputs_raise_clear_errors():

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import tpfuse
-from tpfuse.kernels import norm as K
+from tpfuse.kernels.norm_dw import DwPlan
 from tests.conftest import DEVICE
 from tpfuse.reference import rel_err, rel_err_budget
 
@@ -103,7 +103,7 @@ def test_torch_compile_inductor_fullgraph():
 @pytest.mark.parametrize("m", [16, 300])  # dW combined by the tree (300 rows: 75 partials) or column programs
 def test_cuda_graph_capture_and_replay(m):
     n = 1000 if m == 300 else 4096
-    assert K.DwPlan.from_shape(m, n, torch.bfloat16).combine == ("tree" if m == 300 else "columns")
+    assert DwPlan.from_shape(m, n, torch.bfloat16).combine == ("tree" if m == 300 else "columns")
     x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     residual = torch.randn_like(x)
     w = torch.randn(n, device="cuda", dtype=torch.bfloat16)

@@ -1,9 +1,9 @@
 """Public RMSNorm functions, their torch.library custom ops and autograd.
 
-Layers: ``tpfuse.kernels.norm`` (kernels + launchers into given outputs) -> custom ops here
-(allocate, flatten to 2-D, registered with fake implementations so ``torch.compile`` traces
-them and CUDA graphs capture them) -> autograd registration -> the public functions, which
-validate their arguments before anything runs.
+Layers: ``tpfuse.kernels.norm`` and ``norm_bwd`` (kernels + launchers into given outputs) ->
+custom ops here (allocate, flatten to 2-D, registered with fake implementations so
+``torch.compile`` traces them and CUDA graphs capture them) -> autograd registration -> the
+public functions, which validate their arguments before anything runs.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from typing import Optional
 import torch
 
 from tpfuse._runtime import aligned_contiguous, check_float_tensor
-from tpfuse.kernels import norm as _k
+from tpfuse.kernels.norm import NormConfig, rms_norm_fwd
+from tpfuse.kernels.norm_bwd import rms_norm_bwd
 
 Tensor = torch.Tensor
 
@@ -65,7 +66,7 @@ def _opt_rows(w: Optional[Tensor]) -> Optional[Tensor]:
 def _rms_norm_op(x: Tensor, weight: Optional[Tensor], eps: float, weight_offset: float) -> Tensor:
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.numel():
-        _k.rms_norm_fwd(_rows(x), _opt_rows(weight), y.view(-1, x.shape[-1]), eps, weight_offset)
+        rms_norm_fwd(_rows(x), _opt_rows(weight), y.view(-1, x.shape[-1]), eps, weight_offset)
     return y
 
 
@@ -82,7 +83,7 @@ def _add_rms_norm_op(
     residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.numel():
         n = x.shape[-1]
-        _k.rms_norm_fwd(_rows(x), _opt_rows(weight), y.view(-1, n), eps, weight_offset,
+        rms_norm_fwd(_rows(x), _opt_rows(weight), y.view(-1, n), eps, weight_offset,
                         residual=_rows(residual), residual_out=residual_out.view(-1, n))
     return y, residual_out
 
@@ -104,9 +105,9 @@ def _add_rms_norm_inplace_op(
         # A row held in registers reads each residual element before writing it, so the
         # output may alias the input; chunked rows read the residual again in a second
         # pass and need a separate output.
-        single_pass = _k.NormConfig.from_shape(n, x.dtype).num_chunks == 1
+        single_pass = NormConfig.from_shape(n, x.dtype).num_chunks == 1
         res_out = res if single_pass else torch.empty_like(res)
-        _k.rms_norm_fwd(_rows(x), _opt_rows(weight), y.view(-1, n), eps, weight_offset,
+        rms_norm_fwd(_rows(x), _opt_rows(weight), y.view(-1, n), eps, weight_offset,
                         residual=res, residual_out=res_out)
         if res_out.data_ptr() != residual.data_ptr():
             residual.copy_(res_out.view(residual.shape))
@@ -128,7 +129,7 @@ def _rms_norm_backward_op(
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     dweight = torch.empty(0 if weight is None else weight.shape, dtype=x.dtype if weight is None else weight.dtype,
                           device=x.device)
-    _k.rms_norm_bwd(_rows(dy), _rows(x), _opt_rows(weight), dx.view(-1, n),
+    rms_norm_bwd(_rows(dy), _rows(x), _opt_rows(weight), dx.view(-1, n),
                     dweight if weight is not None else None, eps, weight_offset,
                     dresidual_out=None if dresidual_out is None else _rows(dresidual_out))
     return dx, dweight

@@ -20,7 +20,7 @@ import tpfuse
 from tpfuse import reference
 from tpfuse.bench.common import (copy_bandwidth_gbps, graph_time_us, header_markdown, rotation, run_header,
                                  write_results)
-from tpfuse.kernels import norm as K
+from tpfuse.kernels.norm_bwd import rms_norm_bwd
 
 MS = [1, 16, 128, 1024, 4096, 16384, 32768, 65536]
 NS = [256, 512, 1024, 2048, 2880, 4096, 5120, 7168, 8192, 16384, 65536]
@@ -111,8 +111,8 @@ def _time_dw_combine(m, n, dtype):
     w = torch.randn(n, device="cuda", dtype=dtype)
     dw = torch.empty_like(w)
     return {f"dw_{'fused' if fused else 'separate'}": graph_time_us(
-        lambda i, fused=fused: K.rms_norm_bwd(dys[i % sets], xs[i % sets], w, dxs[i % sets], dw, EPS, 0.0,
-                                              fused_combine=fused))
+        lambda i, fused=fused: rms_norm_bwd(dys[i % sets], xs[i % sets], w, dxs[i % sets], dw, EPS, 0.0,
+                                            fused_combine=fused))
         for fused in (True, False)}
 
 
