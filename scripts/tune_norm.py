@@ -117,15 +117,16 @@ def tune_chunk(copy):
     x = torch.randn(M, n, device="cuda", dtype=DT)
     y = torch.empty_like(x)
     w = torch.randn(n, device="cuda", dtype=DT)
-    for chunk_bytes in (8192, 16384, 32768):
-        norm._CHUNK_BYTES = chunk_bytes
+    default_chunk = norm._CHUNK_BYTES, norm._STREAM_CHUNK_BYTES
+    for chunk_bytes in (8192, 16384, 32768, 65536):
+        norm._CHUNK_BYTES = norm._STREAM_CHUNK_BYTES = chunk_bytes
         base_from_shape.cache_clear()
         for warps in (8, 16, 32):
             use_config(num_warps=warps)
             us = graph_time_us(lambda i: rms_norm_fwd(x, w, y, 1e-6, 0.0))
             print(f"fwd N={n} M={M} chunk={chunk_bytes} warps={warps} {us:.1f}us {pct(2 * M * n * 2, us, copy):.0f}%",
                   flush=True)
-    norm._CHUNK_BYTES = 8192
+    norm._CHUNK_BYTES, norm._STREAM_CHUNK_BYTES = default_chunk
     base_from_shape.cache_clear()
     NormConfig.from_shape = staticmethod(base_from_shape)
     del x, y

@@ -201,11 +201,11 @@ BWD_LAYOUT_CASES = [(torch.bfloat16, 5000, 5, True), (torch.float32, 2049, 3, Fa
 
 def test_backward_layout_cases_cover_every_row_layout():
     cfgs = [(NormConfig.from_shape(n, dtype), n) for dtype, n, _, _ in BWD_LAYOUT_CASES]
-    kinds = {(c.num_chunks, c.bwd_tail_n > 0, c.bwd_prefetch, c.bwd_reload_weight) for c, _ in cfgs}
+    kinds = {(c.bwd_num_chunks, c.bwd_tail_n > 0, c.bwd_prefetch, c.bwd_reload_weight) for c, _ in cfgs}
     assert {(1, True, True, True), (1, True, True, False), (1, True, False, False), (1, False, False, True)} <= kinds
     assert any(c.bwd_tail_n and n < c.block_n // 2 + c.bwd_tail_n for c, n in cfgs)  # a masked tail
     plans = [DwPlan.from_shape(m, n, dtype) for dtype, n, m, _ in BWD_LAYOUT_CASES]
-    assert any(c.num_chunks > 1 and p.rows_per_partial > 1 and p.num_partials * p.rows_per_partial > m
+    assert any(c.bwd_num_chunks > 1 and p.rows_per_partial > 1 and p.num_partials * p.rows_per_partial > m
                for (c, _), p, (_, _, m, _) in zip(cfgs, plans, BWD_LAYOUT_CASES))  # a chunked partial of fewer rows
 
 

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from tpfuse._runtime import aligned_contiguous, check_float_tensor
-from tpfuse.kernels.norm import NormConfig, rms_norm_fwd
+from tpfuse.kernels.norm import rms_norm_fwd
 from tpfuse.kernels.norm_bwd import rms_norm_bwd
 
 Tensor = torch.Tensor
@@ -101,16 +101,11 @@ def _add_rms_norm_inplace_op(
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.numel():
         n = x.shape[-1]
-        res = _rows(residual)
-        # A row held in registers reads each residual element before writing it, so the
-        # output may alias the input; chunked rows read the residual again in a second
-        # pass and need a separate output.
-        single_pass = NormConfig.from_shape(n, x.dtype).num_chunks == 1
-        res_out = res if single_pass else torch.empty_like(res)
-        rms_norm_fwd(_rows(x), _opt_rows(weight), y.view(-1, n), eps, weight_offset,
-                        residual=res, residual_out=res_out)
-        if res_out.data_ptr() != residual.data_ptr():
-            residual.copy_(res_out.view(residual.shape))
+        res = _rows(residual)  # residual itself where it is contiguous and aligned, else a copy
+        # The kernel may write residual_out over the residual (rms_norm_fwd).
+        rms_norm_fwd(_rows(x), _opt_rows(weight), y.view(-1, n), eps, weight_offset, residual=res, residual_out=res)
+        if res.data_ptr() != residual.data_ptr():
+            residual.copy_(res.view(residual.shape))
     return y
 
 

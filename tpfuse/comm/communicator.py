@@ -17,7 +17,6 @@ from tpfuse.comm.quant_plan import QuantPlan, check_quant, default_quant_min_byt
 from tpfuse.comm.workspace import WorkspaceLayout
 from tpfuse.kernels.allreduce import OP_NAMES, all_reduce_into
 from tpfuse.kernels.fused import all_reduce_norm_into
-from tpfuse.kernels.norm import NormConfig
 from tpfuse.kernels.quant_allreduce import quant_all_reduce_into
 from tpfuse.kernels.sync import STATUS_WORDS, decode_status
 from tpfuse.ops import add_rms_norm, check_norm_args, rms_norm
@@ -330,7 +329,6 @@ class Communicator:
         self._check_args(x, residual, weight, weight_offset, norm=True)
         check_fused_algo(algo)
         n = x.shape[-1]
-        cfg = NormConfig.from_shape(n, x.dtype)
         plan = (FusedPlan("split", reason="one rank") if self.world_size == 1 or x.numel() == 0 else
                 FusedPlan.from_shape(x.numel() // n, n, self.world_size, x.dtype, self.layout, algo))
         if plan.algo == "split":
@@ -341,9 +339,8 @@ class Communicator:
         x2 = _runtime.aligned_contiguous(x.reshape(-1, n))
         res2 = None if residual is None else _runtime.aligned_contiguous(residual.reshape(-1, n))
         y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        # In place, a row held in registers reads each residual element before writing it;
-        # chunked rows read the residual again in a second pass and need a separate output.
-        if inplace and cfg.num_chunks == 1 and res2.data_ptr() == residual.data_ptr():
+        # In place, the kernels may write residual_out over the residual (rms_norm_fwd).
+        if inplace and res2.data_ptr() == residual.data_ptr():
             res_out = res2
         else:
             res_out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)

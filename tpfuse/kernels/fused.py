@@ -221,8 +221,7 @@ def all_reduce_norm_into(x: torch.Tensor, weight: torch.Tensor | None, residual:
 
     x: this rank's contribution; residual: this rank's residual or None; writes y and
     residual_out (round(all_reduce(x) + residual), or all_reduce(x) without a residual).
-    residual_out may alias residual only when ``NormConfig.from_shape(N, dtype).num_chunks
-    == 1`` (chunked rows re-read the residual). Every rank must launch the same algo, grid
+    residual_out may alias residual (as in ``tpfuse.kernels.norm.rms_norm_fwd``). Every rank must launch the same algo, grid
     and rows_per_group (``tpfuse.comm.plan.FusedPlan``, from the shape only); ll: one-shot
     over the LL protocol (x must fit ``layout.ll_max_bytes``). The rest as
     ``tpfuse.kernels.allreduce.all_reduce_into``.

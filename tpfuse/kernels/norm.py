@@ -35,12 +35,23 @@ from tpfuse.kernels.common import EXACT_FP, round_to, to_f32
 
 # A row of up to 16384 elements is held in registers and read from memory once (fp32 rows of
 # 16384 in 8 KiB chunks instead reached 69% of copy bandwidth forward and 44% backward on H200,
-# M=32768); longer rows are processed in 8 KiB chunks and read twice (the second read mostly
-# hits L2), by 32 warps in the forward (bf16 N=65536 M=32768: 8 warps 68%, 16 66%, 32 80%;
-# 16 or 32 KiB chunks 69-79%).
+# M=32768). Longer rows are processed in chunks and read twice, the second read mostly from
+# L2: the forward (and the fused all-reduce + norm, which shares its tiles) on 32 warps in
+# chunks of 16 KiB, or of 64 KiB for rows of 128 KiB and more, whose passes carry cache
+# hints (``norm_tile``); the backward in 8 KiB chunks (tpfuse.kernels.norm_bwd_chunked).
+# H200, % of copy, forward / add+norm (benchmarks/NOTES.md, 2026-11-24), 8 KiB chunks without
+# hints -> this rule: bf16 N=65536 M=16384 81 / 81 -> 88 / 94, fp32 N=32768 72 / 68 -> 92 /
+# 96, fp32 N=65536 M=4096 65 / 78 -> 93 / 86; bf16 N=32768 (16 KiB chunks) 95 / 92 -> 92 /
+# 96. 32 warps won at every chunk size; the chunk sizes are not monotonic (bf16 N=65536
+# forward: 79 / 73 / 78 / 86% at 8 / 16 / 32 / 64 KiB), and the hints lose on shorter rows
+# (bf16 N=32768 forward 92 -> 78%).
 _MAX_REGISTER_ROW_ELEMS = 16384
-_CHUNK_BYTES = 8 * 1024
+_CHUNK_BYTES = 16 * 1024
+_STREAM_ROW_BYTES = 128 * 1024
+_STREAM_CHUNK_BYTES = 64 * 1024
+_STREAM_CHUNK = tl.constexpr(_STREAM_CHUNK_BYTES)  # norm_tile's test for streaming chunks
 _CHUNKED_FWD_WARPS = 32
+_BWD_CHUNK_BYTES = 8 * 1024
 # Short rows are stacked into tiles of at least 2 KiB (H200, M=32768 bf16: N=512 reached 91%
 # of copy bandwidth with 2-row tiles on 2 warps, 85% with 8-row tiles on 8 warps).
 _MIN_TILE_BYTES = 2 * 1024
@@ -111,9 +122,11 @@ class NormConfig:
     (4x H200, 1 token of 4096: 8.1 us on 4 warps, 6.8 us on 8).
     """
 
-    block_n: int  # columns per tile (a power of two)
+    block_n: int  # columns per tile or forward chunk (a power of two)
     tail_n: int  # forward: 0, or the row is split in block_n // 2 + tail_n columns (see _MIN_SPLIT_BLOCK)
-    num_chunks: int  # column chunks per row; 1 = the row stays in registers
+    num_chunks: int  # forward column chunks per row; 1 = the row stays in registers
+    bwd_block_n: int  # as block_n, for the backward (8 KiB chunks)
+    bwd_num_chunks: int  # as num_chunks, for the backward
     rows: int  # rows per tile (forward)
     num_warps: int  # forward
     bwd_rows: int  # rows per backward tile
@@ -128,9 +141,10 @@ class NormConfig:
     def from_shape(n: int, dtype: torch.dtype) -> "NormConfig":
         esize = torch.empty((), dtype=dtype).element_size()
         if n <= _MAX_REGISTER_ROW_ELEMS:
-            block_n = triton.next_power_of_2(max(n, 1))
+            block_n = bwd_block_n = triton.next_power_of_2(max(n, 1))
         else:
-            block_n = _CHUNK_BYTES // esize
+            block_n = (_STREAM_CHUNK_BYTES if n * esize >= _STREAM_ROW_BYTES else _CHUNK_BYTES) // esize
+            bwd_block_n = _BWD_CHUNK_BYTES // esize
         num_chunks = triton.cdiv(n, block_n)
         rows = 1
         while rows < _MAX_TILE_ROWS and rows * block_n * esize < _MIN_TILE_BYTES:
@@ -142,24 +156,25 @@ class NormConfig:
         vectors = rows * block_n // (16 // esize)
         threads = vectors // 8 if tail_n else vectors // 2  # 2 vectors per thread; split: 4 of the head
         bwd_rows = rows
-        while bwd_rows < _MAX_TILE_ROWS and bwd_rows * block_n * esize < _MIN_BWD_TILE_BYTES:
+        while bwd_rows < _MAX_TILE_ROWS and bwd_rows * bwd_block_n * esize < _MIN_BWD_TILE_BYTES:
             bwd_rows *= 2
-        bwd_tail_n = tail if splittable and block_n * esize >= _MIN_BWD_SPLIT_BYTES else 0  # one row per tile
+        bwd_tail_n = tail if splittable and bwd_block_n * esize >= _MIN_BWD_SPLIT_BYTES else 0  # one row per tile
         if bwd_tail_n:  # 4 vectors of the head per thread
-            bwd_warps = _pow2_warps(block_n // 2 // (16 // esize) // 4, 16)
-        elif block_n * esize > _MAX_BWD_TILE_BYTES_16_WARPS:
+            bwd_warps = _pow2_warps(bwd_block_n // 2 // (16 // esize) // 4, 16)
+        elif bwd_block_n * esize > _MAX_BWD_TILE_BYTES_16_WARPS:
             bwd_warps = 8
         else:
-            bwd_warps = max(4, _pow2_warps(block_n // (16 // esize), 16))
-        bwd_lanes = bwd_rows * (block_n // 2 + bwd_tail_n if bwd_tail_n else block_n)
+            bwd_warps = max(4, _pow2_warps(bwd_block_n // (16 // esize), 16))
+        bwd_lanes = bwd_rows * (bwd_block_n // 2 + bwd_tail_n if bwd_tail_n else bwd_block_n)
         bwd_prefetch = num_chunks == 1 and bwd_lanes <= min(_MAX_PREFETCH_LANES, _MAX_PREFETCH_BYTES // esize)
         bwd_reload = (num_chunks == 1 and bwd_rows == 1
                       and bwd_lanes >= _MIN_RELOAD_ELEMS_PER_THREAD * 32 * bwd_warps)
         return NormConfig(
-            block_n=block_n, tail_n=tail_n, num_chunks=num_chunks, rows=rows,
+            block_n=block_n, tail_n=tail_n, num_chunks=num_chunks, bwd_block_n=bwd_block_n,
+            bwd_num_chunks=triton.cdiv(n, bwd_block_n), rows=rows,
             num_warps=_pow2_warps(threads, 8) if num_chunks == 1 else _CHUNKED_FWD_WARPS,
             bwd_rows=bwd_rows, bwd_tail_n=bwd_tail_n, bwd_num_warps=bwd_warps, bwd_prefetch=bwd_prefetch,
-            bwd_joint_reduce=not (bwd_rows == 1 and block_n == _BWD_TWO_REDUCTION_BLOCK_N),
+            bwd_joint_reduce=not (bwd_rows == 1 and bwd_block_n == _BWD_TWO_REDUCTION_BLOCK_N),
             bwd_reload_weight=bwd_reload,
         )
 
@@ -181,31 +196,34 @@ def row_inv_rms(sq, N, eps):
 
 @triton.jit
 def _load_norm_input(SRC, src_offs, slot_elems, RES, RES_OUT, offs, mask, has_residual, store_out,
-                     SLOTS: tl.constexpr):
+                     SLOTS: tl.constexpr, EVICT: tl.constexpr):
     """The fp32 values to normalise at offs (element offsets into RES and RES_OUT).
 
     x is SRC[src_offs] (SLOTS == 0: the norm's own input), or (the fused all-reduce) the sum
     of SLOTS workspace slots ``SRC + s * slot_elems`` in rank order, rounded once: exactly
     tpfuse's all-reduce result. With has_residual x becomes round(x + RES[offs]); x is
-    stored to RES_OUT[offs] when store_out."""
+    stored to RES_OUT[offs] when store_out. EVICT: the L2 eviction policy of the loads of SRC
+    (SLOTS == 0) and RES."""
     if SLOTS == 0:
-        x = tl.load(SRC + src_offs, mask=mask, other=0.0)
+        x = tl.load(SRC + src_offs, mask=mask, other=0.0, eviction_policy=EVICT)
     else:
         x = round_to(sum_in_rank_order(SRC, slot_elems, src_offs, mask, SLOTS), SRC.dtype.element_ty)
     if has_residual:
-        x = round_to(to_f32(x) + to_f32(tl.load(RES + offs, mask=mask, other=0.0)), x.dtype)
+        x = round_to(to_f32(x) + to_f32(tl.load(RES + offs, mask=mask, other=0.0, eviction_policy=EVICT)), x.dtype)
     if store_out:
         tl.store(RES_OUT + offs, x, mask=mask)
     return to_f32(x)
 
 
 @triton.jit
-def _store_normed(x, inv, W, Y, row_offs, cols, mask, N, weight_offset, HAS_WEIGHT: tl.constexpr):
-    """Y[row_offs + cols] = x * inv (* (W[cols] + weight_offset)), rounded once."""
+def _store_normed(x, inv, W, Y, row_offs, cols, mask, N, weight_offset, HAS_WEIGHT: tl.constexpr,
+                  CACHE: tl.constexpr):
+    """Y[row_offs + cols] = x * inv (* (W[cols] + weight_offset)), rounded once, stored with
+    cache modifier CACHE."""
     y = x * inv[:, None]
     if HAS_WEIGHT:
         y = y * (to_f32(tl.load(W + cols, mask=cols < N, other=0.0)) + weight_offset)
-    tl.store(Y + row_offs + cols, round_to(y, Y.dtype.element_ty), mask=mask)
+    tl.store(Y + row_offs + cols, round_to(y, Y.dtype.element_ty), mask=mask, cache_modifier=CACHE)
 
 
 @triton.jit
@@ -233,36 +251,48 @@ def norm_tile(SRC, src_rows, slot_elems, RES, W, Y, RES_OUT, rows, row_mask, N, 
         mask = row_mask[:, None] & (cols < N)
         tmask = row_mask[:, None] & (tcols < N)
         x = _load_norm_input(SRC, src_offs + cols, slot_elems, RES, RES_OUT, row_offs + cols, mask, has_residual,
-                             store_out, SLOTS)
+                             store_out, SLOTS, "")
         xt = _load_norm_input(SRC, src_offs + tcols, slot_elems, RES, RES_OUT, row_offs + tcols, tmask,
-                              has_residual, store_out, SLOTS)
+                              has_residual, store_out, SLOTS, "")
         inv = inv_rms(tl.sum(x * x, axis=1) + tl.sum(xt * xt, axis=1), N, eps)
-        _store_normed(x, inv, W, Y, row_offs, cols, mask, N, weight_offset, HAS_WEIGHT)
-        _store_normed(xt, inv, W, Y, row_offs, tcols, tmask, N, weight_offset, HAS_WEIGHT)
+        _store_normed(x, inv, W, Y, row_offs, cols, mask, N, weight_offset, HAS_WEIGHT, "")
+        _store_normed(xt, inv, W, Y, row_offs, tcols, tmask, N, weight_offset, HAS_WEIGHT, "")
     elif NUM_CHUNKS == 1:
         cols = tl.arange(0, BLOCK_N)[None, :]
         mask = row_mask[:, None] & (cols < N)
         x = _load_norm_input(SRC, src_offs + cols, slot_elems, RES, RES_OUT, row_offs + cols, mask, has_residual,
-                             store_out, SLOTS)
-        _store_normed(x, row_inv_rms(x * x, N, eps), W, Y, row_offs, cols, mask, N, weight_offset, HAS_WEIGHT)
+                             store_out, SLOTS, "")
+        _store_normed(x, row_inv_rms(x * x, N, eps), W, Y, row_offs, cols, mask, N, weight_offset, HAS_WEIGHT, "")
     else:
+        # Streaming chunks (rows of 128 KiB and more, see NormConfig) ask L2 to keep what pass
+        # one reads, to drop it once pass two has read it, and to stream y past it.
+        STREAM: tl.constexpr = BLOCK_N * Y.dtype.element_ty.primitive_bitwidth // 8 >= _STREAM_CHUNK
+        KEEP: tl.constexpr = "evict_last" if STREAM else ""
+        DROP: tl.constexpr = "evict_first" if STREAM else ""
+        Y_CACHE: tl.constexpr = ".cs" if STREAM else ""
         cols = tl.arange(0, BLOCK_N)[None, :]
         sq = tl.zeros([src_rows.shape[0], BLOCK_N], dtype=tl.float32)
         for c in range(NUM_CHUNKS):
             ccols = c * BLOCK_N + cols
             mask = row_mask[:, None] & (ccols < N)
             x = _load_norm_input(SRC, src_offs + ccols, slot_elems, RES, RES_OUT, row_offs + ccols, mask,
-                                 has_residual, store_out, SLOTS)
+                                 has_residual, store_out, SLOTS, KEEP)
             sq = tl.fma(x, x, sq)
         inv = row_inv_rms(sq, N, eps)
+        if store_out:
+            tl.debug_barrier()  # pass one's stores to RES_OUT are visible to every thread of the program
         for c in range(NUM_CHUNKS):
             ccols = c * BLOCK_N + cols
             mask = row_mask[:, None] & (ccols < N)
-            # Recomputing x gives the bits stored in pass one, without reading back memory
-            # this program wrote.
-            x = _load_norm_input(SRC, src_offs + ccols, slot_elems, RES, RES_OUT, row_offs + ccols, mask,
-                                 has_residual, False, SLOTS)
-            _store_normed(x, inv, W, Y, row_offs, ccols, mask, N, weight_offset, HAS_WEIGHT)
+            if store_out:
+                # x as pass one stored it: half the bytes of x and the residual (or of SLOTS
+                # workspace slots), just written and so in L2, and correct when RES_OUT
+                # aliases RES.
+                x = to_f32(tl.load(RES_OUT + row_offs + ccols, mask=mask, other=0.0, eviction_policy=DROP))
+            else:
+                x = _load_norm_input(SRC, src_offs + ccols, slot_elems, RES, RES_OUT, row_offs + ccols, mask,
+                                     has_residual, False, SLOTS, DROP)
+            _store_normed(x, inv, W, Y, row_offs, ccols, mask, N, weight_offset, HAS_WEIGHT, Y_CACHE)
 
 
 # has_residual is a runtime flag, not a constexpr, so rms_norm and add_rms_norm run the SAME
@@ -296,8 +326,8 @@ def rms_norm_fwd(
 ) -> None:
     """Launch the forward on 2-D contiguous aligned operands; writes y (and residual_out).
 
-    residual_out may alias residual only when the row fits one chunk (``NormConfig.
-    num_chunks == 1``): chunked rows re-read the residual in a second pass."""
+    residual_out may alias residual: a row held in registers reads each element before
+    writing it, and chunked rows read x back from residual_out in their second pass."""
     if (residual is None) != (residual_out is None):
         raise ValueError("rms_norm_fwd: residual and residual_out go together")
     n_rows, n = x.shape

@@ -1,7 +1,7 @@
 """RMSNorm backward: the launcher ``rms_norm_bwd``, and the kernel for rows held in registers.
 
 ``rms_norm_bwd`` writes dx (+ the gradient arriving on residual_out) and dW. Rows of up to
-16384 elements (``NormConfig.num_chunks == 1``) are done here by ``rms_norm_bwd_kernel``: a
+16384 elements (``NormConfig.bwd_num_chunks == 1``) are done here by ``rms_norm_bwd_kernel``: a
 program per dW partial, over tiles of ``NormConfig.bwd_rows`` rows (or one row in two
 pieces, ``bwd_tail_n``), whose programs also combine dW when ``DwPlan`` says so
 (``norm_dw``). Longer rows go to ``norm_bwd_chunked``; the math on a loaded piece of rows,
@@ -191,7 +191,7 @@ def rms_norm_bwd(
     operands = dict(DY=dy, X=x, W=weight if has_weight else x, DX=dx,
                     DRES=dresidual_out if dresidual_out is not None else dx, PARTIAL=partial,
                     DW=dweight if has_weight else dx)
-    if cfg.num_chunks > 1:
+    if cfg.bwd_num_chunks > 1:
         fused = fused and plan.num_partials == 1  # chunked rows only store a single partial as dW
         _rms_norm_bwd_chunked(cfg, plan, operands, n_rows, n, eps, weight_offset, has_weight,
                               dresidual_out is not None, fused)
@@ -210,7 +210,7 @@ def rms_norm_bwd(
             **operands, GROUP_SUM=group_sum, COUNTERS=counters,
             n_rows=n_rows, N=n, rows_per_partial=plan.rows_per_partial, num_partials=plan.num_partials,
             num_combine_programs=plan.num_combine_programs, eps=eps, weight_offset=weight_offset,
-            BLOCK_N=cfg.block_n, TAIL_N=cfg.bwd_tail_n, ROWS=cfg.bwd_rows,
+            BLOCK_N=cfg.bwd_block_n, TAIL_N=cfg.bwd_tail_n, ROWS=cfg.bwd_rows,
             HAS_WEIGHT=has_weight, HAS_DRES=dresidual_out is not None, COMBINE=combine.value,
             GROUP_SIZE=plan.group_size, PREFETCH=cfg.bwd_prefetch, JOINT_REDUCE=cfg.bwd_joint_reduce,
             RELOAD_WEIGHT=cfg.bwd_reload_weight,

@@ -1,4 +1,4 @@
-"""RMSNorm backward of chunked rows (N > 16384, ``NormConfig.num_chunks > 1``).
+"""RMSNorm backward of chunked rows (N > 16384, ``NormConfig.bwd_num_chunks > 1``).
 
 A row too long for registers needs its sums of x^2 and g*x before any of its dx, but each
 column's dx and dW term needs only that column. So the work goes to programs per (partial,
@@ -107,21 +107,21 @@ def _rms_norm_bwd_chunked(cfg: NormConfig, plan: DwPlan, operands: dict, n_rows:
     """The three launches of the chunked rows' backward (see rms_norm_bwd_chunks_kernel);
     with ``tree`` (DwPlan "tree": one partial) the last stores dW itself."""
     x = operands["X"]
-    chunk_sums = torch.empty((n_rows, cfg.num_chunks, 2), dtype=torch.float32, device=x.device)
+    chunk_sums = torch.empty((n_rows, cfg.bwd_num_chunks, 2), dtype=torch.float32, device=x.device)
     row_stats = torch.empty((n_rows, 2), dtype=torch.float32, device=x.device)
-    grid = (plan.num_partials, cfg.num_chunks)
+    grid = (plan.num_partials, cfg.bwd_num_chunks)
     rms_norm_bwd_chunk_sums_kernel[grid](
         DY=operands["DY"], X=x, W=operands["W"], CHUNK_SUMS=chunk_sums, n_rows=n_rows, N=n,
         rows_per_partial=plan.rows_per_partial, weight_offset=weight_offset,
-        BLOCK_N=cfg.block_n, NUM_CHUNKS=cfg.num_chunks, HAS_WEIGHT=has_weight,
+        BLOCK_N=cfg.bwd_block_n, NUM_CHUNKS=cfg.bwd_num_chunks, HAS_WEIGHT=has_weight,
         num_warps=_CHUNKED_BWD_WARPS, **EXACT_FP,
     )
     rms_norm_bwd_row_stats_kernel[(triton.cdiv(n_rows, _ROW_STATS_BLOCK),)](
         CHUNK_SUMS=chunk_sums, ROW_STATS=row_stats, n_rows=n_rows, N=n, eps=eps,
-        NUM_CHUNKS=cfg.num_chunks, BLOCK=_ROW_STATS_BLOCK, num_warps=4, **EXACT_FP,
+        NUM_CHUNKS=cfg.bwd_num_chunks, BLOCK=_ROW_STATS_BLOCK, num_warps=4, **EXACT_FP,
     )
     rms_norm_bwd_chunks_kernel[grid](
         **operands, ROW_STATS=row_stats, n_rows=n_rows, N=n, rows_per_partial=plan.rows_per_partial,
-        num_partials=plan.num_partials, weight_offset=weight_offset, BLOCK_N=cfg.block_n,
+        num_partials=plan.num_partials, weight_offset=weight_offset, BLOCK_N=cfg.bwd_block_n,
         HAS_WEIGHT=has_weight, HAS_DRES=has_dres, TREE=tree, num_warps=_CHUNKED_BWD_WARPS, **EXACT_FP,
     )

@@ -30,7 +30,15 @@ from tpfuse.kernels.norm import NormConfig
 # at small M more programs of fewer rows win (bf16, N=16384: M=16 in 16 one-row partials
 # 8.2 us, 8 two-row 10.2, 4 four-row 14.6; M=128 in 64 two-row partials 13.8, 128 one-row
 # 14.3, 32 four-row 16.4).
+# At M <= 4096, rows of 16 KiB or more take at most 128 partials, combined by columns: one
+# wave on H200's 132 SMs and half the partial bytes (benchmarks/NOTES.md, 2026-11-24; H200
+# bf16, us, 128 partials by columns vs 256 by the rule below: N=8192 M=1024 24.0 vs 32.0,
+# M=4096 63.0 vs 72.2; N=16384 M=1024 41.5 vs 51.3, M=4096 121.1 vs 129.9; N=4096 (8 KiB
+# rows) gained at M=1024 only, 17.2 vs 18.6, and lost from M=2048).
 _MAX_DW_PARTIALS = 256
+_FEW_ROWS = 4096
+_FEW_ROWS_MIN_ROW_BYTES = 16 * 1024
+_FEW_ROWS_MAX_PARTIALS = 128
 _MIN_DW_PARTIALS = 16
 _DW_GROUP_SIZE = 16
 _COMBINE_BLOCK = 1024  # DwPlan.combine_block
@@ -77,8 +85,11 @@ class DwPlan:
     @staticmethod
     def from_shape(m: int, n: int, dtype: torch.dtype) -> "DwPlan":
         cfg = NormConfig.from_shape(n, dtype)
-        # Chunked rows run a program per (partial, chunk): as many programs from fewer partials.
-        max_partials = _MAX_DW_PARTIALS if cfg.num_chunks == 1 else max(1, _CHUNKED_BWD_PROGRAMS // cfg.num_chunks)
+        few_wide_rows = cfg.bwd_num_chunks == 1 and m <= _FEW_ROWS and n * dtype.itemsize >= _FEW_ROWS_MIN_ROW_BYTES
+        if cfg.bwd_num_chunks > 1:  # a program per (partial, chunk): as many programs from fewer partials
+            max_partials = max(1, _CHUNKED_BWD_PROGRAMS // cfg.bwd_num_chunks)
+        else:
+            max_partials = _FEW_ROWS_MAX_PARTIALS if few_wide_rows else _MAX_DW_PARTIALS
         num_partials = max(1, min(max_partials, max(min(m, _MIN_DW_PARTIALS), m // 2)))
         rows_per_partial = triton.cdiv(triton.cdiv(m, num_partials), cfg.bwd_rows) * cfg.bwd_rows
         num_partials = triton.cdiv(m, rows_per_partial)
@@ -95,9 +106,9 @@ class DwPlan:
         # 14.1, M=128 41.3 vs 38.2, M=1024 202.7 vs 204.7 (at M=1, no combine: 6.7 vs 8.3).
         if num_partials == 1:
             combine = "tree"
-        elif cfg.num_chunks > 1:
+        elif cfg.bwd_num_chunks > 1:
             combine = "launch"
-        elif n <= 2048 or (n <= 8192 and num_partials >= 128):
+        elif n <= 2048 or (n <= 8192 and num_partials >= 128 and not few_wide_rows):
             combine = "tree"
         else:
             combine = "columns"
