@@ -8,7 +8,9 @@ three per N again with 512 dW partials; fwd: warps x rows per N; chunk: rows too
 registers (N=65536): forward chunk bytes x warps, backward programs x warps; dw: rows per dW
 partial x combine mode at small M; fp32: warps for fp32 rows of 16384 held in registers; split: forward
 rows in two pieces vs one padded tile (NormConfig.tail_n); bwdsplit: the same for the backward
-(bwd_tail_n), with warps x prefetch x bwd_reload_weight. Every backward
+(bwd_tail_n), with warps x prefetch x bwd_reload_weight; wide: bf16 rows of 16385-65536
+elements, forward and add+norm, chunked (read twice) vs held in registers as bf16 on 16 or
+32 warps. Every backward
 variant's dx and dW are checked against an fp32 torch computation before it is timed.
 """
 
@@ -17,6 +19,7 @@ import itertools
 import sys
 
 import torch
+import triton
 
 from tpfuse.bench.common import copy_bandwidth_gbps, graph_time_us
 from tpfuse.kernels import norm, norm_bwd_chunked, norm_dw
@@ -239,13 +242,43 @@ def tune_bwd_split(copy, cases="bf16:2880,bf16:5120,bf16:7168,bf16:8192,bf16:102
     NormConfig.from_shape = staticmethod(base_from_shape)
 
 
+def tune_wide(copy):
+    """bf16 rows over 16384: the chunked forward (pass two re-reads the row, mostly from L2)
+    against the whole row held in registers in its 16-bit form (one tile of next_power_of_2(N)
+    lanes). Each variant's y is checked against fp32 torch, and add+norm's y against
+    rms_norm(residual_out) bit for bit, before it is timed."""
+    for n, m in [(65536, 16384), (65536, 32768), (65536, 1024), (65536, 4096), (49152, 16384), (40000, 32768),
+                 (34816, 32768), (32768, 32768), (24576, 32768), (20480, 32768), (32768, 1024)]:
+        x = torch.randn(m, n, device="cuda", dtype=DT)
+        res, w = torch.randn_like(x), torch.randn(n, device="cuda", dtype=DT)
+        y, res_out, y2 = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
+        base = base_from_shape(n, DT)
+        reg = dict(block_n=triton.next_power_of_2(n), num_chunks=1, rows=1, tail_n=0)
+        for name, fields in [("chunked", {}), ("reg w32", dict(reg, num_warps=32)), ("reg w16", dict(reg, num_warps=16))]:
+            use_config(**fields)
+            y.fill_(float("nan"))
+            rms_norm_fwd(x, w, y, 1e-6, 0.0)
+            ref = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6) * w.float())
+            ok = torch.allclose(y.float(), ref, rtol=1 / 128, atol=1e-2)
+            rms_norm_fwd(x, w, y, 1e-6, 0.0, res, res_out)
+            rms_norm_fwd(res_out, w, y2, 1e-6, 0.0)
+            ok = ok and torch.equal(y.view(torch.int16), y2.view(torch.int16))
+            fwd = graph_time_us(lambda i: rms_norm_fwd(x, w, y, 1e-6, 0.0))
+            add = graph_time_us(lambda i: rms_norm_fwd(x, w, y, 1e-6, 0.0, res, res_out))
+            print(f"wide bf16 N={n} M={m} {name} (chunks {base.num_chunks}): fwd {fwd:.1f}us "
+                  f"{pct(2 * m * n * 2, fwd, copy):.1f}%  add {add:.1f}us {pct(4 * m * n * 2, add, copy):.1f}%"
+                  f"{'' if ok else ' WRONG'}", flush=True)
+        NormConfig.from_shape = staticmethod(base_from_shape)
+        del x, res, y, res_out, y2
+
+
 if __name__ == "__main__":
     copy = copy_bandwidth_gbps()
     print(f"copy {copy:.0f} GB/s")
     for what in sys.argv[1:] or ["bwd", "fwd"]:
         what, _, arg = what.partition("=")
         tune = {"bwd": tune_bwd, "fwd": tune_fwd, "chunk": tune_chunk, "dw": tune_dw, "fp32": tune_fp32,
-                "split": tune_split, "bwdsplit": tune_bwd_split}[what]
+                "split": tune_split, "bwdsplit": tune_bwd_split, "wide": tune_wide}[what]
         if arg and what != "bwdsplit":
             sys.exit(f"{what} takes no argument (only bwdsplit=dtype:N,...)")
         tune(copy, arg) if arg else tune(copy)

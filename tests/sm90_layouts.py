@@ -16,8 +16,8 @@ Usage: python tests/sm90_layouts.py '<json list of cases>'; prints one JSON obje
 {"case": ..., "tail_n": NormConfig.tail_n, "norm": [layouts], "oneshot": [layouts], "oneshot_ll": [layouts], "twoshot":
 [layouts]} (oneshot_ll: the one-shot kernel over the LL protocol), a layout being
 the reduced operand's type with its layout attribute written out. A case with "kernel":
-"backward" reports instead the norm backward's registers and spill bytes per thread from
-ptxas (tests/test_norm_registers.py).
+"backward" or "forward" reports instead that norm kernel's registers and spill bytes per
+thread from ptxas (tests/test_norm_registers.py).
 """
 
 from __future__ import annotations
@@ -106,9 +106,10 @@ def layouts_for(case: dict) -> dict:
     return out
 
 
-def backward_registers(case: dict) -> dict:
-    """ptxas's registers per thread and spill-store bytes for the norm backward kernel of
-    (dtype, n, rows), with ``case["config"]`` (NormConfig fields) overriding the tile config."""
+def kernel_registers(case: dict) -> dict:
+    """ptxas's registers per thread and spill-store bytes for the norm kernel ``case["kernel"]``
+    ("backward", or "forward": add_rms_norm's) of (dtype, n, rows), with ``case["config"]``
+    (NormConfig fields) overriding the tile config."""
     dtype, n, rows = DTYPES[case["dtype"]], case["n"], case["rows"]
     x, dx, w, dw = torch.empty(rows, n, dtype=dtype), torch.empty(rows, n, dtype=dtype), torch.empty(n, dtype=dtype), \
         torch.empty(n, dtype=dtype)
@@ -116,7 +117,10 @@ def backward_registers(case: dict) -> dict:
     base = NormConfig.from_shape
     NormConfig.from_shape = staticmethod(lambda n_, dt: dataclasses.replace(base(n_, dt), **case.get("config", {})))
     try:
-        kernel, kwargs = _launch_args(lambda: rms_norm_bwd(x, x, w, dx, dw, 1e-6, 0.0))
+        if case["kernel"] == "forward":
+            kernel, kwargs = _launch_args(lambda: rms_norm_fwd(x, w, dx, 1e-6, 0.0, x.clone(), x.clone()))
+        else:
+            kernel, kwargs = _launch_args(lambda: rms_norm_bwd(x, x, w, dx, dw, 1e-6, 0.0))
     finally:
         NormConfig.from_shape = staticmethod(base)
     ptx = _compile(kernel, kwargs).asm["ptx"]
@@ -132,4 +136,4 @@ def backward_registers(case: dict) -> dict:
 
 if __name__ == "__main__":
     for c in json.loads(sys.argv[1]):
-        print(json.dumps(backward_registers(c) if c.get("kernel") == "backward" else layouts_for(c)), flush=True)
+        print(json.dumps(kernel_registers(c) if "kernel" in c else layouts_for(c)), flush=True)

@@ -46,9 +46,20 @@ from tpfuse.kernels.common import EXACT_FP, round_to, to_f32
 # forward: 79 / 73 / 78 / 86% at 8 / 16 / 32 / 64 KiB), and the hints lose on shorter rows
 # (bf16 N=32768 forward 92 -> 78%).
 _MAX_REGISTER_ROW_ELEMS = 16384
+# bf16 rows of 32769 to 65536 elements are held in registers too, in their 16-bit form
+# (norm_tile's HOLD_NARROW), one row per program on 32 warps: 64 bf16 per thread, read from
+# HBM once. H200 bf16, % of copy, chunked (read twice) -> held, forward / add+norm: N=65536
+# M=32768 90.8 / 97.3 -> 99.2 / 99.4, M=16384 90.6 / 96.7 -> 97.6 / 97.8, M=1024 81.8 / 89.4
+# -> 80.3 / 87.0; N=49152 (a padded tile of 65536) M=16384 91.6 / 90.4 -> 95.6 / 96.0. On
+# padded tiles of 32768 (N=20480, 24576, 32768) held rows lost the forward by 6-24 points,
+# so those stay chunked. fp16 and fp32 stay chunked: fp32 has no 16-bit form, and fp16's
+# widening is a conversion the compiler would merge (see widen_again).
+_MIN_NARROW_ROW_ELEMS = 32769
+_MAX_NARROW_ROW_ELEMS = 65536
 _CHUNK_BYTES = 16 * 1024
 _STREAM_ROW_BYTES = 128 * 1024
 _STREAM_CHUNK_BYTES = 64 * 1024
+_MAX_REGISTER_ROW = tl.constexpr(_MAX_REGISTER_ROW_ELEMS)  # norm_tile's test for narrow rows
 _STREAM_CHUNK = tl.constexpr(_STREAM_CHUNK_BYTES)  # norm_tile's test for streaming chunks
 _CHUNKED_FWD_WARPS = 32
 _BWD_CHUNK_BYTES = 8 * 1024
@@ -140,17 +151,22 @@ class NormConfig:
     @functools.lru_cache(maxsize=None)
     def from_shape(n: int, dtype: torch.dtype) -> "NormConfig":
         esize = torch.empty((), dtype=dtype).element_size()
-        if n <= _MAX_REGISTER_ROW_ELEMS:
+        held = n <= _MAX_REGISTER_ROW_ELEMS  # as fp32, forward and backward
+        narrow = dtype == torch.bfloat16 and _MIN_NARROW_ROW_ELEMS <= n <= _MAX_NARROW_ROW_ELEMS  # forward
+        if held:
             block_n = bwd_block_n = triton.next_power_of_2(max(n, 1))
         else:
-            block_n = (_STREAM_CHUNK_BYTES if n * esize >= _STREAM_ROW_BYTES else _CHUNK_BYTES) // esize
+            if narrow:
+                block_n = triton.next_power_of_2(n)
+            else:
+                block_n = (_STREAM_CHUNK_BYTES if n * esize >= _STREAM_ROW_BYTES else _CHUNK_BYTES) // esize
             bwd_block_n = _BWD_CHUNK_BYTES // esize
         num_chunks = triton.cdiv(n, block_n)
         rows = 1
         while rows < _MAX_TILE_ROWS and rows * block_n * esize < _MIN_TILE_BYTES:
             rows *= 2
         # Rows in two pieces (the forward's and the backward's rules differ in where they pay).
-        splittable = num_chunks == 1 and 4 * n <= 3 * block_n  # over a quarter of the tile padding
+        splittable = held and 4 * n <= 3 * block_n  # over a quarter of the tile padding
         tail = triton.next_power_of_2(n - block_n // 2)
         tail_n = tail if splittable and block_n >= _MIN_SPLIT_BLOCK else 0
         vectors = rows * block_n // (16 // esize)
@@ -166,13 +182,13 @@ class NormConfig:
         else:
             bwd_warps = max(4, _pow2_warps(bwd_block_n // (16 // esize), 16))
         bwd_lanes = bwd_rows * (bwd_block_n // 2 + bwd_tail_n if bwd_tail_n else bwd_block_n)
-        bwd_prefetch = num_chunks == 1 and bwd_lanes <= min(_MAX_PREFETCH_LANES, _MAX_PREFETCH_BYTES // esize)
-        bwd_reload = (num_chunks == 1 and bwd_rows == 1
+        bwd_prefetch = held and bwd_lanes <= min(_MAX_PREFETCH_LANES, _MAX_PREFETCH_BYTES // esize)
+        bwd_reload = (held and bwd_rows == 1
                       and bwd_lanes >= _MIN_RELOAD_ELEMS_PER_THREAD * 32 * bwd_warps)
         return NormConfig(
             block_n=block_n, tail_n=tail_n, num_chunks=num_chunks, bwd_block_n=bwd_block_n,
             bwd_num_chunks=triton.cdiv(n, bwd_block_n), rows=rows,
-            num_warps=_pow2_warps(threads, 8) if num_chunks == 1 else _CHUNKED_FWD_WARPS,
+            num_warps=_pow2_warps(threads, 8) if held else _CHUNKED_FWD_WARPS,
             bwd_rows=bwd_rows, bwd_tail_n=bwd_tail_n, bwd_num_warps=bwd_warps, bwd_prefetch=bwd_prefetch,
             bwd_joint_reduce=not (bwd_rows == 1 and bwd_block_n == _BWD_TWO_REDUCTION_BLOCK_N),
             bwd_reload_weight=bwd_reload,
@@ -197,7 +213,7 @@ def row_inv_rms(sq, N, eps):
 @triton.jit
 def _load_norm_input(SRC, src_offs, slot_elems, RES, RES_OUT, offs, mask, has_residual, store_out,
                      SLOTS: tl.constexpr, EVICT: tl.constexpr):
-    """The fp32 values to normalise at offs (element offsets into RES and RES_OUT).
+    """The values to normalise at offs, in SRC's dtype (element offsets into RES and RES_OUT).
 
     x is SRC[src_offs] (SLOTS == 0: the norm's own input), or (the fused all-reduce) the sum
     of SLOTS workspace slots ``SRC + s * slot_elems`` in rank order, rounded once: exactly
@@ -212,7 +228,17 @@ def _load_norm_input(SRC, src_offs, slot_elems, RES, RES_OUT, offs, mask, has_re
         x = round_to(to_f32(x) + to_f32(tl.load(RES + offs, mask=mask, other=0.0, eviction_policy=EVICT)), x.dtype)
     if store_out:
         tl.store(RES_OUT + offs, x, mask=mask)
-    return to_f32(x)
+    return x
+
+
+@triton.jit
+def widen_again(x):
+    """x (bf16) widened to fp32 by moving its bits, not by a conversion, so the compiler
+    cannot merge it with an earlier to_f32(x) and keep that fp32 copy live instead of x's 16
+    bits (sm_90, bf16 N=65536 on 32 warps: 152 bytes of spills per thread with to_f32, 8 with
+    this). fp16 has no such exact move, so fp16 rows are never held narrow."""
+    tl.static_assert(x.dtype == tl.bfloat16, "only bf16 rows are held narrow")
+    return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -250,19 +276,26 @@ def norm_tile(SRC, src_rows, slot_elems, RES, W, Y, RES_OUT, rows, row_mask, N, 
         tcols = BLOCK_N // 2 + tl.arange(0, TAIL_N)[None, :]
         mask = row_mask[:, None] & (cols < N)
         tmask = row_mask[:, None] & (tcols < N)
-        x = _load_norm_input(SRC, src_offs + cols, slot_elems, RES, RES_OUT, row_offs + cols, mask, has_residual,
-                             store_out, SLOTS, "")
-        xt = _load_norm_input(SRC, src_offs + tcols, slot_elems, RES, RES_OUT, row_offs + tcols, tmask,
-                              has_residual, store_out, SLOTS, "")
+        x = to_f32(_load_norm_input(SRC, src_offs + cols, slot_elems, RES, RES_OUT, row_offs + cols, mask,
+                                    has_residual, store_out, SLOTS, ""))
+        xt = to_f32(_load_norm_input(SRC, src_offs + tcols, slot_elems, RES, RES_OUT, row_offs + tcols, tmask,
+                                     has_residual, store_out, SLOTS, ""))
         inv = inv_rms(tl.sum(x * x, axis=1) + tl.sum(xt * xt, axis=1), N, eps)
         _store_normed(x, inv, W, Y, row_offs, cols, mask, N, weight_offset, HAS_WEIGHT, "")
         _store_normed(xt, inv, W, Y, row_offs, tcols, tmask, N, weight_offset, HAS_WEIGHT, "")
     elif NUM_CHUNKS == 1:
+        # A row longer than fp32 registers hold (bf16 only, see _MIN_NARROW_ROW_ELEMS) is kept
+        # in its 16-bit form across the reduction and widened again for y.
+        HOLD_NARROW: tl.constexpr = BLOCK_N > _MAX_REGISTER_ROW
         cols = tl.arange(0, BLOCK_N)[None, :]
         mask = row_mask[:, None] & (cols < N)
         x = _load_norm_input(SRC, src_offs + cols, slot_elems, RES, RES_OUT, row_offs + cols, mask, has_residual,
                              store_out, SLOTS, "")
-        _store_normed(x, row_inv_rms(x * x, N, eps), W, Y, row_offs, cols, mask, N, weight_offset, HAS_WEIGHT, "")
+        xf = to_f32(x)
+        inv = row_inv_rms(xf * xf, N, eps)
+        if HOLD_NARROW:
+            xf = widen_again(x)
+        _store_normed(xf, inv, W, Y, row_offs, cols, mask, N, weight_offset, HAS_WEIGHT, "")
     else:
         # Streaming chunks (rows of 128 KiB and more, see NormConfig) ask L2 to keep what pass
         # one reads, to drop it once pass two has read it, and to stream y past it.
@@ -275,8 +308,8 @@ def norm_tile(SRC, src_rows, slot_elems, RES, W, Y, RES_OUT, rows, row_mask, N, 
         for c in range(NUM_CHUNKS):
             ccols = c * BLOCK_N + cols
             mask = row_mask[:, None] & (ccols < N)
-            x = _load_norm_input(SRC, src_offs + ccols, slot_elems, RES, RES_OUT, row_offs + ccols, mask,
-                                 has_residual, store_out, SLOTS, KEEP)
+            x = to_f32(_load_norm_input(SRC, src_offs + ccols, slot_elems, RES, RES_OUT, row_offs + ccols, mask,
+                                        has_residual, store_out, SLOTS, KEEP))
             sq = tl.fma(x, x, sq)
         inv = row_inv_rms(sq, N, eps)
         if store_out:
@@ -290,8 +323,8 @@ def norm_tile(SRC, src_rows, slot_elems, RES, W, Y, RES_OUT, rows, row_mask, N, 
                 # aliases RES.
                 x = to_f32(tl.load(RES_OUT + row_offs + ccols, mask=mask, other=0.0, eviction_policy=DROP))
             else:
-                x = _load_norm_input(SRC, src_offs + ccols, slot_elems, RES, RES_OUT, row_offs + ccols, mask,
-                                     has_residual, False, SLOTS, DROP)
+                x = to_f32(_load_norm_input(SRC, src_offs + ccols, slot_elems, RES, RES_OUT, row_offs + ccols, mask,
+                                            has_residual, False, SLOTS, DROP))
             _store_normed(x, inv, W, Y, row_offs, ccols, mask, N, weight_offset, HAS_WEIGHT, Y_CACHE)
 
 
