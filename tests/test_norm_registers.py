@@ -1,5 +1,5 @@
 """The RMSNorm backward holds bf16 rows of 2048 to 16384 columns in registers without spills,
-and the forward holds bf16 rows of 32769 to 65536 (NormConfig's narrow rows) with at most a
+and the forward holds bf16 rows of 49152 to 65536 (NormConfig's narrow rows) with at most a
 register's worth.
 
 Its speed there rests on the register budget (benchmarks/NOTES.md, seventh session): one row's
@@ -24,8 +24,8 @@ NS = [2048, 2880, 4096, 5120, 6144, 7168, 8192, 10240, 12288, 16384]
 SPILLING = dict(kernel="backward", dtype="bf16", n=16384, rows=4096, config={"bwd_reload_weight": False})
 
 
-# Narrow forward rows: a padded tile (40000) and a full one.
-NARROW_NS = [40000, 65536]
+# Narrow forward rows: a padded tile (50000) and a full one.
+NARROW_NS = [50000, 65536]
 NARROW_MAX_SPILL_BYTES = 8
 # The check can fail: the same rows on 4 warps hold 512 values per thread.
 NARROW_SPILLING = dict(kernel="forward", dtype="bf16", n=65536, rows=64, config={"num_warps": 4})

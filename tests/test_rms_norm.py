@@ -17,7 +17,7 @@ from tpfuse.reference import rel_err, rel_err_budget
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 if ON_GPU:
-    NS = [1, 7, 256, 1000, 2880, 4096, 5120, 7168, 14336, 16384, 20000, 40000, 65536]
+    NS = [1, 7, 256, 1000, 2880, 4096, 5120, 7168, 14336, 16384, 20000, 40000, 50000, 65536]
     MS = [0, 1, 16, 1000, 3000]
 else:
     # 20000 exceeds the register-resident row for every dtype: the chunked path.
@@ -271,7 +271,7 @@ def test_add_rms_norm_backward_with_gradients_on_both_outputs(dtype, n):
     assert torch.equal(xg2.grad, dr)
 
 
-@pytest.mark.parametrize("n", [1000, 20000, 40000])  # 20000: chunked rows, read in two passes; 40000: narrow
+@pytest.mark.parametrize("n", [1000, 20000, 50000])  # 20000: chunked rows, read in two passes; 50000: narrow
 def test_inplace_add_rms_norm_writes_residual(n):
     m = 5
     x, w, _ = _inputs(m, n, torch.bfloat16, "plain", seed=5)
@@ -290,14 +290,15 @@ def test_inplace_add_rms_norm_writes_residual(n):
         tpfuse.add_rms_norm(x.clone().requires_grad_(True), residual.clone(), w, inplace=True)
 
 
-@pytest.mark.parametrize("n", [40000, 65536])  # a padded tile and a full one
+@pytest.mark.parametrize("n", [50000, 65536])  # a padded tile and a full one
 def test_narrow_bf16_rows(n):
-    """bf16 rows of 32769 to 65536 are held in registers in their 16-bit form (NormConfig's
+    """bf16 rows of 49152 to 65536 are held in registers in their 16-bit form (NormConfig's
     narrow rows): y close to the reference, add_rms_norm's y equal to rms_norm(residual_out),
     and a row's bits independent of its batch."""
     cfg = NormConfig.from_shape(n, torch.bfloat16)
     assert cfg.num_chunks == 1 and cfg.block_n == 65536 and cfg.num_warps == 32
     assert NormConfig.from_shape(n, torch.float16).num_chunks > 1  # fp16 cannot be held narrow
+    assert NormConfig.from_shape(40000, torch.bfloat16).num_chunks > 1  # too much padding
     x, w, _ = _inputs(3, n, torch.bfloat16, "plain", seed=n)
     residual = torch.randn(3, n).to(torch.bfloat16).to(DEVICE)
     y = tpfuse.rms_norm(x, w)

@@ -46,15 +46,18 @@ from tpfuse.kernels.common import EXACT_FP, round_to, to_f32
 # forward: 79 / 73 / 78 / 86% at 8 / 16 / 32 / 64 KiB), and the hints lose on shorter rows
 # (bf16 N=32768 forward 92 -> 78%).
 _MAX_REGISTER_ROW_ELEMS = 16384
-# bf16 rows of 32769 to 65536 elements are held in registers too, in their 16-bit form
+# bf16 rows of 49152 to 65536 elements are held in registers too, in their 16-bit form
 # (norm_tile's HOLD_NARROW), one row per program on 32 warps: 64 bf16 per thread, read from
-# HBM once. H200 bf16, % of copy, chunked (read twice) -> held, forward / add+norm: N=65536
-# M=32768 90.8 / 97.3 -> 99.2 / 99.4, M=16384 90.6 / 96.7 -> 97.6 / 97.8, M=1024 81.8 / 89.4
-# -> 80.3 / 87.0; N=49152 (a padded tile of 65536) M=16384 91.6 / 90.4 -> 95.6 / 96.0. On
-# padded tiles of 32768 (N=20480, 24576, 32768) held rows lost the forward by 6-24 points,
-# so those stay chunked. fp16 and fp32 stay chunked: fp32 has no 16-bit form, and fp16's
-# widening is a conversion the compiler would merge (see widen_again).
-_MIN_NARROW_ROW_ELEMS = 32769
+# HBM once. H200 bf16, two runs (scripts/tune_norm.py wide), % of copy, chunked (read twice)
+# -> held, forward / add+norm: N=65536 M=32768 90.8 / 97.3 -> 99.2 / 99.4 and 88.7 / 95.3 ->
+# 95.9 / 97.5, M=4096 86.6 / 90.7 -> 91.4 / 91.9, M=1024 78.3 / 87.6 -> 79.5 / 85.7; N=49152
+# (a tile of 65536 a quarter padding) M=16384 89.4 / 87.9 -> 93.3 / 94.8. With more padding
+# the forward lost (N=40000 90.8 -> 84.0, N=34816 92.1 -> 77.6; tiles of 32768 at N=20480
+# to 32768 lost 6-24 points), so those rows stay chunked. 16 warps (128 values per thread)
+# won add+norm (N=65536 M=32768 98.4%) but lost the forward (92.8%). fp16 and fp32 stay
+# chunked: fp32 has no 16-bit form, and fp16's widening is a conversion the compiler would
+# merge (see widen_again).
+_MIN_NARROW_ROW_ELEMS = 49152
 _MAX_NARROW_ROW_ELEMS = 65536
 _CHUNK_BYTES = 16 * 1024
 _STREAM_ROW_BYTES = 128 * 1024
