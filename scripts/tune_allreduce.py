@@ -166,7 +166,6 @@ def _worker(rank: int, world: int, port: int, opts: dict) -> None:
     smoke = opts["cpu_smoke"]
     if smoke:  # the sweep's logic on CPU ranks under Triton's interpreter; times are meaningless
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        C.agreed_max = _agreed_max_cpu
         C.collective_graph_us = _wall_us
     else:
         torch.cuda.set_device(rank)
@@ -246,18 +245,12 @@ def _worker(rank: int, world: int, port: int, opts: dict) -> None:
         dist.destroy_process_group()
 
 
-def _agreed_max_cpu(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
 def _wall_us(fn, rot: int) -> float:
     """--cpu-smoke's stand-in for the graph timing: two eager calls, wall clock."""
     start = time.perf_counter()
     for i in range(2):
         fn(i % rot)
-    return _agreed_max_cpu((time.perf_counter() - start) / 2 * 1e6)
+    return C.agreed_max((time.perf_counter() - start) / 2 * 1e6)
 
 
 def _write(out_dir, header, records, md):
