@@ -131,7 +131,6 @@ def restore(world_size: int, replaced: dict) -> None:
             table[world_size] = value
 
 
-
 @contextlib.contextmanager
 def applied(world_size: int, knobs: dict):
     """``apply`` for the duration of a with-block (tests, and the tuner measuring under the
@@ -143,11 +142,14 @@ def applied(world_size: int, knobs: dict):
         restore(world_size, replaced)
 
 
+def table_dir() -> str | None:
+    """The directory the plans read: ``TPFUSE_TABLE_DIR`` if set, else this package's (None
+    under the interpreter, see above)."""
+    return os.environ.get(ENV_DIR) or (None if INTERPRETER else PACKAGE_DIR)
+
+
 def apply_tables() -> None:
-    """Apply the tables of ``TPFUSE_TABLE_DIR`` if set, else this package's (off the
-    interpreter). Called once, when tpfuse.comm is imported."""
-    directory = os.environ.get(ENV_DIR) or (None if INTERPRETER else PACKAGE_DIR)
-    if directory is None:
-        return
-    for world_size, knobs in read_tables(directory).items():
+    """Apply the tables of ``table_dir()``. Called once, when tpfuse.comm is imported."""
+    directory = table_dir()
+    for world_size, knobs in (read_tables(directory) if directory else {}).items():
         apply(world_size, knobs)
