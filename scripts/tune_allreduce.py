@@ -1,5 +1,11 @@
-"""Sweep the all-reduce knobs of tpfuse/comm/plan.py on one GPU node, to choose
-their values. Not part of the library: it patches plan's module constants between calls.
+"""Sweep the all-reduce launch knobs of tpfuse/comm/plan.py (CTAs, tile, warps, gather, LL)
+on one GPU node, to choose their values. Not part of the library: it patches plan's module
+constants between calls.
+
+The size thresholds that "auto" uses (ONESHOT_MAX_BYTES, LL_MAX_BYTES, the fused and
+quantized crossovers) come from `tpfuse tune` instead, which measures them at the machine's
+world size and writes the table the plans read (tpfuse/comm/tables/w{W}.json); this script
+writes nothing the plans read.
 
     python3 scripts/tune_allreduce.py --out $OUT            # one process per visible GPU
 
