@@ -240,6 +240,8 @@ def _worker(rank: int, world: int, port: int | None, opts: dict) -> None:
     try:
         with tables.applied(world, {"LL_MAX_BYTES": ll_bytes}):  # sizes the workspace's LL regions
             comm = Communicator(max_bytes=max_bytes, timeout_s=60 if INTERPRETER else 30)
+        if comm.layout is None:
+            raise RuntimeError(f"no peer workspace, so nothing to tune: {comm.fallback_reason}")
         timings, stopped = {}, None
         with comm:
             sweeper = _Sweeper(comm, world, rank, opts["budget_s"])
