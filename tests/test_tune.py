@@ -178,9 +178,11 @@ def test_tune_refuses_cpu_timings_into_the_package(capsys):
     assert not os.path.exists(tables.table_path(tables.PACKAGE_DIR, 2))
 
 
-def test_tune_on_two_cpu_ranks_writes_a_sweep_and_a_table_the_loader_accepts(tmp_path):
+def test_tune_on_two_cpu_ranks_writes_a_sweep_and_a_table_the_loader_accepts(tmp_path, capfd):
     out, table_dir = tmp_path / "out", tmp_path / "tables"
-    assert tune.main(["--out", str(out), "--write-table", "--table-dir", str(table_dir), "--sizes", "8K", "16K"]) == 0
+    status = tune.main(["--out", str(out), "--write-table", "--table-dir", str(table_dir), "--sizes", "8K", "16K"])
+    printed = capfd.readouterr()
+    assert status == 0, printed.out[-4000:] + printed.err[-4000:]  # the ranks' output says what failed
     with open(out / "tune_w2_bf16.json") as f:
         sweep = json.load(f)
     assert sweep["header"]["world_size"] == 2 and sweep["header"]["commit"] and sweep["header"]["stopped"] is None
