@@ -1,5 +1,11 @@
-"""Sweep the all-reduce knobs of tpfuse/comm/plan.py on one GPU node, to choose
-their values. Not part of the library: it patches plan's module constants between calls.
+"""Sweep the all-reduce launch knobs of tpfuse/comm/plan.py (CTAs, tile, warps, gather, LL)
+on one GPU node, to choose their values. Not part of the library: it patches plan's module
+constants between calls.
+
+The size thresholds that "auto" uses (ONESHOT_MAX_BYTES, LL_MAX_BYTES, the fused and
+quantized crossovers) come from `tpfuse tune` instead, which measures them at the machine's
+world size and writes the table the plans read (tpfuse/comm/tables/w{W}.json); this script
+writes nothing the plans read.
 
     python3 scripts/tune_allreduce.py --out $OUT            # one process per visible GPU
 
@@ -166,7 +172,6 @@ def _worker(rank: int, world: int, port: int, opts: dict) -> None:
     smoke = opts["cpu_smoke"]
     if smoke:  # the sweep's logic on CPU ranks under Triton's interpreter; times are meaningless
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        C.agreed_max = _agreed_max_cpu
         C.collective_graph_us = _wall_us
     else:
         torch.cuda.set_device(rank)
@@ -246,18 +251,12 @@ def _worker(rank: int, world: int, port: int, opts: dict) -> None:
         dist.destroy_process_group()
 
 
-def _agreed_max_cpu(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
 def _wall_us(fn, rot: int) -> float:
     """--cpu-smoke's stand-in for the graph timing: two eager calls, wall clock."""
     start = time.perf_counter()
     for i in range(2):
         fn(i % rot)
-    return _agreed_max_cpu((time.perf_counter() - start) / 2 * 1e6)
+    return C.agreed_max((time.perf_counter() - start) / 2 * 1e6)
 
 
 def _write(out_dir, header, records, md):

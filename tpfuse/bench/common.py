@@ -213,8 +213,9 @@ def init_rank(rank: int, world: int, port: int | None, backend: str) -> None:
 
 
 def agreed_max(value: float) -> float:
-    """The largest ``value`` over the ranks (a collective on the GPU group)."""
-    t = torch.tensor([value], dtype=torch.float64, device="cuda")
+    """The largest ``value`` over the ranks (a collective: on the GPU for NCCL, on CPU for gloo)."""
+    device = "cpu" if dist.get_backend() == "gloo" else "cuda"
+    t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 
@@ -231,6 +232,16 @@ def random_inputs(numel: int, dtype: torch.dtype, world: int, device: str, seed:
     """Every rank's input (the same on every rank, from the seed), never zeros."""
     g = torch.Generator(device=device).manual_seed(seed)
     return [torch.randn(numel, generator=g, device=device).to(dtype) for _ in range(world)]
+
+
+def layer_inputs(tokens: int, hidden: int, world: int, device: str, seed: int):
+    """Every rank's x ([tokens, hidden] bf16), one residual and a weight ([hidden]) for the
+    fused all-reduce + RMSNorm (the same on every rank, from the seed)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    xs = [torch.randn(tokens, hidden, generator=g, device=device).to(torch.bfloat16) for _ in range(world)]
+    residual = (torch.randn(tokens, hidden, generator=g, device=device) * 4).to(torch.bfloat16)
+    weight = (torch.rand(hidden, generator=g, device=device) + 0.5).to(torch.bfloat16)
+    return xs, residual, weight
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -18,14 +18,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 import tpfuse
 from tpfuse import reference
-from tpfuse.bench.common import (collective_graph_us, header_markdown, init_rank, rotation, run_header, run_workers,
-                                 same_bits, write_results)
+from tpfuse.bench.common import (collective_graph_us, header_markdown, init_rank, layer_inputs, rotation, run_header,
+                                 run_workers, same_bits, write_results)
 
 DECODE = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 PREFILL = [512, 1024, 2048, 4096, 8192, 16384]
@@ -33,15 +32,6 @@ SHAPES = ([(t, 4096) for t in DECODE + PREFILL] + [(t, 2880) for t in (1, 16, 12
           + [(t, 8192) for t in (1, 16, 128, 2048)])
 METHODS = ["nccl_torch", "split", "oneshot", "twoshot", "auto"]
 EPS = 1e-6
-
-
-def _layer_inputs(tokens, hidden, world, device, seed):
-    """Every rank's x, one residual and a weight (the same on every rank, from the seed)."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    xs = [torch.randn(tokens, hidden, generator=g, device=device).to(torch.bfloat16) for _ in range(world)]
-    residual = (torch.randn(tokens, hidden, generator=g, device=device) * 4).to(torch.bfloat16)
-    weight = (torch.rand(hidden, generator=g, device=device) + 0.5).to(torch.bfloat16)
-    return xs, residual, weight
 
 
 def _methods(comm, weight):
@@ -64,7 +54,7 @@ def _methods(comm, weight):
 def _measure_shape(tokens, hidden, comm, world, rank):
     from tpfuse.comm.plan import FusedPlan
 
-    xs, residual, weight = _layer_inputs(tokens, hidden, world, "cuda", seed=tokens * 100_003 + hidden)
+    xs, residual, weight = layer_inputs(tokens, hidden, world, "cuda", seed=tokens * 100_003 + hidden)
     x = xs[rank]
     methods = _methods(comm, weight)
     split_out = methods["split"](x, residual)
@@ -142,7 +132,7 @@ def _cpu_worker(rank: int, world: int, port: int, opts: dict) -> None:
     rows = []
     with Communicator(timeout_s=60) as comm:
         for tokens, hidden in [(1, 4096), (16, 1024), (64, 2880)]:
-            xs, residual, weight = _layer_inputs(tokens, hidden, world, "cpu", seed=tokens)
+            xs, residual, weight = layer_inputs(tokens, hidden, world, "cpu", seed=tokens)
             methods = _methods(comm, weight)
             split_out = methods["split"](xs[rank], residual)
             for name in ("oneshot", "twoshot", "auto"):

@@ -6,6 +6,11 @@ rank has identically, so every rank launches the identical grid (DESIGN.md 2.5).
 The GPU thresholds, CTA counts, tile size and warps were set from the 4x H200 sweep
 (scripts/tune_allreduce.py, W=4 bf16; the knob notes below and benchmarks/NOTES.md), within
 H200's limits (132 SMs). W=2 and W=8 keep the W=4 values until measured there.
+
+The size thresholds keyed by world size (ONESHOT_MAX_BYTES, LL_MAX_BYTES,
+FUSED_ONESHOT_MAX_BYTES, FUSED_TWOSHOT_MAX_BYTES) are the defaults: a measured table
+``tpfuse/comm/tables/w{W}.json`` (``tpfuse tune --write-table`` on a W-GPU machine) replaces
+them for that W when tpfuse.comm is imported (``tpfuse.comm.tables``).
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ KiB = 1024
 # algorithms (3-12%); one-shot is flat for 32-128 CTAs and beats two-shot to 512 KiB
 # (256 KiB: 8.6 vs 10.7 us; 1 MiB: 16.6 vs 15.8); two-shot with 128 CTAs was within 0-4% of
 # the per-size best from 256 KiB to 128 MiB (32 MiB: 168.9 us, 298 GB/s, NCCL 177.3; 128 MiB
-# 647 us, NCCL 615). W=2 and W=8 keep the W=4 values until measured there.
+# 647 us, NCCL 615). W=2 and W=8 keep the W=4 values until measured there: W reads
+# tables/w{W}.json when it exists (ONESHOT_MAX_BYTES and LL_MAX_BYTES; see tpfuse.comm.tables).
 #
 # ONESHOT_MAX_BYTES: largest message "auto" sends to one-shot, by world size (other sizes:
 #   W=8's). Above it, two-shot.
@@ -34,7 +40,8 @@ KiB = 1024
 #   None = never (auto stays exact, bitwise equal to tpfuse.reference, at every size the
 #   workspace holds). Set it only where the sweep shows two-shot losing to NCCL by more than
 #   5%: NCCL's results are not bitwise reproducible, so this trades the exactness contract
-#   of "auto" for speed on large messages.
+#   of "auto" for speed on large messages. A person decides this, so `tpfuse tune` times NCCL
+#   for reference only and no table sets it.
 # TILE_BYTES: bytes of a tile; on GPUs 8 KiB = 512 threads (NUM_WARPS 16) x one 16-byte
 #   vector. The "oneshot_ll" entries of TILE_BYTES, NUM_WARPS and MAX_CTAS serve one-shot
 #   over LL, whose 8-byte words carry 4 data bytes. The interpreter pays per operation, not
@@ -180,7 +187,9 @@ class AllReducePlan:
 # ---- Fused all-reduce + residual add + RMSNorm (Communicator.all_reduce_add_rms_norm).
 # The fused kernels (tpfuse.kernels.fused) take the norm's tile shape and warps, fixed by
 # (N, dtype) (NormConfig), so only the algorithm and the grid are chosen here. Set from
-# `tpfuse bench fused` on 4x H200 (W=4 bf16, benchmarks/NOTES.md); W=2 and W=8 keep W=4's.
+# `tpfuse bench fused` on 4x H200 (W=4 bf16, benchmarks/NOTES.md); W=2 and W=8 keep W=4's
+# until measured: W reads tables/w{W}.json when it exists (FUSED_ONESHOT_MAX_BYTES and
+# FUSED_TWOSHOT_MAX_BYTES, measured at hidden 4096 bf16 by `tpfuse tune`).
 #
 # FUSED_ONESHOT_MAX_BYTES: largest message (x's bytes) "auto" sends to the fused one-shot
 #   kernel, by world size (other sizes: W=8's), and only for hidden sizes whose norm tile

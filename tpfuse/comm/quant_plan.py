@@ -53,7 +53,8 @@ MiB = 1024 * 1024
 #   NCCL 32.3; int8 and int6 from 4 MiB (int8 19.6 vs exact 21.9); fp8 from 8 MiB (32.5 vs
 #   33.9; at 4 MiB 23.2 vs 21.9). W=8 is not measured (no 8-GPU machine was available), so
 #   there, and for world sizes without an entry, the codecs are never chosen by default.
-#   ``quant_min_bytes=`` forces a codec from any size.
+#   ``quant_min_bytes=`` forces a codec from any size. These are the defaults: W reads
+#   tables/w{W}.json when it exists (`tpfuse tune --write-table`, see tpfuse.comm.tables).
 # QUANT_TILE: elements per tile (a multiple of 32: a tile is TILE / 32 groups). The
 #   interpreter pays per operation, so it takes large tiles.
 # QUANT_SMALL_TILE, QUANT_SMALL_TILE_MAX_CHUNK: segments of at most this many elements per

@@ -1,0 +1,197 @@
+"""`tpfuse tune` and the plan tables: the threshold derivation on synthetic timings, the table
+loader (tpfuse.comm.tables) and its effect on the plans, and one end-to-end run on two
+emulated CPU ranks."""
+
+import copy
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tpfuse.bench import tune
+from tpfuse.comm import plan as P
+from tpfuse.comm import quant_plan as QP
+from tpfuse.comm import tables
+from tpfuse.comm.plan import AllReducePlan, FusedPlan
+from tpfuse.comm.quant_plan import default_quant_min_bytes
+from tpfuse.comm.workspace import WorkspaceLayout
+
+KiB, MiB = 1024, 1024 * 1024
+SIZES = [8 * KiB << i for i in range(8)]  # 8 KiB .. 1 MiB
+bf16 = torch.bfloat16
+
+
+def _curve(fn) -> dict[int, float]:
+    return {s: float(fn(s)) for s in SIZES}
+
+
+# ---------------------------------------------------------------- derivation
+
+
+def test_chain_takes_each_crossover():
+    times = {"oneshot_ll": _curve(lambda s: 3 + s / 8192),  # best to 32 KiB (7 us vs 8)
+             "oneshot_flags": _curve(lambda s: 6 + s / 16384),  # best from 64 KiB (10 vs 11) to 256 KiB (22 vs 24)
+             "twoshot": _curve(lambda s: 20 + s / 65536)}  # best from 512 KiB (28 vs 38)
+    assert tune.chain_thresholds(times, tune.ALLREDUCE_CHAIN) == (32 * KiB, 256 * KiB)
+
+
+def test_within_three_percent_the_earlier_algorithm_keeps_the_size():
+    fast = _curve(lambda s: 100.0)
+    for slower, expected in ((1.02, 1 * MiB), (1.05, 0)):  # 2% behind keeps every size, 5% none
+        times = {"a": _curve(lambda s: 100.0 * slower), "b": fast}
+        assert tune.chain_thresholds(times, ("a", "b")) == (expected,)
+
+
+def test_exact_ties_go_to_the_earlier_algorithm():
+    times = {"oneshot": _curve(lambda s: 10), "twoshot": _curve(lambda s: 10), "split": _curve(lambda s: 10)}
+    assert tune.chain_thresholds(times, tune.FUSED_CHAIN) == (1 * MiB, 1 * MiB)
+
+
+def test_one_noisy_point_does_not_move_a_crossover():
+    # "a" wins to 256 KiB (by 20%) but for a 10% blip at 32 KiB; above 256 KiB it loses by 20%,
+    # but for one point at 1 MiB where it is 1% ahead.
+    a = _curve(lambda s: 80 if s <= 256 * KiB else 120)
+    a[32 * KiB], a[1 * MiB] = 110, 99
+    times = {"a": a, "b": _curve(lambda s: 100)}
+    (threshold,) = tune.chain_thresholds(times, ("a", "b"))
+    assert threshold == 256 * KiB  # monotone: one range per algorithm, the least loss
+
+
+def test_thresholds_are_monotone_and_unmeasured_sizes_go_to_the_next_algorithm():
+    times = {"oneshot_ll": {s: 1.0 for s in SIZES if s <= 32 * KiB},  # not swept above 32 KiB
+             "oneshot_flags": _curve(lambda s: 50),
+             "twoshot": _curve(lambda s: 10)}  # middle algorithm never best: no range of its own
+    ll, oneshot = tune.chain_thresholds(times, tune.ALLREDUCE_CHAIN)
+    assert (ll, oneshot) == (32 * KiB, 32 * KiB)
+
+
+def test_derived_knobs_in_table_form():
+    allreduce = {"oneshot_ll": _curve(lambda s: 3 + s / 8192), "oneshot_flags": _curve(lambda s: 6 + s / 16384),
+                 "twoshot": _curve(lambda s: 20 + s / 65536)}
+    fused = {"oneshot": _curve(lambda s: 5 + s / 8192), "twoshot": _curve(lambda s: 9 + s / 8192),
+             "split": _curve(lambda s: 8 + s / 16384)}  # split from 64 KiB (12 vs 13); two-shot never: 0
+    quant = {"exact": _curve(lambda s: 10 + s / 16384), "int4": _curve(lambda s: 30 + s / 65536),  # 512 KiB: 38 vs 42
+             "fp8": _curve(lambda s: 60 + s / 16384)}  # never faster
+    knobs = tune.derive_knobs({"allreduce": allreduce, "fused": fused, "quant": quant})
+    assert knobs == {"LL_MAX_BYTES": 32 * KiB, "ONESHOT_MAX_BYTES": 256 * KiB,
+                     "FUSED_ONESHOT_MAX_BYTES": 32 * KiB, "FUSED_TWOSHOT_MAX_BYTES": 0,
+                     "QUANT_MIN_BYTES": {"fp8": None, "int4": 512 * KiB}}
+    assert tune.derive_knobs({"allreduce": allreduce}).keys() == {"LL_MAX_BYTES", "ONESHOT_MAX_BYTES"}
+
+
+# ---------------------------------------------------------------- the table loader
+
+
+def _write(directory, world, knobs, **extra) -> str:
+    path = tables.table_path(str(directory), world)
+    with open(path, "w") as f:
+        json.dump({"world_size": world, "knobs": knobs, "provenance": {"gpu": "test"}} | extra, f)
+    return path
+
+
+def _plan_state():
+    return copy.deepcopy([getattr(P, k) for k in tables.SIZE_KNOBS] + [QP.QUANT_MIN_BYTES])
+
+
+def test_a_table_changes_the_plans_of_its_world_size_only(tmp_path):
+    _write(tmp_path, 2, {"ONESHOT_MAX_BYTES": 64 * KiB, "LL_MAX_BYTES": 4 * KiB, "FUSED_TWOSHOT_MAX_BYTES": MiB,
+                         "QUANT_MIN_BYTES": {"int4": KiB, "fp8": None}})
+    _write(tmp_path, 3, {"ONESHOT_MAX_BYTES": 0})  # a world size without defaults of its own
+    read = tables.read_tables(str(tmp_path))
+    assert sorted(read) == [2, 3]
+    w2, w4 = WorkspaceLayout(2, MiB, 128, ll_max_bytes=64 * KiB), WorkspaceLayout(4, MiB, 128, ll_max_bytes=64 * KiB)
+    before = _plan_state()
+    assert AllReducePlan.from_numel(64 * KiB, 2, bf16, w2).algo == "oneshot"  # 128 KiB: the default one-shot
+    assert AllReducePlan.from_numel(4 * KiB, 2, bf16, w2).ll
+    assert FusedPlan.from_shape(200, 2048, 2, bf16, w2).algo == "split"
+    with tables.applied(2, read[2]), tables.applied(3, read[3]):
+        assert AllReducePlan.from_numel(64 * KiB, 2, bf16, w2).algo == "twoshot"
+        assert AllReducePlan.from_numel(64 * KiB, 4, bf16, w4).algo == "oneshot"
+        assert not AllReducePlan.from_numel(4 * KiB, 2, bf16, w2).ll  # 8 KiB > 4 KiB: flags
+        assert AllReducePlan.from_numel(2 * KiB, 2, bf16, w2).ll
+        assert AllReducePlan.from_numel(4 * KiB, 4, bf16, w4).ll
+        assert FusedPlan.from_shape(200, 2048, 2, bf16, w2).algo == "twoshot"  # 800 KiB
+        assert FusedPlan.from_shape(200, 2048, 4, bf16, w4).algo == "split"
+        assert default_quant_min_bytes("int4", 2) == KiB and default_quant_min_bytes("int4", 4) == 2 * MiB
+        assert default_quant_min_bytes("fp8", 2) is None and default_quant_min_bytes("int8", 2) == 4 * MiB
+        assert AllReducePlan.from_numel(16, 3, bf16, WorkspaceLayout(3, MiB, 128)).algo == "twoshot"
+    assert _plan_state() == before  # restored, W=3's entries removed
+
+
+def test_tables_are_read_at_import_from_TPFUSE_TABLE_DIR(tmp_path):
+    _write(tmp_path, 2, {"ONESHOT_MAX_BYTES": 12345 * 256, "QUANT_MIN_BYTES": {"int8": 4096}})
+    code = ("import json; from tpfuse.comm import plan as P, quant_plan as Q; "
+            "print(json.dumps([P.ONESHOT_MAX_BYTES[2], P.ONESHOT_MAX_BYTES[4], Q.QUANT_MIN_BYTES['int8'][2]]))")
+    env = os.environ | {tables.ENV_DIR: str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.splitlines()[-1]) == [12345 * 256, P.ONESHOT_MAX_BYTES[4], 4096]
+
+
+def test_table_dir_is_the_environment_variable_when_set(monkeypatch, tmp_path):
+    monkeypatch.setenv(tables.ENV_DIR, str(tmp_path))
+    assert tables.table_dir() == str(tmp_path)
+    monkeypatch.delenv(tables.ENV_DIR)
+    assert tables.table_dir() is None  # under the interpreter the package's GPU tables are not read
+
+
+@pytest.mark.parametrize("table, key", [
+    ({"world_size": 2, "knobs": {"ONESHOT_MAX": 1}}, "ONESHOT_MAX"),
+    ({"world_size": 2, "knobs": {"NCCL_MIN_BYTES": 1}}, "NCCL_MIN_BYTES"),
+    ({"world_size": 2, "knobs": {"LL_MAX_BYTES": -1}}, "LL_MAX_BYTES"),
+    ({"world_size": 2, "knobs": {"LL_MAX_BYTES": "64K"}}, "LL_MAX_BYTES"),
+    ({"world_size": 2, "knobs": {"LL_MAX_BYTES": True}}, "LL_MAX_BYTES"),
+    ({"world_size": 2, "knobs": {"ONESHOT_MAX_BYTES": None}}, "ONESHOT_MAX_BYTES"),
+    ({"world_size": 2, "knobs": {"QUANT_MIN_BYTES": {"int3": 5}}}, "QUANT_MIN_BYTES.int3"),
+    ({"world_size": 2, "knobs": {"QUANT_MIN_BYTES": {"int4": -5}}}, "QUANT_MIN_BYTES.int4"),
+    ({"world_size": 2, "knobs": {"QUANT_MIN_BYTES": 5}}, "QUANT_MIN_BYTES"),
+    ({"world_size": 4, "knobs": {}}, "world_size"),  # in w2.json
+    ({"world_size": 2, "knobs": {}, "tuned": True}, "tuned"),
+    ([1, 2], "JSON object"),
+])
+def test_invalid_tables_raise_naming_the_file_and_key(tmp_path, table, key):
+    path = tables.table_path(str(tmp_path), 2)
+    with open(path, "w") as f:
+        json.dump(table, f)
+    with pytest.raises(ValueError, match=re.escape(path) + ".*" + re.escape(key)):
+        tables.read_tables(str(tmp_path))
+
+
+def test_a_file_that_is_not_json_raises_naming_it(tmp_path):
+    path = tables.table_path(str(tmp_path), 2)
+    with open(path, "w") as f:
+        f.write("{ONESHOT_MAX_BYTES: 1}")
+    with pytest.raises(ValueError, match=re.escape(path) + ".*not JSON"):
+        tables.read_table(path)
+
+
+# ---------------------------------------------------------------- tpfuse tune
+
+
+def test_tune_refuses_cpu_timings_into_the_package(capsys):
+    assert tune.main(["--write-table"]) == 2
+    assert "refusing" in capsys.readouterr().err
+    assert not os.path.exists(tables.table_path(tables.PACKAGE_DIR, 2))
+
+
+def test_tune_on_two_cpu_ranks_writes_a_sweep_and_a_table_the_loader_accepts(tmp_path, capfd):
+    out, table_dir = tmp_path / "out", tmp_path / "tables"
+    status = tune.main(["--out", str(out), "--write-table", "--table-dir", str(table_dir), "--sizes", "8K", "16K"])
+    printed = capfd.readouterr()
+    assert status == 0, printed.out[-4000:] + printed.err[-4000:]  # the ranks' output says what failed
+    with open(out / "tune_w2_bf16.json") as f:
+        sweep = json.load(f)
+    assert sweep["header"]["world_size"] == 2 and sweep["header"]["commit"] and sweep["header"]["stopped"] is None
+    methods = {(r["sweep"], r["method"]) for r in sweep["records"]}
+    assert {("allreduce", m) for m in tune.ALLREDUCE_CHAIN} <= methods
+    assert {("fused", m) for m in tune.FUSED_CHAIN} | {("quant", c) for c in ("exact",) + tune.CODECS} <= methods
+    assert all(r["correct"] is not False for r in sweep["records"])
+    table = tables.read_table(tables.table_path(str(table_dir), 2))
+    assert table["knobs"] == sweep["header"]["derived_knobs"]
+    assert set(table["knobs"]) == set(tables.SIZE_KNOBS) | {tables.QUANT_KNOB}
+    assert table["provenance"]["sweep"] == "tune_w2_bf16.json"
+    assert table["provenance"]["commit"] == sweep["header"]["commit"]

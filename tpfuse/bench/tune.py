@@ -1,0 +1,346 @@
+"""``tpfuse tune``: measure the choices that "auto" makes, at this machine's world size, and
+derive the plan table (``tpfuse.comm.tables``) from the measurements.
+
+One process per visible GPU (W = every GPU; spawned here, or started by torchrun). Per
+message size, bf16, three sweeps, in this order:
+
+- all-reduce: one-shot over LL, one-shot with flags, two-shot (and NCCL, for reference
+  only) -> LL_MAX_BYTES and ONESHOT_MAX_BYTES;
+- fused all-reduce + add + RMSNorm at hidden 4096 (``tpfuse bench fused``'s), tokens =
+  size / 8 KiB: one-shot, two-shot, split -> FUSED_ONESHOT_MAX_BYTES, FUSED_TWOSHOT_MAX_BYTES;
+- quantized all-reduce: each codec against the exact path -> QUANT_MIN_BYTES.
+
+Each sweep runs under the knobs the sweeps before it derived (the fused one-shot goes over LL
+where the derived LL_MAX_BYTES says, split and "exact" run the derived all-reduce), so it
+measures what "auto" will do. Timing is ``tpfuse bench``'s (CUDA-graph replay, rotated
+inputs, slowest rank's median); every timed method's output is first checked bitwise against
+tpfuse.reference (the codecs: against ``reference.quantized_all_reduce``, and their error
+against the codec's budget). A method that fails its check fails the run and no table is
+written. Writes tune_w{W}_bf16.json / .md under --out; with --write-table also the table
+w{W}.json, into tpfuse/comm/tables/ or --table-dir. --budget-s stops the sweep (all ranks
+together); a sweep cut short gives no knobs.
+
+Without two GPUs: two CPU ranks under Triton's interpreter run the same sweep on tiny sizes
+(one call per point, wall clock): a check of the bits and the plumbing, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import tpfuse
+from tpfuse import reference
+from tpfuse.bench.common import (KiB, MiB, agreed_max, collective_graph_us, fmt_size, header_markdown, init_rank,
+                                 layer_inputs, random_inputs, rotation, run_header, run_workers, same_bits,
+                                 write_results)
+from tpfuse.comm import tables
+from tpfuse.comm.plan import AllReducePlan, FusedPlan
+
+SIZES = [8 * KiB << i for i in range(13)]  # 8 KiB .. 32 MiB
+CPU_SIZES = [8 * KiB, 32 * KiB]
+HIDDEN, EPS, DTYPE = 4096, 1e-6, torch.bfloat16
+LL_SWEEP_MAX = 2 * MiB
+"""LL one-shot is swept up to here: its workspace regions take 4 * W bytes per message byte,
+and it sends twice the bytes, so it loses long before."""
+ONESHOT_SWEEP_MAX = 8 * MiB
+"""One-shot (flags) is swept up to here (each rank reads W whole messages)."""
+TOLERANCE = 0.03
+ALLREDUCE_CHAIN = ("oneshot_ll", "oneshot_flags", "twoshot")
+FUSED_CHAIN = ("oneshot", "twoshot", "split")
+CODECS = reference.QUANT_CODECS
+SWEEPS = ("allreduce", "fused", "quant")
+"""In this order: each sweep runs under the knobs of the sweeps before it."""
+
+
+# ---- from timings to knobs (pure functions; timings: {method: {size_bytes: us}})
+#
+# The plans give each algorithm one range of sizes, in a fixed order (all-reduce: LL up to
+# LL_MAX_BYTES, then flags up to ONESHOT_MAX_BYTES, then two-shot), so the knobs are the
+# crossovers of a chain: nondecreasing thresholds, one per algorithm but the last. Among all
+# such thresholds (each 0 = never, or a measured size) we take the one that loses least
+# against the per-size best, where a time within TOLERANCE (3%) of the best counts as no
+# loss: run-to-run noise is about that large, and it must not move a crossover. A single
+# noisy point then cannot split an algorithm's range, unlike "the last size where it wins".
+# Among equally good thresholds the largest win: an algorithm keeps every size where it is
+# best or within 3% of the best (earlier in the chain is simpler: one-shot over two-shot,
+# fused over split, exact over a codec). A method not measured at a size cannot take it.
+
+
+def chain_thresholds(times: dict[str, dict[int, float]], chain: tuple[str, ...],
+                     tolerance: float = TOLERANCE) -> tuple[int, ...]:
+    """The largest size each of chain[:-1] serves (0: none), nondecreasing; chain[-1] takes
+    every size above the last threshold."""
+    sizes = sorted({s for method in chain for s in times.get(method, {})})
+    best = {s: min(times[m][s] for m in chain if s in times.get(m, {})) for s in sizes}
+
+    def loss(thresholds):
+        total = 0.0
+        for s in sizes:
+            method = next((m for m, t in zip(chain, thresholds) if s <= t), chain[-1])
+            us = times.get(method, {}).get(s)
+            if us is None:
+                return float("inf")
+            slower = us / best[s] - 1
+            total += slower if slower > tolerance else 0.0
+        return total
+
+    candidates = itertools.combinations_with_replacement([0] + sizes, len(chain) - 1)  # nondecreasing tuples
+    return max(candidates, key=lambda ts: (-loss(ts), ts))
+
+
+def quant_min_bytes(exact: dict[int, float], codec: dict[int, float], tolerance: float = TOLERANCE) -> int | None:
+    """QUANT_MIN_BYTES for a codec: the smallest measured size above the exact path's range
+    (None: the exact path keeps every measured size)."""
+    (exact_max,) = chain_thresholds({"exact": exact, "codec": codec}, ("exact", "codec"), tolerance)
+    return min((s for s in codec if s > exact_max), default=None)
+
+
+def derive_knobs(timings: dict[str, dict[str, dict[int, float]]]) -> dict:
+    """Table knobs (``tpfuse.comm.tables``) from the timings of the sweeps that ran to the end
+    ({"allreduce" | "fused" | "quant": {method: {size_bytes: us}}})."""
+    knobs = {}
+    if "allreduce" in timings:
+        knobs["LL_MAX_BYTES"], knobs["ONESHOT_MAX_BYTES"] = chain_thresholds(timings["allreduce"], ALLREDUCE_CHAIN)
+    if "fused" in timings:
+        oneshot, twoshot = chain_thresholds(timings["fused"], FUSED_CHAIN)
+        knobs["FUSED_ONESHOT_MAX_BYTES"] = oneshot
+        knobs["FUSED_TWOSHOT_MAX_BYTES"] = twoshot if twoshot > oneshot else 0  # the plan's "never"
+    if "quant" in timings:
+        q = timings["quant"]
+        knobs["QUANT_MIN_BYTES"] = {c: quant_min_bytes(q["exact"], q[c]) for c in CODECS if c in q}
+    return knobs
+
+
+# ---- the sweep (every rank)
+
+
+class _OutOfTime(Exception):
+    pass
+
+
+class _Sweeper:
+    """Times methods on every rank alike and collects the records (rank 0 writes them)."""
+
+    def __init__(self, comm, world: int, rank: int, budget_s: float):
+        self.comm, self.world, self.rank, self.budget_s = comm, world, rank, budget_s
+        self.device = comm.device.type
+        self.t0 = time.monotonic()
+        self.records: list[dict] = []
+
+    def time(self, sweep: str, nbytes: int, method: str, fn, rot: int, check) -> None:
+        """Check ``fn(0)``'s output, then record us per call of ``fn(i)``, i < rot: graph replay
+        on GPUs, the checked call's wall clock under the interpreter. ``check(out)`` returns
+        (correct, rel_err or None); correct is None for a method timed for reference only
+        (NCCL), else whether out equals its reference bit for bit (codecs: and is within their
+        error budget). Every rank must call it alike."""
+        if agreed_max(time.monotonic() - self.t0) > self.budget_s:  # agreed: every rank stops at the same point
+            raise _OutOfTime(f"budget of {self.budget_s:g} s reached at {sweep} {fmt_size(nbytes)} {method}")
+        start = time.perf_counter()
+        out = fn(0)
+        elapsed_us = (time.perf_counter() - start) * 1e6
+        correct, err = check(out)
+        if correct is not None:
+            correct = agreed_max(0.0 if correct else 1.0) == 0.0  # wrong on any rank: wrong
+        us = agreed_max(elapsed_us) if self.device == "cpu" else collective_graph_us(fn, rot)
+        rec = dict(sweep=sweep, size_bytes=nbytes, method=method, us=round(us, 2), correct=correct)
+        self.records.append(rec if err is None else rec | {"rel_err": err})
+
+    def allreduce(self, nbytes: int) -> None:
+        n = nbytes // DTYPE.itemsize
+        xs = random_inputs(n, DTYPE, self.world, self.device, seed=nbytes)
+        ref = reference.all_reduce(xs)
+        rot = rotation(nbytes)
+        pool = [xs[self.rank].clone() for _ in range(rot)]
+        layout = self.comm.layout
+        # Whether one-shot goes over LL is LL_MAX_BYTES's choice (within the workspace's LL regions).
+        sweep_max = {"oneshot_ll": layout.ll_max_bytes, "oneshot_flags": ONESHOT_SWEEP_MAX}  # two-shot: every size
+        knobs = {"oneshot_ll": {"LL_MAX_BYTES": layout.ll_max_bytes}, "oneshot_flags": {"LL_MAX_BYTES": 0},
+                 "twoshot": {}}
+        for method in ALLREDUCE_CHAIN:
+            algo = method.split("_")[0]
+            if nbytes > sweep_max.get(method, nbytes):
+                continue
+            with tables.applied(self.world, knobs[method]):
+                try:
+                    AllReducePlan.from_numel(n, self.world, DTYPE, layout, algo)
+                except ValueError:
+                    continue  # the workspace cannot serve it: not measured, never chosen
+                self.time("allreduce", nbytes, method, (lambda a: lambda i: self.comm.all_reduce(pool[i], algo=a))(
+                    algo), rot, lambda out: (same_bits(out, ref), None))
+        peer = [p.clone() for p in pool]
+        self.time("allreduce", nbytes, "nccl", lambda i: dist.all_reduce(peer[i]), rot, lambda out: (None, None))
+
+    def fused(self, nbytes: int) -> None:
+        tokens = nbytes // (HIDDEN * DTYPE.itemsize)
+        if tokens == 0 or tokens * HIDDEN * DTYPE.itemsize != nbytes:
+            return
+        xs, residual, weight = layer_inputs(tokens, HIDDEN, self.world, self.device, seed=tokens)
+        expected = tpfuse.add_rms_norm(reference.all_reduce(xs), residual, weight, EPS)  # the contract's bits
+        rot = rotation(2 * nbytes)
+        pool = [(xs[self.rank].clone(), residual.clone()) for _ in range(rot)]
+        for algo in FUSED_CHAIN:
+            try:
+                FusedPlan.from_shape(tokens, HIDDEN, self.world, DTYPE, self.comm.layout, algo)
+            except ValueError:
+                continue
+            fn = (lambda a: lambda i: self.comm.all_reduce_add_rms_norm(*pool[i], weight, EPS, algo=a))(algo)
+            self.time("fused", nbytes, algo, fn, rot,
+                      lambda out: (all(same_bits(a, b) for a, b in zip(out, expected)), None))
+
+    def quant(self, nbytes: int) -> None:
+        n = nbytes // DTYPE.itemsize
+        xs = random_inputs(n, DTYPE, self.world, self.device, seed=nbytes)
+        exact64 = sum(x.double() for x in xs)
+        rot = rotation(nbytes)
+        pool = [xs[self.rank].clone() for _ in range(rot)]
+        ref = reference.all_reduce(xs)
+        self.time("quant", nbytes, "exact", lambda i: self.comm.all_reduce(pool[i]), rot,
+                  lambda out: (same_bits(out, ref), None))
+        for codec in CODECS:
+            qref = reference.quantized_all_reduce(xs, codec)
+
+            def check(out, codec=codec, qref=qref):
+                err = reference.rel_err(out, exact64)
+                return same_bits(out, qref) and err <= reference.QUANT_ERROR_BUDGET[codec], err
+
+            fn = (lambda c: lambda i: self.comm.all_reduce(pool[i], quant=c, quant_min_bytes=0))(codec)
+            self.time("quant", nbytes, codec, fn, rot, check)
+
+    def timings(self, sweep: str) -> dict[str, dict[int, float]]:
+        """{method: {size: us}} of one sweep, correct results only."""
+        out: dict[str, dict[int, float]] = {}
+        for r in self.records:
+            if r["sweep"] == sweep and r["correct"]:
+                out.setdefault(r["method"], {})[r["size_bytes"]] = r["us"]
+        return out
+
+
+def _workspace_bytes(sizes: list[int], world: int) -> tuple[int, int]:
+    """(max_bytes, LL bytes) of a workspace that serves every swept size: two-shot to the
+    largest, one-shot to ONESHOT_SWEEP_MAX (its slots hold 2 * max_bytes / W), LL to LL_SWEEP_MAX."""
+    top = max(sizes)
+    return max(top, min(top, ONESHOT_SWEEP_MAX) * world // 2), min(top, LL_SWEEP_MAX)
+
+
+def _worker(rank: int, world: int, port: int | None, opts: dict) -> None:
+    from tpfuse._runtime import INTERPRETER
+    from tpfuse.comm import Communicator
+
+    init_rank(rank, world, port, "gloo" if INTERPRETER else "nccl")
+    sizes = opts["sizes"] or (CPU_SIZES if INTERPRETER else SIZES)
+    max_bytes, ll_bytes = _workspace_bytes(sizes, world)
+    try:
+        with tables.applied(world, {"LL_MAX_BYTES": ll_bytes}):  # sizes the workspace's LL regions
+            comm = Communicator(max_bytes=max_bytes, timeout_s=60 if INTERPRETER else 30)
+        if comm.layout is None:
+            raise RuntimeError(f"no peer workspace, so nothing to tune: {comm.fallback_reason}")
+        timings, stopped = {}, None
+        with comm:
+            sweeper = _Sweeper(comm, world, rank, opts["budget_s"])
+            try:
+                for sweep in SWEEPS:
+                    with tables.applied(world, derive_knobs(timings)):  # what "auto" will do
+                        for nbytes in sizes:
+                            getattr(sweeper, sweep)(nbytes)
+                            if rank == 0:
+                                print(f"[{time.monotonic() - sweeper.t0:5.0f}s] {sweep} {fmt_size(nbytes):>7}: "
+                                      + "  ".join(f"{r['method']} {r['us']:.1f}us" for r in sweeper.records
+                                                  if (r["sweep"], r["size_bytes"]) == (sweep, nbytes)), flush=True)
+                    timings[sweep] = sweeper.timings(sweep)
+            except _OutOfTime as e:
+                stopped = str(e)
+        wrong = [f"{r['sweep']} {fmt_size(r['size_bytes'])} {r['method']}" for r in sweeper.records
+                 if r["correct"] is False]
+        if rank == 0:
+            _report(opts, world, sweeper.records, {} if wrong else derive_knobs(timings), stopped, wrong,
+                    max_bytes, INTERPRETER)
+        if wrong:
+            raise RuntimeError(f"rank {rank}: results not equal to their reference, so no table: {wrong}")
+    finally:
+        dist.destroy_process_group()
+
+
+def _report(opts, world, records, knobs, stopped, wrong, max_bytes, interpreter) -> None:
+    header = run_header() | {"world_size": world, "dtype": "bf16", "hidden": HIDDEN, "tolerance": TOLERANCE,
+                             "tpfuse_max_bytes": max_bytes, "budget_s": opts["budget_s"], "stopped": stopped,
+                             "device": "cpu (Triton interpreter)" if interpreter else "cuda", "derived_knobs": knobs}
+    name = f"tune_w{world}_bf16"
+    md = header_markdown(f"tpfuse tune, {world} ranks, bf16", header)
+    md += ("us per call (CUDA-graph replay; under the interpreter, one call's wall clock). `x`: not equal to its "
+           "reference (codecs: or over their error budget). Sizes are message bytes (fused: tokens x 4096 bf16).\n")
+    for sweep in SWEEPS:
+        methods = list(dict.fromkeys(r["method"] for r in records if r["sweep"] == sweep))
+        by = {(r["size_bytes"], r["method"]): r for r in records if r["sweep"] == sweep}
+        md += f"\n## {sweep}\n\n| size | " + " | ".join(methods) + " |\n" + "|---" * (len(methods) + 1) + "|\n"
+        for s in sorted({s for s, _ in by}):
+            cells = ["-" if (s, m) not in by else f"{by[(s, m)]['us']:.1f}" + (" x" if by[(s, m)]["correct"] is False
+                                                                               else "") for m in methods]
+            md += f"| {fmt_size(s)} | " + " | ".join(cells) + " |\n"
+    md += f"\nDerived knobs (W={world}): {json.dumps(knobs)}\n"
+    md += f"\nSTOPPED EARLY: {stopped} (that sweep and later ones give no knobs)\n" if stopped else ""
+    md += f"\nNOT EQUAL TO THE REFERENCE: {'; '.join(wrong)}\n" if wrong else ""
+    print(md, flush=True)
+    paths = write_results(opts["out"], name, header, records, md)
+    print("wrote " + ", ".join(paths))
+    if opts["write_table"] and not knobs:
+        print("no table written: no sweep ran to the end with every result correct")
+    elif opts["write_table"]:
+        provenance = {k: header[k] for k in ("gpu", "date", "commit", "torch", "triton", "cuda", "device")
+                      if header.get(k) is not None}
+        table = {"world_size": world, "knobs": knobs,
+                 "provenance": provenance | {"sweep": os.path.basename(paths[0]), "tolerance": TOLERANCE}}
+        os.makedirs(opts["table_dir"], exist_ok=True)
+        path = tables.table_path(opts["table_dir"], world)
+        with open(path, "w") as f:
+            json.dump(table, f, indent=1)
+            f.write("\n")
+        tables.read_table(path)  # what the plans will read must load
+        print(f"wrote {path}")
+
+
+def _size(text: str) -> int:
+    """Bytes from "8K", "4M" or "65536"."""
+    scale = {"K": KiB, "M": MiB}.get(text[-1:].upper(), 1)
+    try:
+        value = int(text[:-1] if scale > 1 else text) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (bytes, or a number with K or M)") from None
+    if value <= 0 or value % KiB:
+        raise argparse.ArgumentTypeError(f"sizes must be positive multiples of 1 KiB, got {text!r}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="tpfuse tune", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="tune_out", help="directory for tune_w{W}_bf16.json / .md")
+    p.add_argument("--write-table", action="store_true", help="also write the plan table w{W}.json")
+    p.add_argument("--table-dir", default=tables.PACKAGE_DIR,
+                   help="where --write-table writes (default: tpfuse/comm/tables, which the plans read)")
+    p.add_argument("--budget-s", type=float, default=420.0, help="stop the sweep after this many seconds")
+    p.add_argument("--sizes", type=_size, nargs="+", default=None,
+                   help=f"message sizes, e.g. 8K 1M (default {fmt_size(SIZES[0])} .. {fmt_size(SIZES[-1])}; "
+                        f"without GPUs {', '.join(map(fmt_size, CPU_SIZES))})")
+    opts = vars(p.parse_args(argv))
+    opts["sizes"] = sorted(set(opts["sizes"])) if opts["sizes"] else None
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus < 2 and "WORLD_SIZE" not in os.environ:
+        print("No multi-GPU machine: the sweep runs on 2 emulated CPU ranks under Triton's interpreter, a check "
+              "of bits and plumbing. Its timings are the interpreter's, not a measurement of any GPU: they are "
+              "written as a table only with --write-table --table-dir DIR outside the package.", flush=True)
+        if opts["write_table"] and os.path.realpath(opts["table_dir"]) == os.path.realpath(tables.PACKAGE_DIR):
+            print("tpfuse tune: refusing to write CPU timings into tpfuse/comm/tables (the plans would read them); "
+                  "pass --table-dir DIR", file=sys.stderr)
+            return 2
+    return run_workers(_worker, _worker, opts)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""Measured plan tables: per world size, the size thresholds that "auto" uses.
+
+``tpfuse tune --write-table`` measures, on the machine at hand, the algorithms that the
+plans choose between (``tpfuse.bench.tune``) and writes ``w{W}.json`` into this directory.
+When ``tpfuse.comm`` is imported, each table's values replace the defaults of
+``tpfuse.comm.plan`` and ``tpfuse.comm.quant_plan`` for its world size W only; world sizes
+without a table keep the defaults written there.
+
+A table file::
+
+    {"world_size": 2,
+     "knobs": {"ONESHOT_MAX_BYTES": 524288, "LL_MAX_BYTES": 131072,
+               "FUSED_ONESHOT_MAX_BYTES": 524288, "FUSED_TWOSHOT_MAX_BYTES": 0,
+               "QUANT_MIN_BYTES": {"int4": 2097152, "int6": 4194304, "int8": 4194304, "fp8": null}},
+     "provenance": {"gpu": "...", "date": "...", "commit": "...", "sweep": "tune_w2_bf16.json"}}
+
+Every knob is optional (a missing one keeps its default); sizes are message bytes, ints
+>= 0; a codec's None means "never". Anything else raises ValueError naming the file and key.
+
+Every rank must derive the same plan (DESIGN.md 2.5), so the tables come from files that
+every rank reads alike: this package's directory (the same installed files on every rank
+of the node), or ``TPFUSE_TABLE_DIR``, which every rank must then set to the same
+directory. Under Triton's interpreter the package's tables are not read: they hold GPU
+measurements, and the interpreter's knobs (LL_MAX_BYTES) are set for the CPU tests' sizes;
+``TPFUSE_TABLE_DIR`` is read there too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+
+from tpfuse._runtime import INTERPRETER
+from tpfuse.reference import QUANT_CODECS
+
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+ENV_DIR = "TPFUSE_TABLE_DIR"
+SIZE_KNOBS = ("ONESHOT_MAX_BYTES", "LL_MAX_BYTES", "FUSED_ONESHOT_MAX_BYTES", "FUSED_TWOSHOT_MAX_BYTES")
+"""Knobs of tpfuse.comm.plan: {world size: bytes}."""
+QUANT_KNOB = "QUANT_MIN_BYTES"
+"""The knob of tpfuse.comm.quant_plan: {codec: {world size: bytes or None}}."""
+_FILE = re.compile(r"w(\d+)\.json")
+_ABSENT = object()
+"""What ``apply`` reports for a world size that had no entry of its own (it used W=8's)."""
+
+
+def table_path(directory: str, world_size: int) -> str:
+    return os.path.join(directory, f"w{world_size}.json")
+
+
+def read_table(path: str) -> dict:
+    """The validated table at ``path``: {"world_size": int, "knobs": {...}, "provenance": {...}}."""
+    with open(path) as f:
+        try:
+            table = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not JSON ({e})") from None
+    if not isinstance(table, dict):
+        raise ValueError(f"{path}: the table must be a JSON object")
+    for key in table:
+        if key not in ("world_size", "knobs", "provenance"):
+            raise ValueError(f"{path}: unknown key {key!r} (expected world_size, knobs, provenance)")
+    world = table.get("world_size")
+    if not _is_size(world) or world < 2:
+        raise ValueError(f"{path}: key 'world_size' must be an int >= 2, got {world!r}")
+    match = _FILE.fullmatch(os.path.basename(path))
+    if match and int(match.group(1)) != world:
+        raise ValueError(f"{path}: key 'world_size' is {world}, but the file name says {match.group(1)}")
+    knobs = table.get("knobs", {})
+    if not isinstance(knobs, dict):
+        raise ValueError(f"{path}: key 'knobs' must be an object")
+    if not isinstance(table.get("provenance", {}), dict):
+        raise ValueError(f"{path}: key 'provenance' must be an object")
+    for key, value in knobs.items():
+        if key in SIZE_KNOBS:
+            if not _is_size(value):
+                raise ValueError(f"{path}: key {key!r} must be a size in bytes (an int >= 0), got {value!r}")
+        elif key == QUANT_KNOB:
+            if not isinstance(value, dict):
+                raise ValueError(f"{path}: key {key!r} must be an object {{codec: bytes or null}}")
+            for codec, size in value.items():
+                if codec not in QUANT_CODECS:
+                    raise ValueError(f"{path}: key {key}.{codec}: unknown codec (expected one of {QUANT_CODECS})")
+                if size is not None and not _is_size(size):
+                    raise ValueError(f"{path}: key {key}.{codec} must be an int >= 0 or null, got {size!r}")
+        else:
+            raise ValueError(f"{path}: unknown key {key!r} in knobs (expected {', '.join(SIZE_KNOBS + (QUANT_KNOB,))})")
+    return {"world_size": world, "knobs": knobs, "provenance": table.get("provenance", {})}
+
+
+def _is_size(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def read_tables(directory: str) -> dict[int, dict]:
+    """{world size: knobs} of every ``w{W}.json`` in ``directory`` (none if it does not exist)."""
+    names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+    tables = [read_table(os.path.join(directory, name)) for name in names if _FILE.fullmatch(name)]
+    return {t["world_size"]: t["knobs"] for t in tables}
+
+
+def apply(world_size: int, knobs: dict) -> dict:
+    """Set ``knobs`` (a table's, validated) for ``world_size`` in the plan modules' dicts;
+    returns what they replaced, for ``restore``."""
+    from tpfuse.comm import plan, quant_plan
+
+    replaced = {}
+    for key, value in knobs.items():
+        if key == QUANT_KNOB:
+            replaced[key] = {c: quant_plan.QUANT_MIN_BYTES[c].get(world_size, _ABSENT) for c in value}
+            for codec, size in value.items():
+                quant_plan.QUANT_MIN_BYTES[codec][world_size] = size
+        else:
+            replaced[key] = getattr(plan, key).get(world_size, _ABSENT)
+            getattr(plan, key)[world_size] = value
+    return replaced
+
+
+def restore(world_size: int, replaced: dict) -> None:
+    """Undo ``apply``: put back what it returned."""
+    from tpfuse.comm import plan, quant_plan
+
+    entries = [(quant_plan.QUANT_MIN_BYTES[c], v) for c, v in replaced.get(QUANT_KNOB, {}).items()]
+    entries += [(getattr(plan, key), v) for key, v in replaced.items() if key != QUANT_KNOB]
+    for table, value in entries:
+        if value is _ABSENT:
+            table.pop(world_size, None)
+        else:
+            table[world_size] = value
+
+
+@contextlib.contextmanager
+def applied(world_size: int, knobs: dict):
+    """``apply`` for the duration of a with-block (tests, and the tuner measuring under the
+    knobs it has derived so far)."""
+    replaced = apply(world_size, knobs)
+    try:
+        yield
+    finally:
+        restore(world_size, replaced)
+
+
+def table_dir() -> str | None:
+    """The directory the plans read: ``TPFUSE_TABLE_DIR`` if set, else this package's (None
+    under the interpreter, see above)."""
+    return os.environ.get(ENV_DIR) or (None if INTERPRETER else PACKAGE_DIR)
+
+
+def apply_tables() -> None:
+    """Apply the tables of ``table_dir()``. Called once, when tpfuse.comm is imported."""
+    directory = table_dir()
+    for world_size, knobs in (read_tables(directory) if directory else {}).items():
+        apply(world_size, knobs)
