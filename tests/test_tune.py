@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from tpfuse._runtime import INTERPRETER
 from tpfuse.bench import tune
 from tpfuse.comm import plan as P
 from tpfuse.comm import quant_plan as QP
@@ -23,6 +24,9 @@ from tpfuse.comm.workspace import WorkspaceLayout
 KiB, MiB = 1024, 1024 * 1024
 SIZES = [8 * KiB << i for i in range(8)]  # 8 KiB .. 1 MiB
 bf16 = torch.bfloat16
+# The command's CPU mode (two emulated ranks, no table into the package); on GPU machines
+# scripts/device_check.sh tune runs it for real.
+cpu_only = pytest.mark.skipif(not INTERPRETER, reason="tests tpfuse tune's CPU mode (Triton's interpreter)")
 
 
 def _curve(fn) -> dict[int, float]:
@@ -136,7 +140,8 @@ def test_table_dir_is_the_environment_variable_when_set(monkeypatch, tmp_path):
     monkeypatch.setenv(tables.ENV_DIR, str(tmp_path))
     assert tables.table_dir() == str(tmp_path)
     monkeypatch.delenv(tables.ENV_DIR)
-    assert tables.table_dir() is None  # under the interpreter the package's GPU tables are not read
+    # Under the interpreter the package's GPU tables are not read.
+    assert tables.table_dir() == (None if INTERPRETER else tables.PACKAGE_DIR)
 
 
 @pytest.mark.parametrize("table, key", [
@@ -172,12 +177,14 @@ def test_a_file_that_is_not_json_raises_naming_it(tmp_path):
 # ---------------------------------------------------------------- tpfuse tune
 
 
+@cpu_only
 def test_tune_refuses_cpu_timings_into_the_package(capsys):
     assert tune.main(["--write-table"]) == 2
     assert "refusing" in capsys.readouterr().err
     assert not os.path.exists(tables.table_path(tables.PACKAGE_DIR, 2))
 
 
+@cpu_only
 def test_tune_on_two_cpu_ranks_writes_a_sweep_and_a_table_the_loader_accepts(tmp_path, capfd):
     out, table_dir = tmp_path / "out", tmp_path / "tables"
     status = tune.main(["--out", str(out), "--write-table", "--table-dir", str(table_dir), "--sizes", "8K", "16K"])
