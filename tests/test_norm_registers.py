@@ -10,8 +10,8 @@ compile the kernel for sm_90 (tests/sm90_layouts.py) and read ptxas's report.
 
 The forward's wide bf16 rows (64 values per thread on 32 warps) fit only if x stays in its
 16-bit form across the row reduction (norm_tile's HOLD_NARROW, widen_again): with an fp32
-copy held instead, ptxas spilled 152 bytes per thread; with it, 8 (two registers, for the
-weight's loads), measured at 97-99% of copy bandwidth on H200.
+copy held instead, ptxas spilled 152 bytes per thread; with it, 8 (two registers),
+measured at 96-99% of copy bandwidth on H200.
 """
 
 
