@@ -81,10 +81,33 @@ def test_derived_knobs_in_table_form():
     quant = {"exact": _curve(lambda s: 10 + s / 16384), "int4": _curve(lambda s: 30 + s / 65536),  # 512 KiB: 38 vs 42
              "fp8": _curve(lambda s: 60 + s / 16384)}  # never faster
     knobs = tune.derive_knobs({"allreduce": allreduce, "fused": fused, "quant": quant})
+    # fp8 never wins up to 1 MiB, but the sweep stopped short of tune.SIZES[-1]: no verdict.
     assert knobs == {"LL_MAX_BYTES": 32 * KiB, "ONESHOT_MAX_BYTES": 256 * KiB,
                      "FUSED_ONESHOT_MAX_BYTES": 32 * KiB, "FUSED_TWOSHOT_MAX_BYTES": 0,
-                     "QUANT_MIN_BYTES": {"fp8": None, "int4": 512 * KiB}}
+                     "QUANT_MIN_BYTES": {"int4": 512 * KiB}}
     assert tune.derive_knobs({"allreduce": allreduce}).keys() == {"LL_MAX_BYTES", "ONESHOT_MAX_BYTES"}
+    to_32m = {s: 60 + s / 16384 for s in tune.SIZES}
+    exact = {s: 10 + s / 16384 for s in tune.SIZES}
+    assert tune.derive_knobs({"quant": {"exact": exact, "fp8": to_32m}})["QUANT_MIN_BYTES"] == {"fp8": None}
+
+
+def test_crossovers_outside_the_sweep_leave_the_defaults():
+    small = {m: {s: t for s, t in curve.items() if s <= 16 * KiB} for m, curve in {
+        "oneshot_ll": _curve(lambda s: 1), "oneshot_flags": _curve(lambda s: 5), "twoshot": _curve(lambda s: 9)}.items()}
+    assert tune.derive_knobs({"allreduce": small}) == {}  # LL kept every size swept: no crossover seen
+    small["oneshot_ll"][16 * KiB] = 7  # now LL ends at 8 KiB, flags keep 16 KiB (unknown beyond)
+    assert tune.derive_knobs({"allreduce": small}) == {"LL_MAX_BYTES": 8 * KiB}
+    large = {m: {s: t for s, t in curve.items() if s >= 512 * KiB} for m, curve in {
+        "oneshot_ll": _curve(lambda s: 9), "oneshot_flags": _curve(lambda s: 5), "twoshot": _curve(lambda s: 1)}.items()}
+    assert tune.derive_knobs({"allreduce": large}) == {}  # lost from 512 KiB: may win below
+    assert tune.derive_knobs({"fused": {"oneshot": {}, "twoshot": {}, "split": {}}}) == {}
+    codec_wins_from_the_start = {"exact": {s: 10.0 for s in SIZES[3:]}, "int4": {s: 5.0 for s in SIZES[3:]}}
+    assert tune.derive_knobs({"quant": codec_wins_from_the_start}) == {}
+
+
+def test_thresholds_that_leave_a_size_unmeasured_raise():
+    with pytest.raises(ValueError, match="no thresholds"):
+        tune.chain_thresholds({"a": {16 * KiB: 1.0}, "b": {8 * KiB: 1.0}}, ("a", "b"))  # b below a
 
 
 # ---------------------------------------------------------------- the table loader
@@ -139,6 +162,9 @@ def test_tables_are_read_at_import_from_TPFUSE_TABLE_DIR(tmp_path):
 def test_table_dir_is_the_environment_variable_when_set(monkeypatch, tmp_path):
     monkeypatch.setenv(tables.ENV_DIR, str(tmp_path))
     assert tables.table_dir() == str(tmp_path)
+    monkeypatch.setenv(tables.ENV_DIR, str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="not a directory"):
+        tables.table_dir()
     monkeypatch.delenv(tables.ENV_DIR)
     # Under the interpreter the package's GPU tables are not read.
     assert tables.table_dir() == (None if INTERPRETER else tables.PACKAGE_DIR)
@@ -187,7 +213,8 @@ def test_tune_refuses_cpu_timings_into_the_package(capsys):
 @cpu_only
 def test_tune_on_two_cpu_ranks_writes_a_sweep_and_a_table_the_loader_accepts(tmp_path, capfd):
     out, table_dir = tmp_path / "out", tmp_path / "tables"
-    status = tune.main(["--out", str(out), "--write-table", "--table-dir", str(table_dir), "--sizes", "8K", "16K"])
+    status = tune.main(["--out", str(out), "--write-table", "--table-dir", str(table_dir), "--sizes", "8K", "16K",
+                        "--budget-s", "100000"])  # never cut short, however loaded the machine
     printed = capfd.readouterr()
     assert status == 0, printed.out[-4000:] + printed.err[-4000:]  # the ranks' output says what failed
     with open(out / "tune_w2_bf16.json") as f:
@@ -199,6 +226,26 @@ def test_tune_on_two_cpu_ranks_writes_a_sweep_and_a_table_the_loader_accepts(tmp
     assert all(r["correct"] is not False for r in sweep["records"])
     table = tables.read_table(tables.table_path(str(table_dir), 2))
     assert table["knobs"] == sweep["header"]["derived_knobs"]
-    assert set(table["knobs"]) == set(tables.SIZE_KNOBS) | {tables.QUANT_KNOB}
+    assert set(table["knobs"]) <= set(tables.SIZE_KNOBS) | {tables.QUANT_KNOB}  # crossovers seen in 8-16 KiB
     assert table["provenance"]["sweep"] == "tune_w2_bf16.json"
     assert table["provenance"]["commit"] == sweep["header"]["commit"]
+
+
+def _communicator_with_other_knobs_on_rank_1():
+    import torch.distributed as dist
+
+    from tpfuse.comm import Communicator
+
+    with tables.applied(2, {"ONESHOT_MAX_BYTES": 4096} if dist.get_rank() == 1 else {}):
+        try:
+            Communicator(max_bytes=1 << 16).close()
+        except ValueError as e:
+            return str(e)
+    return "created"
+
+
+def test_ranks_with_different_tables_refuse_to_create_a_communicator():
+    from tests.multiproc import run_ranks
+
+    for message in run_ranks(2, _communicator_with_other_knobs_on_rank_1):
+        assert "same plan tables" in message, message

@@ -93,7 +93,10 @@ def chain_thresholds(times: dict[str, dict[int, float]], chain: tuple[str, ...],
         return total
 
     candidates = itertools.combinations_with_replacement([0] + sizes, len(chain) - 1)  # nondecreasing tuples
-    return max(candidates, key=lambda ts: (-loss(ts), ts))
+    best_thresholds = max(candidates, key=lambda ts: (-loss(ts), ts))
+    if loss(best_thresholds) == float("inf"):
+        raise ValueError(f"no thresholds for {chain} cover every measured size: {times}")
+    return best_thresholds
 
 
 def quant_min_bytes(exact: dict[int, float], codec: dict[int, float], tolerance: float = TOLERANCE) -> int | None:
@@ -103,19 +106,46 @@ def quant_min_bytes(exact: dict[int, float], codec: dict[int, float], tolerance:
     return min((s for s in codec if s > exact_max), default=None)
 
 
+def _swept(times: dict[str, dict[int, float]]) -> list[int]:
+    return sorted({s for method in times.values() for s in method})
+
+
+def _observed(threshold: int, swept: list[int]) -> bool:
+    """Whether a crossover at ``threshold`` was seen inside the sweep: an algorithm that kept
+    the largest size swept may keep larger ones, and one that lost the smallest may win
+    smaller ones unless the sweep began at the smallest size tuned (SIZES[0])."""
+    return threshold < swept[-1] and (threshold > 0 or swept[0] <= SIZES[0])
+
+
 def derive_knobs(timings: dict[str, dict[str, dict[int, float]]]) -> dict:
     """Table knobs (``tpfuse.comm.tables``) from the timings of the sweeps that ran to the end
-    ({"allreduce" | "fused" | "quant": {method: {size_bytes: us}}})."""
+    ({"allreduce" | "fused" | "quant": {method: {size_bytes: us}}}). A knob whose crossover
+    lies outside the sizes swept is left out (its default stays): a sweep of 8-16 KiB must
+    not end one-shot at 16 KiB."""
     knobs = {}
-    if "allreduce" in timings:
-        knobs["LL_MAX_BYTES"], knobs["ONESHOT_MAX_BYTES"] = chain_thresholds(timings["allreduce"], ALLREDUCE_CHAIN)
-    if "fused" in timings:
+    if timings.get("allreduce"):
+        swept = _swept(timings["allreduce"])
+        ll, oneshot = chain_thresholds(timings["allreduce"], ALLREDUCE_CHAIN)
+        knobs |= {k: t for k, t in (("LL_MAX_BYTES", ll), ("ONESHOT_MAX_BYTES", oneshot)) if _observed(t, swept)}
+    if timings.get("fused") and _swept(timings["fused"]):
+        swept = _swept(timings["fused"])
         oneshot, twoshot = chain_thresholds(timings["fused"], FUSED_CHAIN)
-        knobs["FUSED_ONESHOT_MAX_BYTES"] = oneshot
-        knobs["FUSED_TWOSHOT_MAX_BYTES"] = twoshot if twoshot > oneshot else 0  # the plan's "never"
-    if "quant" in timings:
+        twoshot = twoshot if twoshot > oneshot else 0  # the plan's "never"
+        knobs |= {k: t for k, t in (("FUSED_ONESHOT_MAX_BYTES", oneshot), ("FUSED_TWOSHOT_MAX_BYTES", twoshot))
+                  if _observed(t, swept)}
+    if timings.get("quant"):
         q = timings["quant"]
-        knobs["QUANT_MIN_BYTES"] = {c: quant_min_bytes(q["exact"], q[c]) for c in CODECS if c in q}
+        swept = _swept(q)
+        quant = {}
+        for c in CODECS:
+            if c in q:
+                first = quant_min_bytes(q["exact"], q[c])
+                # None ("never") only from a sweep that reached SIZES[-1]; a codec that wins at the
+                # smallest size swept may win below it.
+                if swept[-1] >= SIZES[-1] if first is None else (first > swept[0] or swept[0] <= SIZES[0]):
+                    quant[c] = first
+        if quant:
+            knobs["QUANT_MIN_BYTES"] = quant
     return knobs
 
 
@@ -299,10 +329,7 @@ def _report(opts, world, records, knobs, stopped, wrong, max_bytes, interpreter)
                  "provenance": provenance | {"sweep": os.path.basename(paths[0]), "tolerance": TOLERANCE}}
         os.makedirs(opts["table_dir"], exist_ok=True)
         path = tables.table_path(opts["table_dir"], world)
-        with open(path, "w") as f:
-            json.dump(table, f, indent=1)
-            f.write("\n")
-        tables.read_table(path)  # what the plans will read must load
+        tables.write_table(path, table)
         print(f"wrote {path}")
 
 
@@ -331,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = vars(p.parse_args(argv))
     opts["sizes"] = sorted(set(opts["sizes"])) if opts["sizes"] else None
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if gpus < 2 and "WORLD_SIZE" not in os.environ:
+    if gpus < 2 and not ("RANK" in os.environ and "WORLD_SIZE" in os.environ):  # run_workers' test for torchrun
         print("No multi-GPU machine: the sweep runs on 2 emulated CPU ranks under Triton's interpreter, a check "
               "of bits and plumbing. Its timings are the interpreter's, not a measurement of any GPU: they are "
               "written as a table only with --write-table --table-dir DIR outside the package.", flush=True)

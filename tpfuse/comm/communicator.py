@@ -3,6 +3,7 @@ group's backend as fallback."""
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 
@@ -11,6 +12,7 @@ import torch.distributed as dist
 
 from tpfuse import _runtime
 from tpfuse.comm import ops as comm_ops
+from tpfuse.comm import tables
 from tpfuse.comm.peer_memory import PeerMemory, PeerMemoryUnavailable
 from tpfuse.comm.plan import MAX_BLOCKS, AllReducePlan, FusedPlan, check_algo, check_fused_algo, ll_max_bytes
 from tpfuse.comm.quant_plan import QuantPlan, check_quant, default_quant_min_bytes
@@ -113,11 +115,17 @@ class Communicator:
 
     def _setup(self) -> None:
         peers = [None] * self.world_size
-        dist.all_gather_object(peers, (socket.gethostname(), self.max_bytes), group=self.group)
-        if len({m for _, m in peers}) > 1:
-            raise ValueError(f"every rank must pass the same max_bytes; got {[m for _, m in peers]}")
-        if len({h for h, _ in peers}) > 1:
-            self.fallback_reason = f"the group spans nodes {sorted({h for h, _ in peers})}"
+        # The plans' knobs come from files each rank reads (tpfuse.comm.tables); ranks whose
+        # knobs differ would pick different algorithms and workspace layouts.
+        knobs = json.dumps(tables.effective_knobs(self.world_size), sort_keys=True)
+        dist.all_gather_object(peers, (socket.gethostname(), self.max_bytes, knobs), group=self.group)
+        if len({m for _, m, _ in peers}) > 1:
+            raise ValueError(f"every rank must pass the same max_bytes; got {[m for _, m, _ in peers]}")
+        if len({k for _, _, k in peers}) > 1:
+            raise ValueError("every rank must read the same plan tables (tpfuse/comm/tables, or TPFUSE_TABLE_DIR on "
+                             f"every rank alike); the ranks' knobs: {[k for _, _, k in peers]}")
+        if len({h for h, _, _ in peers}) > 1:
+            self.fallback_reason = f"the group spans nodes {sorted({h for h, _, _ in peers})}"
         elif self.world_size > MAX_WORLD_SIZE:
             self.fallback_reason = f"world size {self.world_size} > {MAX_WORLD_SIZE}"
         else:

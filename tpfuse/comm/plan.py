@@ -197,6 +197,8 @@ class AllReducePlan:
 #   CTA per row tile, and its per-thread work is on the critical path (measured with the
 #   flag protocol, before LL: hidden 4096 bf16, 2 vectors per thread, 1.10-1.14x faster than
 #   split for 1-32 tokens, 1.03x at 64; hidden 8192, 4 vectors per thread, 0.97x at 1 token).
+#   bf16 rows of 49152-65536 held narrow have 8 vectors per thread, so above LL_MAX_BYTES
+#   they go to split (their chunked tiles had 1 at 49152-65535; not measured either way).
 # FUSED_ONESHOT_LL: whether "auto" takes the fused one-shot for messages that go over LL
 #   (up to LL_MAX_BYTES), whatever FUSED_ONESHOT_MAX_VECTORS says: that kernel spreads each
 #   row over several CTAs (commit d9ff098: hidden 4096, 1-16 tokens, fused 5.2-8.0 us, split
@@ -206,7 +208,8 @@ class AllReducePlan:
 #   it measured 0.91-0.98x of split from 128 to 1024 tokens).
 #   Above both, "split" (tpfuse all_reduce, then add_rms_norm: the same bits).
 # FUSED_MAX_CTAS: CTAs per fused call. Every CTA must be resident at once (as for MAX_CTAS):
-#   the norm's tiles use at most 32 warps (chunked rows; 8 otherwise), so 128 CTAs fit
+#   the norm's tiles use at most 32 warps (chunked rows and bf16 rows held narrow; 8
+#   otherwise), so 128 CTAs fit
 #   H200's 132 SMs at one CTA per SM.
 FUSED_ONESHOT_MAX_BYTES = {2: 512 * KiB, 4: 512 * KiB, 8: 128 * KiB}
 FUSED_ONESHOT_MAX_VECTORS = 2

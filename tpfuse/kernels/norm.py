@@ -50,7 +50,8 @@ _MAX_REGISTER_ROW_ELEMS = 16384
 # (norm_tile's HOLD_NARROW), one row per program on 32 warps: 64 bf16 per thread, read from
 # HBM once. H200 bf16, two runs (scripts/tune_norm.py wide), % of copy, chunked (read twice)
 # -> held, forward / add+norm: N=65536 M=32768 90.8 / 97.3 -> 99.2 / 99.4 and 88.7 / 95.3 ->
-# 95.9 / 97.5, M=4096 86.6 / 90.7 -> 91.4 / 91.9, M=1024 78.3 / 87.6 -> 79.5 / 85.7; N=49152
+# 95.9 / 97.5, M=4096 86.6 / 90.7 -> 91.4 / 91.9, M=1024 81.8 / 89.4 -> 80.3 / 87.0 and 78.3 /
+# 87.6 -> 79.5 / 85.7 (add+norm loses 2 points at M=1024, 8 waves of one-row programs); N=49152
 # (a tile of 65536 a quarter padding) M=16384 89.4 / 87.9 -> 93.3 / 94.8. With more padding
 # the forward lost (N=40000 90.8 -> 84.0, N=34816 92.1 -> 77.6; tiles of 32768 at N=20480
 # to 32768 lost 6-24 points), so those rows stay chunked. 16 warps (128 values per thread)
@@ -126,8 +127,9 @@ class NormConfig:
     """Tile shape and launch parameters for one (N, dtype); shared by every norm kernel.
 
     Warp counts come from sweeps on H200 (scripts/tune_norm.py, benchmarks/NOTES.md): the
-    forward runs 2 16-byte vectors per thread, at most 8 warps (32 on chunked rows; rows in
-    two pieces, ``tail_n``, 4 vectors of the first piece per thread); the
+    forward runs 2 16-byte vectors per thread, at most 8 warps (32 on chunked rows and on
+    bf16 rows held narrow, see _MIN_NARROW_ROW_ELEMS; rows in two pieces, ``tail_n``, 4
+    vectors of the first piece per thread); the
     backward a warp per 32 vectors of a row, 4 to 16 (8 over 32 KiB), on tiles of at least
     8 KiB (stacked short rows), and rows in two pieces (``bwd_tail_n``) on 4 vectors of the
     first piece per thread. The forward's warps also

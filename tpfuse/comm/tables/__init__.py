@@ -41,7 +41,7 @@ SIZE_KNOBS = ("ONESHOT_MAX_BYTES", "LL_MAX_BYTES", "FUSED_ONESHOT_MAX_BYTES", "F
 """Knobs of tpfuse.comm.plan: {world size: bytes}."""
 QUANT_KNOB = "QUANT_MIN_BYTES"
 """The knob of tpfuse.comm.quant_plan: {codec: {world size: bytes or None}}."""
-_FILE = re.compile(r"w(\d+)\.json")
+_FILE = re.compile(r"w([1-9]\d*)\.json")
 _ABSENT = object()
 """What ``apply`` reports for a world size that had no entry of its own (it used W=8's)."""
 
@@ -143,9 +143,35 @@ def applied(world_size: int, knobs: dict):
 
 
 def table_dir() -> str | None:
-    """The directory the plans read: ``TPFUSE_TABLE_DIR`` if set, else this package's (None
-    under the interpreter, see above)."""
-    return os.environ.get(ENV_DIR) or (None if INTERPRETER else PACKAGE_DIR)
+    """The directory the plans read: ``TPFUSE_TABLE_DIR`` if set (it must be a directory: a
+    typo would silently leave the defaults on some ranks), else this package's (None under
+    the interpreter, see above)."""
+    directory = os.environ.get(ENV_DIR)
+    if directory and not os.path.isdir(directory):
+        raise ValueError(f"{ENV_DIR}={directory!r} is not a directory")
+    return directory or (None if INTERPRETER else PACKAGE_DIR)
+
+
+def effective_knobs(world_size: int) -> dict:
+    """The table-controlled knobs as the plans use them at ``world_size`` (a world size
+    without an entry uses W=8's): what every rank of a group must agree on, which
+    ``Communicator`` checks when it is created."""
+    from tpfuse.comm import plan, quant_plan
+
+    knobs = {key: getattr(plan, key).get(world_size, getattr(plan, key)[8]) for key in SIZE_KNOBS}
+    knobs[QUANT_KNOB] = {c: quant_plan.default_quant_min_bytes(c, world_size) for c in QUANT_CODECS}
+    return knobs
+
+
+def write_table(path: str, table: dict) -> None:
+    """Write ``table`` to ``path`` whole (a temporary file renamed over it), so that no rank
+    importing tpfuse.comm meanwhile reads half a table."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(table, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+    read_table(path)  # what the plans will read must load
 
 
 def apply_tables() -> None:
