@@ -5,8 +5,8 @@ Not part of the library: it patches ``NormConfig.from_shape`` and the dW partial
 
 bwd: tile rows x warps x prefetch x joint reduction per N (M=32768, bf16), then the best
 three per N again with 512 dW partials; fwd: warps x rows per N; chunk: rows too long for
-registers (N=65536): forward chunk bytes x warps, backward programs x warps; dw: rows per dW
-partial x combine mode at small M; fp32: warps for fp32 rows of 16384 held in registers; split: forward
+registers (N=65536): forward chunk bytes x warps, backward programs x warps; dw: dW partials
+x combine mode at small M; fp32: warps for fp32 rows of 16384 held in registers; split: forward
 rows in two pieces vs one padded tile (NormConfig.tail_n); bwdsplit: the same for the backward
 (bwd_tail_n), with warps x prefetch x bwd_reload_weight; wide: bf16 rows of 16385-65536
 elements, forward and add+norm, chunked (read twice) vs held in registers as bf16 on 16 or
@@ -150,23 +150,30 @@ def tune_chunk(copy):
 
 
 def tune_dw(copy):
+    """dW plans at small M: partials (of whole backward tiles) x combine ("tree"; "columns"
+    on column blocks of 256 or 1024; "launch", the separate combine) per (dtype, M, N)."""
     base_plan = DwPlan.from_shape
-    for m, n in itertools.product([16, 128, 1024], [2048, 4096, 8192, 16384]):
-        x = torch.randn(m, n, device="cuda", dtype=DT)
-        dy, w = torch.randn_like(x), torch.randn(n, device="cuda", dtype=DT)
+    for (dt, m), n in itertools.product([(DT, 1024), (torch.float32, 1024), (DT, 4096)],
+                                        [2048, 2880, 4096, 5120, 7168, 8192]):
+        x = torch.randn(m, n, device="cuda", dtype=dt)
+        dy, w = torch.randn_like(x), torch.randn(n, device="cuda", dtype=dt)
         dx, dw = torch.empty_like(x), torch.empty_like(w)
-        base = base_plan(m, n, DT)
-        tile_rows = base_from_shape(n, DT).bwd_rows
-        print(f"dw M={m} N={n} plan {base}", flush=True)
-        for rows, combine in itertools.product([1, 2, 4], ["tree", "columns", "launch"]):
-            rows = -(-max(rows, -(-m // norm_dw._MAX_DW_PARTIALS)) // tile_rows) * tile_rows
+        base = base_plan(m, n, dt)
+        tile_rows = base_from_shape(n, dt).bwd_rows
+        us, ok = time_checked_bwd(x, dy, w, dx, dw)
+        print(f"dw {str(dt)[6:]} M={m} N={n} plan partials={base.num_partials} {base.combine} "
+              f"{us:.1f}us{'' if ok else ' WRONG'}", flush=True)
+        for partials, combine in itertools.product([32, 64, 128, 256], ["tree", "columns256", "columns1024", "launch"]):
+            rows = -(-max(1, -(-m // partials)) // tile_rows) * tile_rows
+            block = 256 if combine == "columns256" else 1024
             plan = dataclasses.replace(base, num_partials=-(-m // rows), rows_per_partial=rows,
-                                       combine="columns" if combine == "launch" else combine)
+                                       combine="tree" if combine == "tree" else "columns",
+                                       num_combine_programs=-(-n // block), combine_block=block)
             DwPlan.from_shape = staticmethod(lambda m_, n_, d_, plan=plan: plan)
             us, ok = time_checked_bwd(x, dy, w, dx, dw, fused_combine=combine != "launch")
             DwPlan.from_shape = staticmethod(base_plan)
-            print(f"  rows_per_partial={rows} partials={plan.num_partials} {combine} {us:.1f}us"
-                  f"{'' if ok else ' WRONG'}", flush=True)
+            print(f"  partials={plan.num_partials} rows={rows} {combine} {us:.1f}us "
+                  f"{pct(3 * m * n * dt.itemsize, us, copy):.0f}%{'' if ok else ' WRONG'}", flush=True)
 
 
 def tune_fp32(copy):

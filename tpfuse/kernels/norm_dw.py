@@ -36,12 +36,25 @@ from tpfuse.kernels.norm import NormConfig
 # M=4096 63.0 vs 72.2; N=16384 M=1024 41.5 vs 51.3, M=4096 121.1 vs 129.9; N=4096 (8 KiB
 # rows) gained at M=1024 only, 17.2 vs 18.6, and lost from M=2048).
 _MAX_DW_PARTIALS = 256
+# From 257 to 1024 rows of up to 8192 elements, 128 partials too (one wave), combined by
+# columns of 256 for rows of 8 KiB to 20 KiB, by the tree otherwise (longer rows, swept
+# before, keep the rule for few wide rows). H200, us, 256 partials and the
+# rules below -> this (scripts/tune_norm.py dw, benchmarks/NOTES.md 2026-11-24), M=1024: bf16
+# N=2048 10.6 -> 8.9, N=2880 15.0 -> 13.6, N=4096 17.3 -> 15.0, N=5120 24.1 -> 20.7, N=7168
+# 29.7 -> 20.0, N=8192 (128 by columns of 1024) 23.6 -> 22.8; fp32 N=2880 19.5 -> 17.1,
+# N=4096 22.4 -> 21.8, N=5120 26.5 -> 25.1, N=7168 37.5 -> 32.9, N=8192 40.5 -> 36.6. At
+# M=4096 256 partials by the tree stayed best at N <= 5120.
+_ONE_WAVE_ROWS = 1024
+_ONE_WAVE_MAX_N = 8192
+_ONE_WAVE_COLUMNS_MIN_ROW_BYTES = 8 * 1024 + 1
+_ONE_WAVE_COLUMNS_MAX_ROW_BYTES = 20 * 1024
+_ONE_WAVE_COMBINE_BLOCK = 256
 _FEW_ROWS = 4096
 _FEW_ROWS_MIN_ROW_BYTES = 16 * 1024
 _FEW_ROWS_MAX_PARTIALS = 128
 _MIN_DW_PARTIALS = 16
 _DW_GROUP_SIZE = 16
-_COMBINE_BLOCK = 1024  # DwPlan.combine_block
+_COMBINE_BLOCK = 1024  # DwPlan.combine_block, but for one wave
 # Chunked rows (N > 16384, norm_bwd_chunked) take a program per (partial, chunk), about
 # _CHUNKED_BWD_PROGRAMS of them.
 _CHUNKED_BWD_PROGRAMS = 512
@@ -85,11 +98,13 @@ class DwPlan:
     @staticmethod
     def from_shape(m: int, n: int, dtype: torch.dtype) -> "DwPlan":
         cfg = NormConfig.from_shape(n, dtype)
-        few_wide_rows = cfg.bwd_num_chunks == 1 and m <= _FEW_ROWS and n * dtype.itemsize >= _FEW_ROWS_MIN_ROW_BYTES
+        row_bytes = n * dtype.itemsize
+        few_wide_rows = cfg.bwd_num_chunks == 1 and m <= _FEW_ROWS and row_bytes >= _FEW_ROWS_MIN_ROW_BYTES
+        one_wave = 2 * _FEW_ROWS_MAX_PARTIALS < m <= _ONE_WAVE_ROWS and n <= _ONE_WAVE_MAX_N
         if cfg.bwd_num_chunks > 1:  # a program per (partial, chunk): as many programs from fewer partials
             max_partials = max(1, _CHUNKED_BWD_PROGRAMS // cfg.bwd_num_chunks)
         else:
-            max_partials = _FEW_ROWS_MAX_PARTIALS if few_wide_rows else _MAX_DW_PARTIALS
+            max_partials = _FEW_ROWS_MAX_PARTIALS if one_wave or few_wide_rows else _MAX_DW_PARTIALS
         num_partials = max(1, min(max_partials, max(min(m, _MIN_DW_PARTIALS), m // 2)))
         rows_per_partial = triton.cdiv(triton.cdiv(m, num_partials), cfg.bwd_rows) * cfg.bwd_rows
         num_partials = triton.cdiv(m, rows_per_partial)
@@ -104,16 +119,20 @@ class DwPlan:
         # launch: an in-kernel combine there (the last of each chunk's programs summing the
         # chunk) lost to it, H200 bf16 N=65536, us, in-kernel vs separate: M=16 17.0 vs
         # 14.1, M=128 41.3 vs 38.2, M=1024 202.7 vs 204.7 (at M=1, no combine: 6.7 vs 8.3).
+        combine_block = _COMBINE_BLOCK
         if num_partials == 1:
             combine = "tree"
         elif cfg.bwd_num_chunks > 1:
             combine = "launch"
+        elif one_wave:
+            columns = _ONE_WAVE_COLUMNS_MIN_ROW_BYTES <= row_bytes <= _ONE_WAVE_COLUMNS_MAX_ROW_BYTES
+            combine, combine_block = ("columns" if columns else "tree"), _ONE_WAVE_COMBINE_BLOCK
         elif n <= 2048 or (n <= 8192 and num_partials >= 128 and not few_wide_rows):
             combine = "tree"
         else:
             combine = "columns"
         return DwPlan(num_partials, rows_per_partial, _DW_GROUP_SIZE, combine,
-                      triton.cdiv(n, _COMBINE_BLOCK), _COMBINE_BLOCK)
+                      triton.cdiv(n, combine_block), combine_block)
 
 
 @triton.jit
