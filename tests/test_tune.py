@@ -124,6 +124,7 @@ def _plan_state():
     return copy.deepcopy([getattr(P, k) for k in tables.SIZE_KNOBS] + [QP.QUANT_MIN_BYTES])
 
 
+@pytest.mark.usefixtures("built_in_knobs")
 def test_a_table_changes_the_plans_of_its_world_size_only(tmp_path):
     _write(tmp_path, 2, {"ONESHOT_MAX_BYTES": 64 * KiB, "LL_MAX_BYTES": 4 * KiB, "FUSED_TWOSHOT_MAX_BYTES": MiB,
                          "QUANT_MIN_BYTES": {"int4": KiB, "fp8": None}})
@@ -149,6 +150,7 @@ def test_a_table_changes_the_plans_of_its_world_size_only(tmp_path):
     assert _plan_state() == before  # restored, W=3's entries removed
 
 
+@pytest.mark.usefixtures("built_in_knobs")
 def test_tables_are_read_at_import_from_TPFUSE_TABLE_DIR(tmp_path):
     _write(tmp_path, 2, {"ONESHOT_MAX_BYTES": 12345 * 256, "QUANT_MIN_BYTES": {"int8": 4096}})
     code = ("import json; from tpfuse.comm import plan as P, quant_plan as Q; "
@@ -157,6 +159,24 @@ def test_tables_are_read_at_import_from_TPFUSE_TABLE_DIR(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout.splitlines()[-1]) == [12345 * 256, P.ONESHOT_MAX_BYTES[4], 4096]
+
+
+def test_built_in_defaults_undo_the_tables_applied_at_import(monkeypatch, tmp_path):
+    _write(tmp_path, 2, {"ONESHOT_MAX_BYTES": 64 * KiB, "QUANT_MIN_BYTES": {"int4": KiB}})
+    _write(tmp_path, 3, {"LL_MAX_BYTES": 0})
+    monkeypatch.setenv(tables.ENV_DIR, str(tmp_path))
+    monkeypatch.setattr(tables, "_APPLIED", {})  # as at import, with this directory's tables
+    before = _plan_state()
+    tables.apply_tables()
+    try:
+        applied = _plan_state()
+        assert P.ONESHOT_MAX_BYTES[2] == 64 * KiB and QP.QUANT_MIN_BYTES["int4"][2] == KiB and P.LL_MAX_BYTES[3] == 0
+        with tables.built_in_defaults():
+            assert _plan_state() == before
+        assert _plan_state() == applied
+    finally:
+        for world, (_, replaced) in tables._APPLIED.items():
+            tables.restore(world, replaced)
 
 
 def test_table_dir_is_the_environment_variable_when_set(monkeypatch, tmp_path):
