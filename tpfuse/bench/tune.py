@@ -17,7 +17,8 @@ inputs, slowest rank's median); every timed method's output is first checked bit
 tpfuse.reference (the codecs: against ``reference.quantized_all_reduce``, and their error
 against the codec's budget). A method that fails its check fails the run and no table is
 written. Writes tune_w{W}_bf16.json / .md under --out; with --write-table also the table
-w{W}.json, into tpfuse/comm/tables/ or --table-dir. --budget-s stops the sweep (all ranks
+w{W}.json, into tpfuse/comm/tables/ or --table-dir. --budget-s, counted from the start of the
+command (spawning the ranks and setting up take part of it), stops the sweep (all ranks
 together); a sweep cut short gives no knobs.
 
 Without two GPUs: two CPU ranks under Triton's interpreter run the same sweep on tiny sizes
@@ -159,10 +160,9 @@ class _OutOfTime(Exception):
 class _Sweeper:
     """Times methods on every rank alike and collects the records (rank 0 writes them)."""
 
-    def __init__(self, comm, world: int, rank: int, budget_s: float):
-        self.comm, self.world, self.rank, self.budget_s = comm, world, rank, budget_s
+    def __init__(self, comm, world: int, rank: int, budget_s: float, t0: float):
+        self.comm, self.world, self.rank, self.budget_s, self.t0 = comm, world, rank, budget_s, t0
         self.device = comm.device.type
-        self.t0 = time.monotonic()
         self.records: list[dict] = []
 
     def time(self, sweep: str, nbytes: int, method: str, fn, rot: int, check) -> None:
@@ -274,7 +274,7 @@ def _worker(rank: int, world: int, port: int | None, opts: dict) -> None:
             raise RuntimeError(f"no peer workspace, so nothing to tune: {comm.fallback_reason}")
         timings, stopped = {}, None
         with comm:
-            sweeper = _Sweeper(comm, world, rank, opts["budget_s"])
+            sweeper = _Sweeper(comm, world, rank, opts["budget_s"], opts["t0"])
             try:
                 for sweep in SWEEPS:
                     with tables.applied(world, derive_knobs(timings)):  # what "auto" will do
@@ -346,16 +346,20 @@ def _size(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # The budget's start, passed to the ranks: time.monotonic is the machine's CLOCK_MONOTONIC,
+    # one clock for every process (torchrun's ranks each start their own, at about this time).
+    t0 = time.monotonic()
     p = argparse.ArgumentParser(prog="tpfuse tune", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="tune_out", help="directory for tune_w{W}_bf16.json / .md")
     p.add_argument("--write-table", action="store_true", help="also write the plan table w{W}.json")
     p.add_argument("--table-dir", default=tables.PACKAGE_DIR,
                    help="where --write-table writes (default: tpfuse/comm/tables, which the plans read)")
-    p.add_argument("--budget-s", type=float, default=420.0, help="stop the sweep after this many seconds")
+    p.add_argument("--budget-s", type=float, default=420.0,
+                   help="stop the sweep this many seconds after the command started")
     p.add_argument("--sizes", type=_size, nargs="+", default=None,
                    help=f"message sizes, e.g. 8K 1M (default {fmt_size(SIZES[0])} .. {fmt_size(SIZES[-1])}; "
                         f"without GPUs {', '.join(map(fmt_size, CPU_SIZES))})")
-    opts = vars(p.parse_args(argv))
+    opts = vars(p.parse_args(argv)) | {"t0": t0}
     opts["sizes"] = sorted(set(opts["sizes"])) if opts["sizes"] else None
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus < 2 and not ("RANK" in os.environ and "WORLD_SIZE" in os.environ):  # run_workers' test for torchrun
