@@ -6,8 +6,10 @@ import copy
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -249,6 +251,33 @@ def test_tune_on_two_cpu_ranks_writes_a_sweep_and_a_table_the_loader_accepts(tmp
     assert set(table["knobs"]) <= set(tables.SIZE_KNOBS) | {tables.QUANT_KNOB}  # crossovers seen in 8-16 KiB
     assert table["provenance"]["sweep"] == "tune_w2_bf16.json"
     assert table["provenance"]["commit"] == sweep["header"]["commit"]
+
+
+@cpu_only
+def test_tune_killed_after_a_sweep_leaves_the_sweeps_done(tmp_path):
+    """scripts/device_check.sh kills a step at its timeout: what was measured must be on disk."""
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "tpfuse.cli", "tune", "--out", str(out), "--sizes", "8K", "16K",
+                             "--budget-s", "100000"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)  # its own process group, so that the kill takes its ranks too
+    try:
+        deadline = time.monotonic() + 600
+        while not (out / "tune_w2_bf16.md").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    with open(out / "tune_w2_bf16.json") as f:
+        sweep = json.load(f)
+    swept = {r["sweep"] for r in sweep["records"]}
+    stopped = sweep["header"]["stopped"]
+    if stopped is None:  # the run ended before the kill: its final results
+        assert swept == set(tune.SWEEPS)
+    else:  # whole files (renamed into place) from after a sweep, with that sweep and the ones before it
+        done = re.match(r"written after the (\w+) sweep", stopped).group(1)
+        assert swept == set(tune.SWEEPS[:tune.SWEEPS.index(done) + 1])
+        assert stopped in (out / "tune_w2_bf16.md").read_text()
 
 
 def _communicator_with_other_knobs_on_rank_1():

@@ -147,14 +147,16 @@ def rotation(nbytes_per_set: int, l2_bytes: int = 60 << 20) -> int:
 
 
 def write_results(out_dir: str, name: str, header: dict, records: list[dict], markdown: str) -> tuple[str, str]:
-    """Write ``name.json`` (header + one record per measurement) and ``name.md``."""
+    """Write ``name.json`` (header + one record per measurement) and ``name.md``, each whole (a
+    temporary file renamed over it): a run killed while rewriting them (``tpfuse tune`` writes
+    them after each sweep) leaves the previous ones."""
     os.makedirs(out_dir, exist_ok=True)
     json_path = os.path.join(out_dir, f"{name}.json")
     md_path = os.path.join(out_dir, f"{name}.md")
-    with open(json_path, "w") as f:
-        json.dump({"header": header, "records": records}, f, indent=1)
-    with open(md_path, "w") as f:
-        f.write(markdown)
+    for path, text in ((json_path, json.dumps({"header": header, "records": records}, indent=1)), (md_path, markdown)):
+        with open(f"{path}.tmp", "w") as f:
+            f.write(text)
+        os.replace(f"{path}.tmp", path)
     return json_path, md_path
 
 

@@ -17,9 +17,10 @@ inputs, slowest rank's median); every timed method's output is first checked bit
 tpfuse.reference (the codecs: against ``reference.quantized_all_reduce``, and their error
 against the codec's budget). A method that fails its check fails the run and no table is
 written. Writes tune_w{W}_bf16.json / .md under --out; with --write-table also the table
-w{W}.json, into tpfuse/comm/tables/ or --table-dir. --budget-s, counted from the start of the
-command (spawning the ranks and setting up take part of it), stops the sweep (all ranks
-together); a sweep cut short gives no knobs.
+w{W}.json, into tpfuse/comm/tables/ or --table-dir. The sweep's results are also written after
+each sweep but the last, so a run killed later leaves what it measured. --budget-s, counted
+from the start of the command (spawning the ranks and setting up take part of it), stops the
+sweep (all ranks together); a sweep cut short gives no knobs.
 
 Without two GPUs: two CPU ranks under Triton's interpreter run the same sweep on tiny sizes
 (one call per point, wall clock): a check of the bits and the plumbing, not a measurement.
@@ -285,10 +286,14 @@ def _worker(rank: int, world: int, port: int | None, opts: dict) -> None:
                                       + "  ".join(f"{r['method']} {r['us']:.1f}us" for r in sweeper.records
                                                   if (r["sweep"], r["size_bytes"]) == (sweep, nbytes)), flush=True)
                     timings[sweep] = sweeper.timings(sweep)
+                    if rank == 0 and sweep != SWEEPS[-1]:  # a kill (a step's timeout) then leaves these
+                        wrong = _wrong(sweeper.records)
+                        _write(opts, world, sweeper.records, {} if wrong else derive_knobs(timings),
+                               f"written after the {sweep} sweep: the run was killed (or is still running) "
+                               "before the next sweep ended", wrong, max_bytes, INTERPRETER)
             except _OutOfTime as e:
                 stopped = str(e)
-        wrong = [f"{r['sweep']} {fmt_size(r['size_bytes'])} {r['method']}" for r in sweeper.records
-                 if r["correct"] is False]
+        wrong = _wrong(sweeper.records)
         if rank == 0:
             _report(opts, world, sweeper.records, {} if wrong else derive_knobs(timings), stopped, wrong,
                     max_bytes, INTERPRETER)
@@ -298,7 +303,13 @@ def _worker(rank: int, world: int, port: int | None, opts: dict) -> None:
         dist.destroy_process_group()
 
 
-def _report(opts, world, records, knobs, stopped, wrong, max_bytes, interpreter) -> None:
+def _wrong(records: list[dict]) -> list[str]:
+    """The records whose results were not equal to their reference."""
+    return [f"{r['sweep']} {fmt_size(r['size_bytes'])} {r['method']}" for r in records if r["correct"] is False]
+
+
+def _write(opts, world, records, knobs, stopped, wrong, max_bytes, interpreter) -> tuple[dict, str, tuple[str, str]]:
+    """Write tune_w{W}_bf16.json / .md under --out; returns (header, markdown, paths)."""
     header = run_header() | {"world_size": world, "dtype": "bf16", "hidden": HIDDEN, "tolerance": TOLERANCE,
                              "tpfuse_max_bytes": max_bytes, "budget_s": opts["budget_s"], "stopped": stopped,
                              "device": "cpu (Triton interpreter)" if interpreter else "cuda", "derived_knobs": knobs}
@@ -317,8 +328,13 @@ def _report(opts, world, records, knobs, stopped, wrong, max_bytes, interpreter)
     md += f"\nDerived knobs (W={world}): {json.dumps(knobs)}\n"
     md += f"\nSTOPPED EARLY: {stopped} (that sweep and later ones give no knobs)\n" if stopped else ""
     md += f"\nNOT EQUAL TO THE REFERENCE: {'; '.join(wrong)}\n" if wrong else ""
+    return header, md, write_results(opts["out"], name, header, records, md)
+
+
+def _report(opts, world, records, knobs, stopped, wrong, max_bytes, interpreter) -> None:
+    """The run's end: its results written and printed, and with --write-table the table."""
+    header, md, paths = _write(opts, world, records, knobs, stopped, wrong, max_bytes, interpreter)
     print(md, flush=True)
-    paths = write_results(opts["out"], name, header, records, md)
     print("wrote " + ", ".join(paths))
     if opts["write_table"] and not knobs:
         print("no table written: no sweep ran to the end with every result correct")
