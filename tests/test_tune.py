@@ -57,6 +57,19 @@ def test_exact_ties_go_to_the_earlier_algorithm():
     assert tune.chain_thresholds(times, tune.FUSED_CHAIN) == (1 * MiB, 1 * MiB)
 
 
+def test_ties_give_ll_the_smaller_range():
+    # LL_MAX_BYTES also sizes every workspace: sizes where LL is within 3% of flags go to flags,
+    # while flags still keeps the sizes where it ties with two-shot. LL is 20% ahead to 16 KiB,
+    # 1% behind to 64 KiB and 20% behind above; two-shot is 2% behind flags to 256 KiB, ahead above.
+    times = {"oneshot_ll": _curve(lambda s: 8 if s <= 16 * KiB else 10.1 if s <= 64 * KiB else 12),
+             "oneshot_flags": _curve(lambda s: 10),
+             "twoshot": _curve(lambda s: 10.2 if s <= 256 * KiB else 9)}
+    assert tune.chain_thresholds(times, tune.ALLREDUCE_CHAIN) == (16 * KiB, 256 * KiB)
+    assert tune.derive_knobs({"allreduce": times}) == {"LL_MAX_BYTES": 16 * KiB, "ONESHOT_MAX_BYTES": 256 * KiB}
+    times["oneshot_ll"] = _curve(lambda s: 10.1)  # never more than 3% ahead: no LL at all
+    assert tune.chain_thresholds(times, tune.ALLREDUCE_CHAIN) == (0, 256 * KiB)
+
+
 def test_one_noisy_point_does_not_move_a_crossover():
     # "a" wins to 256 KiB (by 20%) but for a 10% blip at 32 KiB; above 256 KiB it loses by 20%,
     # but for one point at 1 MiB where it is 1% ahead.

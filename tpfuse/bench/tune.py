@@ -60,6 +60,10 @@ FUSED_CHAIN = ("oneshot", "twoshot", "split")
 CODECS = reference.QUANT_CODECS
 SWEEPS = ("allreduce", "fused", "quant")
 """In this order: each sweep runs under the knobs of the sweeps before it."""
+SMALLEST_ON_TIES = ("oneshot_ll",)
+"""Methods whose threshold breaks ties toward the smaller size. LL_MAX_BYTES also sizes every
+Communicator's workspace (its LL regions take about 4 * W bytes per byte of LL_MAX_BYTES), so
+sizes where LL is no better than flags go to flags."""
 
 
 # ---- from timings to knobs (pure functions; timings: {method: {size_bytes: us}})
@@ -73,13 +77,16 @@ SWEEPS = ("allreduce", "fused", "quant")
 # noisy point then cannot split an algorithm's range, unlike "the last size where it wins".
 # Among equally good thresholds the largest win: an algorithm keeps every size where it is
 # best or within 3% of the best (earlier in the chain is simpler: one-shot over two-shot,
-# fused over split, exact over a codec). A method not measured at a size cannot take it.
+# fused over split, exact over a codec). LL is the exception (SMALLEST_ON_TIES): the smallest
+# of its equally good thresholds wins, since a larger one costs workspace, so it keeps only the
+# sizes where flags lose by more than 3%. A method not measured at a size cannot take it.
 
 
 def chain_thresholds(times: dict[str, dict[int, float]], chain: tuple[str, ...],
                      tolerance: float = TOLERANCE) -> tuple[int, ...]:
     """The largest size each of chain[:-1] serves (0: none), nondecreasing; chain[-1] takes
-    every size above the last threshold."""
+    every size above the last threshold. Ties go to the larger threshold, but for the methods
+    in SMALLEST_ON_TIES."""
     sizes = sorted({s for method in chain for s in times.get(method, {})})
     best = {s: min(times[m][s] for m in chain if s in times.get(m, {})) for s in sizes}
 
@@ -95,7 +102,8 @@ def chain_thresholds(times: dict[str, dict[int, float]], chain: tuple[str, ...],
         return total
 
     candidates = itertools.combinations_with_replacement([0] + sizes, len(chain) - 1)  # nondecreasing tuples
-    best_thresholds = max(candidates, key=lambda ts: (-loss(ts), ts))
+    best_thresholds = max(candidates, key=lambda ts: (-loss(ts), tuple(
+        -t if m in SMALLEST_ON_TIES else t for m, t in zip(chain, ts))))
     if loss(best_thresholds) == float("inf"):
         raise ValueError(f"no thresholds for {chain} cover every measured size: {times}")
     return best_thresholds
@@ -123,7 +131,9 @@ def derive_knobs(timings: dict[str, dict[str, dict[int, float]]]) -> dict:
     """Table knobs (``tpfuse.comm.tables``) from the timings of the sweeps that ran to the end
     ({"allreduce" | "fused" | "quant": {method: {size_bytes: us}}}). A knob whose crossover
     lies outside the sizes swept is left out (its default stays): a sweep of 8-16 KiB must
-    not end one-shot at 16 KiB."""
+    not end one-shot at 16 KiB. Where two algorithms are within TOLERANCE, the earlier in its
+    chain keeps the sizes, but for LL: LL_MAX_BYTES is the smallest threshold as good as any,
+    because it also sizes every Communicator's workspace (SMALLEST_ON_TIES)."""
     knobs = {}
     if timings.get("allreduce"):
         swept = _swept(timings["allreduce"])
