@@ -247,6 +247,9 @@ def test_tune_refuses_cpu_timings_into_the_package(capsys):
 
 @cpu_only
 def test_tune_on_two_cpu_ranks_writes_a_sweep_and_a_table_the_loader_accepts(tmp_path, capfd):
+    # The knobs come from the interpreter's wall clock, so which ones are derived (and whether
+    # any are, hence whether a table is written) varies from run to run: only what follows from
+    # them is asserted, with the files, their schema and every result's check.
     out, table_dir = tmp_path / "out", tmp_path / "tables"
     status = tune.main(["--out", str(out), "--write-table", "--table-dir", str(table_dir), "--sizes", "8K", "16K",
                         "--budget-s", "100000"])  # never cut short, however loaded the machine
@@ -255,13 +258,20 @@ def test_tune_on_two_cpu_ranks_writes_a_sweep_and_a_table_the_loader_accepts(tmp
     with open(out / "tune_w2_bf16.json") as f:
         sweep = json.load(f)
     assert sweep["header"]["world_size"] == 2 and sweep["header"]["commit"] and sweep["header"]["stopped"] is None
-    methods = {(r["sweep"], r["method"]) for r in sweep["records"]}
-    assert {("allreduce", m) for m in tune.ALLREDUCE_CHAIN} <= methods
-    assert {("fused", m) for m in tune.FUSED_CHAIN} | {("quant", c) for c in ("exact",) + tune.CODECS} <= methods
-    assert all(r["correct"] is not False for r in sweep["records"])
-    table = tables.read_table(tables.table_path(str(table_dir), 2))
-    assert table["knobs"] == sweep["header"]["derived_knobs"]
-    assert set(table["knobs"]) <= set(tables.SIZE_KNOBS) | {tables.QUANT_KNOB}  # crossovers seen in 8-16 KiB
+    methods = {"allreduce": tune.ALLREDUCE_CHAIN + ("nccl",), "fused": tune.FUSED_CHAIN,
+               "quant": ("exact",) + tune.CODECS}
+    expected = {(name, size, m) for name, ms in methods.items() for size in (8 * KiB, 16 * KiB) for m in ms}
+    records = sweep["records"]
+    assert sorted((r["sweep"], r["size_bytes"], r["method"]) for r in records) == sorted(expected)
+    assert all(r["correct"] is (None if r["method"] == "nccl" else True) for r in records)  # NCCL: timed only
+    knobs = sweep["header"]["derived_knobs"]
+    assert f"Derived knobs (W=2): {json.dumps(knobs)}" in (out / "tune_w2_bf16.md").read_text()
+    path = tables.table_path(str(table_dir), 2)
+    if not knobs:  # no crossover inside 8-16 KiB this time
+        assert not os.path.exists(path) and "no table written" in printed.out
+        return
+    table = tables.read_table(path)
+    assert table["world_size"] == 2 and table["knobs"] == knobs
     assert table["provenance"]["sweep"] == "tune_w2_bf16.json"
     assert table["provenance"]["commit"] == sweep["header"]["commit"]
 

@@ -347,7 +347,8 @@ def _report(opts, world, records, knobs, stopped, wrong, max_bytes, interpreter)
     print(md, flush=True)
     print("wrote " + ", ".join(paths))
     if opts["write_table"] and not knobs:
-        print("no table written: no sweep ran to the end with every result correct")
+        print("no table written: no knobs derived (no sweep ran to the end with every result correct, or no "
+              "crossover lay inside the sizes swept)")
     elif opts["write_table"]:
         provenance = {k: header[k] for k in ("gpu", "date", "commit", "torch", "triton", "cuda", "device")
                       if header.get(k) is not None}
