@@ -56,7 +56,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import tpfuse.comm  # noqa: E402,F401  (sets the no-multicast environment before ranks are spawned)
 from tpfuse import reference  # noqa: E402
 from tpfuse.bench import common as C  # noqa: E402
-from tpfuse.bench.common import fmt_size, random_inputs, rotation, run_header, same_bits, spawn_ranks  # noqa: E402
+from tpfuse.bench.common import (fmt_size, init_rank, random_inputs, rotation, run_header, same_bits,  # noqa: E402
+                                 spawn_ranks)
 
 KiB, MiB = 1024, 1024 * 1024
 # Most telling first, so a run stopped by --budget-s still covers the targets.
@@ -170,13 +171,9 @@ def _worker(rank: int, world: int, port: int, opts: dict) -> None:
     global SIZES, ONESHOT_SIZES, KNOBS  # spawned ranks import this module afresh: take main's
     SIZES, ONESHOT_SIZES, KNOBS = opts["sizes"], opts["oneshot_sizes"], opts["knobs"]
     smoke = opts["cpu_smoke"]
+    init_rank(rank, world, port, "gloo" if smoke else "nccl")  # joins spawn_ranks' store
     if smoke:  # the sweep's logic on CPU ranks under Triton's interpreter; times are meaningless
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         C.collective_graph_us = _wall_us
-    else:
-        torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                device_id=torch.device("cuda", rank))
     t0 = time.monotonic()
     dtype = torch.bfloat16
     sizes = [s for s in SIZES if s <= opts["max_size"]]

@@ -18,7 +18,6 @@ import atexit
 import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 import traceback
 
@@ -28,12 +27,6 @@ _ENV = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve(rank: int, world_size: int, port: int, backend: str, inbox, outbox) -> None:
     os.environ.update(_ENV[backend])
     import torch
@@ -41,7 +34,8 @@ def _serve(rank: int, world_size: int, port: int, backend: str, inbox, outbox) -
 
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)  # the parent's (RankPool)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             **({"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}))
     outbox.put((rank, "ready", None))
     while (job := inbox.get()) is not None:
@@ -57,8 +51,14 @@ class RankPool:
     """``world_size`` rank processes waiting for functions to run."""
 
     def __init__(self, world_size: int, backend: str = "gloo", start_timeout_s: float = 120.0):
+        import torch.distributed as dist  # here: the ranks import this module before setting _ENV
+
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        # The group's store, on a port the system picks as it binds, held by this process while
+        # the ranks live: a port found free, released and bound again by rank 0 could be taken
+        # meanwhile (another test run's group, say), failing rank 0 or sending rank 1 elsewhere.
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        port = self._store.port
         self.world_size = world_size
         self.broken = False
         self._outbox = ctx.Queue()

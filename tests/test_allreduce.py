@@ -112,6 +112,7 @@ def test_workspace_rejects_bad_arguments(kwargs, match):
         WorkspaceLayout(**kwargs)
 
 
+@pytest.mark.usefixtures("built_in_knobs")
 def test_plan_picks_by_size_and_refuses_what_does_not_fit():
     layout = WorkspaceLayout(4, 1 << 20, max_blocks=128)
     bf16 = torch.bfloat16
@@ -134,6 +135,7 @@ def test_plan_picks_by_size_and_refuses_what_does_not_fit():
     assert AllReducePlan.from_numel(12345, 4, bf16, layout) == AllReducePlan.from_numel(12345, 4, bf16, layout)
 
 
+@pytest.mark.usefixtures("built_in_knobs")
 def test_plan_follows_the_knobs_in_plan_py(monkeypatch):
     from tpfuse.comm import plan as P
     layout = WorkspaceLayout(4, 16 << 20, max_blocks=128)

@@ -183,6 +183,7 @@ def _changing_shapes_without_barriers(calls, seed):
 
 # ---------------------------------------------------------------- tests
 
+@pytest.mark.usefixtures("built_in_knobs")
 def test_fused_plan_picks_by_size_and_keeps_groups_whole_tiles(monkeypatch):
     import tpfuse.comm.plan as plan
 

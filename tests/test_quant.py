@@ -251,6 +251,7 @@ def test_quant_plan_segments_cover_the_message_and_fit_the_slots(world, codec):
     assert QuantPlan.for_layout(layout, torch.bfloat16, codec) == QuantPlan.for_layout(layout, torch.bfloat16, codec)
 
 
+@pytest.mark.usefixtures("built_in_knobs")
 def test_quant_thresholds_and_argument_checks(monkeypatch):
     for codec in CODECS:
         for world in (2, 4, 8):

@@ -7,7 +7,6 @@ import datetime
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -147,14 +146,16 @@ def rotation(nbytes_per_set: int, l2_bytes: int = 60 << 20) -> int:
 
 
 def write_results(out_dir: str, name: str, header: dict, records: list[dict], markdown: str) -> tuple[str, str]:
-    """Write ``name.json`` (header + one record per measurement) and ``name.md``."""
+    """Write ``name.json`` (header + one record per measurement) and ``name.md``, each whole (a
+    temporary file renamed over it): a run killed while rewriting them (``tpfuse tune`` writes
+    them after each sweep) leaves the previous ones."""
     os.makedirs(out_dir, exist_ok=True)
     json_path = os.path.join(out_dir, f"{name}.json")
     md_path = os.path.join(out_dir, f"{name}.md")
-    with open(json_path, "w") as f:
-        json.dump({"header": header, "records": records}, f, indent=1)
-    with open(md_path, "w") as f:
-        f.write(markdown)
+    for path, text in ((json_path, json.dumps({"header": header, "records": records}, indent=1)), (md_path, markdown)):
+        with open(f"{path}.tmp", "w") as f:
+            f.write(text)
+        os.replace(f"{path}.tmp", path)
     return json_path, md_path
 
 
@@ -166,17 +167,15 @@ def header_markdown(title: str, header: dict) -> str:
 # ---- collectives: rank processes and timing agreed over the ranks
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn_ranks(worker, world: int, opts: dict) -> int:
-    """Run ``worker(rank, world, port, opts)`` in ``world`` spawned processes (a free local
-    port for the process group); 0 when every rank returns, else 1 after printing the failure."""
+    """Run ``worker(rank, world, port, opts)`` in ``world`` spawned processes, port that of the
+    process group's store, which this process holds (``init_rank`` joins it); 0 when every
+    rank returns, else 1 after printing the failure."""
+    # Bound here to a port the system picks, and held while the ranks run: a port found free,
+    # released and bound again by rank 0 could be taken meanwhile by another process.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     try:
-        mp.spawn(worker, args=(world, free_port(), opts), nprocs=world, join=True)
+        mp.spawn(worker, args=(world, store.port, opts), nprocs=world, join=True)
     # The two kinds of ProcessException: torch.multiprocessing does not export the base class.
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
         print(e, file=sys.stderr)
@@ -201,15 +200,14 @@ def run_workers(gpu_worker, cpu_worker, opts: dict) -> int:
 
 def init_rank(rank: int, world: int, port: int | None, backend: str) -> None:
     """Join the benchmark's process group: "nccl" on GPU LOCAL_RANK (default: rank), or
-    "gloo" on CPU; port None means torchrun's environment."""
-    init = "env://" if port is None else f"tcp://127.0.0.1:{port}"
+    "gloo" on CPU; port: that of ``spawn_ranks``' store, None for torchrun's environment."""
+    init = dict(init_method="env://") if port is None else dict(store=dist.TCPStore("127.0.0.1", port))
     if backend == "gloo":
-        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+        dist.init_process_group("gloo", rank=rank, world_size=world, **init)
         return
     local = int(os.environ.get("LOCAL_RANK", rank))
     torch.cuda.set_device(local)
-    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world,
-                            device_id=torch.device("cuda", local))
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", local), **init)
 
 
 def agreed_max(value: float) -> float:

@@ -17,8 +17,10 @@ inputs, slowest rank's median); every timed method's output is first checked bit
 tpfuse.reference (the codecs: against ``reference.quantized_all_reduce``, and their error
 against the codec's budget). A method that fails its check fails the run and no table is
 written. Writes tune_w{W}_bf16.json / .md under --out; with --write-table also the table
-w{W}.json, into tpfuse/comm/tables/ or --table-dir. --budget-s stops the sweep (all ranks
-together); a sweep cut short gives no knobs.
+w{W}.json, into tpfuse/comm/tables/ or --table-dir. The sweep's results are also written after
+each sweep but the last, so a run killed later leaves what it measured. --budget-s, counted
+from the start of the command (spawning the ranks and setting up take part of it), stops the
+sweep (all ranks together); a sweep cut short gives no knobs.
 
 Without two GPUs: two CPU ranks under Triton's interpreter run the same sweep on tiny sizes
 (one call per point, wall clock): a check of the bits and the plumbing, not a measurement.
@@ -58,6 +60,10 @@ FUSED_CHAIN = ("oneshot", "twoshot", "split")
 CODECS = reference.QUANT_CODECS
 SWEEPS = ("allreduce", "fused", "quant")
 """In this order: each sweep runs under the knobs of the sweeps before it."""
+SMALLEST_ON_TIES = ("oneshot_ll",)
+"""Methods whose threshold breaks ties toward the smaller size. LL_MAX_BYTES also sizes every
+Communicator's workspace (its LL regions take about 4 * W bytes per byte of LL_MAX_BYTES), so
+sizes where LL is no better than flags go to flags."""
 
 
 # ---- from timings to knobs (pure functions; timings: {method: {size_bytes: us}})
@@ -71,13 +77,16 @@ SWEEPS = ("allreduce", "fused", "quant")
 # noisy point then cannot split an algorithm's range, unlike "the last size where it wins".
 # Among equally good thresholds the largest win: an algorithm keeps every size where it is
 # best or within 3% of the best (earlier in the chain is simpler: one-shot over two-shot,
-# fused over split, exact over a codec). A method not measured at a size cannot take it.
+# fused over split, exact over a codec). LL is the exception (SMALLEST_ON_TIES): the smallest
+# of its equally good thresholds wins, since a larger one costs workspace, so it keeps only the
+# sizes where flags lose by more than 3%. A method not measured at a size cannot take it.
 
 
 def chain_thresholds(times: dict[str, dict[int, float]], chain: tuple[str, ...],
                      tolerance: float = TOLERANCE) -> tuple[int, ...]:
     """The largest size each of chain[:-1] serves (0: none), nondecreasing; chain[-1] takes
-    every size above the last threshold."""
+    every size above the last threshold. Ties go to the larger threshold, but for the methods
+    in SMALLEST_ON_TIES."""
     sizes = sorted({s for method in chain for s in times.get(method, {})})
     best = {s: min(times[m][s] for m in chain if s in times.get(m, {})) for s in sizes}
 
@@ -93,7 +102,8 @@ def chain_thresholds(times: dict[str, dict[int, float]], chain: tuple[str, ...],
         return total
 
     candidates = itertools.combinations_with_replacement([0] + sizes, len(chain) - 1)  # nondecreasing tuples
-    best_thresholds = max(candidates, key=lambda ts: (-loss(ts), ts))
+    best_thresholds = max(candidates, key=lambda ts: (-loss(ts), tuple(
+        -t if m in SMALLEST_ON_TIES else t for m, t in zip(chain, ts))))
     if loss(best_thresholds) == float("inf"):
         raise ValueError(f"no thresholds for {chain} cover every measured size: {times}")
     return best_thresholds
@@ -121,7 +131,9 @@ def derive_knobs(timings: dict[str, dict[str, dict[int, float]]]) -> dict:
     """Table knobs (``tpfuse.comm.tables``) from the timings of the sweeps that ran to the end
     ({"allreduce" | "fused" | "quant": {method: {size_bytes: us}}}). A knob whose crossover
     lies outside the sizes swept is left out (its default stays): a sweep of 8-16 KiB must
-    not end one-shot at 16 KiB."""
+    not end one-shot at 16 KiB. Where two algorithms are within TOLERANCE, the earlier in its
+    chain keeps the sizes, but for LL: LL_MAX_BYTES is the smallest threshold as good as any,
+    because it also sizes every Communicator's workspace (SMALLEST_ON_TIES)."""
     knobs = {}
     if timings.get("allreduce"):
         swept = _swept(timings["allreduce"])
@@ -159,10 +171,9 @@ class _OutOfTime(Exception):
 class _Sweeper:
     """Times methods on every rank alike and collects the records (rank 0 writes them)."""
 
-    def __init__(self, comm, world: int, rank: int, budget_s: float):
-        self.comm, self.world, self.rank, self.budget_s = comm, world, rank, budget_s
+    def __init__(self, comm, world: int, rank: int, budget_s: float, t0: float):
+        self.comm, self.world, self.rank, self.budget_s, self.t0 = comm, world, rank, budget_s, t0
         self.device = comm.device.type
-        self.t0 = time.monotonic()
         self.records: list[dict] = []
 
     def time(self, sweep: str, nbytes: int, method: str, fn, rot: int, check) -> None:
@@ -274,7 +285,7 @@ def _worker(rank: int, world: int, port: int | None, opts: dict) -> None:
             raise RuntimeError(f"no peer workspace, so nothing to tune: {comm.fallback_reason}")
         timings, stopped = {}, None
         with comm:
-            sweeper = _Sweeper(comm, world, rank, opts["budget_s"])
+            sweeper = _Sweeper(comm, world, rank, opts["budget_s"], opts["t0"])
             try:
                 for sweep in SWEEPS:
                     with tables.applied(world, derive_knobs(timings)):  # what "auto" will do
@@ -285,10 +296,14 @@ def _worker(rank: int, world: int, port: int | None, opts: dict) -> None:
                                       + "  ".join(f"{r['method']} {r['us']:.1f}us" for r in sweeper.records
                                                   if (r["sweep"], r["size_bytes"]) == (sweep, nbytes)), flush=True)
                     timings[sweep] = sweeper.timings(sweep)
+                    if rank == 0 and sweep != SWEEPS[-1]:  # a kill (a step's timeout) then leaves these
+                        wrong = _wrong(sweeper.records)
+                        _write(opts, world, sweeper.records, {} if wrong else derive_knobs(timings),
+                               f"written after the {sweep} sweep: the run was killed (or is still running) "
+                               "before the next sweep ended", wrong, max_bytes, INTERPRETER)
             except _OutOfTime as e:
                 stopped = str(e)
-        wrong = [f"{r['sweep']} {fmt_size(r['size_bytes'])} {r['method']}" for r in sweeper.records
-                 if r["correct"] is False]
+        wrong = _wrong(sweeper.records)
         if rank == 0:
             _report(opts, world, sweeper.records, {} if wrong else derive_knobs(timings), stopped, wrong,
                     max_bytes, INTERPRETER)
@@ -298,7 +313,13 @@ def _worker(rank: int, world: int, port: int | None, opts: dict) -> None:
         dist.destroy_process_group()
 
 
-def _report(opts, world, records, knobs, stopped, wrong, max_bytes, interpreter) -> None:
+def _wrong(records: list[dict]) -> list[str]:
+    """The records whose results were not equal to their reference."""
+    return [f"{r['sweep']} {fmt_size(r['size_bytes'])} {r['method']}" for r in records if r["correct"] is False]
+
+
+def _write(opts, world, records, knobs, stopped, wrong, max_bytes, interpreter) -> tuple[dict, str, tuple[str, str]]:
+    """Write tune_w{W}_bf16.json / .md under --out; returns (header, markdown, paths)."""
     header = run_header() | {"world_size": world, "dtype": "bf16", "hidden": HIDDEN, "tolerance": TOLERANCE,
                              "tpfuse_max_bytes": max_bytes, "budget_s": opts["budget_s"], "stopped": stopped,
                              "device": "cpu (Triton interpreter)" if interpreter else "cuda", "derived_knobs": knobs}
@@ -317,11 +338,17 @@ def _report(opts, world, records, knobs, stopped, wrong, max_bytes, interpreter)
     md += f"\nDerived knobs (W={world}): {json.dumps(knobs)}\n"
     md += f"\nSTOPPED EARLY: {stopped} (that sweep and later ones give no knobs)\n" if stopped else ""
     md += f"\nNOT EQUAL TO THE REFERENCE: {'; '.join(wrong)}\n" if wrong else ""
+    return header, md, write_results(opts["out"], name, header, records, md)
+
+
+def _report(opts, world, records, knobs, stopped, wrong, max_bytes, interpreter) -> None:
+    """The run's end: its results written and printed, and with --write-table the table."""
+    header, md, paths = _write(opts, world, records, knobs, stopped, wrong, max_bytes, interpreter)
     print(md, flush=True)
-    paths = write_results(opts["out"], name, header, records, md)
     print("wrote " + ", ".join(paths))
     if opts["write_table"] and not knobs:
-        print("no table written: no sweep ran to the end with every result correct")
+        print("no table written: no knobs derived (no sweep ran to the end with every result correct, or no "
+              "crossover lay inside the sizes swept)")
     elif opts["write_table"]:
         provenance = {k: header[k] for k in ("gpu", "date", "commit", "torch", "triton", "cuda", "device")
                       if header.get(k) is not None}
@@ -346,16 +373,20 @@ def _size(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # The budget's start, passed to the ranks: time.monotonic is the machine's CLOCK_MONOTONIC,
+    # one clock for every process (torchrun's ranks each start their own, at about this time).
+    t0 = time.monotonic()
     p = argparse.ArgumentParser(prog="tpfuse tune", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="tune_out", help="directory for tune_w{W}_bf16.json / .md")
     p.add_argument("--write-table", action="store_true", help="also write the plan table w{W}.json")
     p.add_argument("--table-dir", default=tables.PACKAGE_DIR,
                    help="where --write-table writes (default: tpfuse/comm/tables, which the plans read)")
-    p.add_argument("--budget-s", type=float, default=420.0, help="stop the sweep after this many seconds")
+    p.add_argument("--budget-s", type=float, default=420.0,
+                   help="stop the sweep this many seconds after the command started")
     p.add_argument("--sizes", type=_size, nargs="+", default=None,
                    help=f"message sizes, e.g. 8K 1M (default {fmt_size(SIZES[0])} .. {fmt_size(SIZES[-1])}; "
                         f"without GPUs {', '.join(map(fmt_size, CPU_SIZES))})")
-    opts = vars(p.parse_args(argv))
+    opts = vars(p.parse_args(argv)) | {"t0": t0}
     opts["sizes"] = sorted(set(opts["sizes"])) if opts["sizes"] else None
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus < 2 and not ("RANK" in os.environ and "WORLD_SIZE" in os.environ):  # run_workers' test for torchrun

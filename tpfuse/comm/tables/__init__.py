@@ -44,6 +44,8 @@ QUANT_KNOB = "QUANT_MIN_BYTES"
 _FILE = re.compile(r"w([1-9]\d*)\.json")
 _ABSENT = object()
 """What ``apply`` reports for a world size that had no entry of its own (it used W=8's)."""
+_APPLIED: dict[int, tuple[dict, dict]] = {}
+"""What ``apply_tables`` did: {world size: (its table's knobs, what they replaced)}."""
 
 
 def table_path(directory: str, world_size: int) -> str:
@@ -178,4 +180,19 @@ def apply_tables() -> None:
     """Apply the tables of ``table_dir()``. Called once, when tpfuse.comm is imported."""
     directory = table_dir()
     for world_size, knobs in (read_tables(directory) if directory else {}).items():
-        apply(world_size, knobs)
+        _APPLIED[world_size] = (knobs, apply(world_size, knobs))
+
+
+@contextlib.contextmanager
+def built_in_defaults():
+    """The plans' own defaults, as written in plan.py and quant_plan.py, for the duration of a
+    with-block: what ``apply_tables`` applied at import is undone, then applied again. For
+    tests that check those defaults, which a table in this directory would change on GPU
+    machines."""
+    for world_size, (_, replaced) in _APPLIED.items():
+        restore(world_size, replaced)
+    try:
+        yield
+    finally:
+        for world_size, (knobs, _) in _APPLIED.items():
+            apply(world_size, knobs)
