@@ -6,7 +6,7 @@ Not part of the library: it patches ``NormConfig.from_shape`` and the dW partial
 bwd: tile rows x warps x prefetch x joint reduction per N (M=32768, bf16), then the best
 three per N again with 512 dW partials; fwd: warps x rows per N; chunk: rows too long for
 registers (N=65536): forward chunk bytes x warps, backward programs x warps; dw: dW partials
-x combine mode at small M; fp32: warps for fp32 rows of 16384 held in registers; split: forward
+x combine mode at small M (dw=dtype:M:N,... picks the shapes); fp32: warps for fp32 rows of 16384 held in registers; split: forward
 rows in two pieces vs one padded tile (NormConfig.tail_n); bwdsplit: the same for the backward
 (bwd_tail_n), with warps x prefetch x bwd_reload_weight; wide: bf16 rows of 16385-65536
 elements, forward and add+norm, chunked (read twice) vs held in registers as bf16 on 16 or
@@ -149,12 +149,18 @@ def tune_chunk(copy):
         del x, dy, dx
 
 
-def tune_dw(copy):
+DW_CASES = ",".join(f"{d}:{m}:{n}" for (d, m), n in itertools.product(
+    [("bf16", 1024), ("fp32", 1024), ("bf16", 4096)], [2048, 2880, 4096, 5120, 7168, 8192]))
+
+
+def tune_dw(copy, cases=DW_CASES):
     """dW plans at small M: partials (of whole backward tiles) x combine ("tree"; "columns"
-    on column blocks of 256 or 1024; "launch", the separate combine) per (dtype, M, N)."""
+    on column blocks of 256 or 1024; "launch", the separate combine, on the same blocks) per
+    case, dtype:M:N,... (dw=CASES on the command line)."""
     base_plan = DwPlan.from_shape
-    for (dt, m), n in itertools.product([(DT, 1024), (torch.float32, 1024), (DT, 4096)],
-                                        [2048, 2880, 4096, 5120, 7168, 8192]):
+    for case in cases.split(","):
+        dname, m, n = case.split(":")
+        dt, m, n = {"bf16": torch.bfloat16, "fp32": torch.float32}[dname], int(m), int(n)
         x = torch.randn(m, n, device="cuda", dtype=dt)
         dy, w = torch.randn_like(x), torch.randn(n, device="cuda", dtype=dt)
         dx, dw = torch.empty_like(x), torch.empty_like(w)
@@ -163,14 +169,15 @@ def tune_dw(copy):
         us, ok = time_checked_bwd(x, dy, w, dx, dw)
         print(f"dw {str(dt)[6:]} M={m} N={n} plan partials={base.num_partials} {base.combine} "
               f"{us:.1f}us{'' if ok else ' WRONG'}", flush=True)
-        for partials, combine in itertools.product([32, 64, 128, 256], ["tree", "columns256", "columns1024", "launch"]):
+        combines = ["tree", "columns256", "columns1024", "launch256", "launch1024"]
+        for partials, combine in itertools.product([32, 64, 128, 256], combines):
             rows = -(-max(1, -(-m // partials)) // tile_rows) * tile_rows
-            block = 256 if combine == "columns256" else 1024
+            block = 1024 if combine.endswith("1024") else 256
             plan = dataclasses.replace(base, num_partials=-(-m // rows), rows_per_partial=rows,
                                        combine="tree" if combine == "tree" else "columns",
                                        num_combine_programs=-(-n // block), combine_block=block)
             DwPlan.from_shape = staticmethod(lambda m_, n_, d_, plan=plan: plan)
-            us, ok = time_checked_bwd(x, dy, w, dx, dw, fused_combine=combine != "launch")
+            us, ok = time_checked_bwd(x, dy, w, dx, dw, fused_combine=not combine.startswith("launch"))
             DwPlan.from_shape = staticmethod(base_plan)
             print(f"  partials={plan.num_partials} rows={rows} {combine} {us:.1f}us "
                   f"{pct(3 * m * n * dt.itemsize, us, copy):.0f}%{'' if ok else ' WRONG'}", flush=True)
@@ -288,6 +295,6 @@ if __name__ == "__main__":
         what, _, arg = what.partition("=")
         tune = {"bwd": tune_bwd, "fwd": tune_fwd, "chunk": tune_chunk, "dw": tune_dw, "fp32": tune_fp32,
                 "split": tune_split, "bwdsplit": tune_bwd_split, "wide": tune_wide}[what]
-        if arg and what != "bwdsplit":
-            sys.exit(f"{what} takes no argument (only bwdsplit=dtype:N,...)")
+        if arg and what not in ("bwdsplit", "dw"):
+            sys.exit(f"{what} takes no argument (only bwdsplit=dtype:N,... and dw=dtype:M:N,...)")
         tune(copy, arg) if arg else tune(copy)

@@ -123,23 +123,23 @@ def test_fused_and_separate_dw_combine_give_the_same_bits(m, n):
     """The plan's in-kernel combine (the tree, or column programs: n=3000 with 5 or 32
     partials) against the separate launch, twice in a row: the in-kernel counters must be
     back at zero after each call. On GPU also rows in two pieces (5120, 10240; at 300 rows
-    one wave of partials by columns of 256), with the weight re-read (16384), and chunked
-    rows (20000: the separate launch from two rows on), whose layouts the interpreter does
-    not have."""
+    one wave of partials, combined by the separate launch over columns of 256), with the
+    weight re-read (16384), and chunked rows (20000: the separate launch from two rows on),
+    whose layouts the interpreter does not have."""
     columns = ((n in (3000, 4096, 5120) and m in (5, 64))  # few partials
-               or (n == 5120 and m == 300)  # one wave of partials, rows of 8 to 20 KiB
                or (n in (10240, 16384) and m > 1))  # rows over 8192 in one chunk: columns from 2 partials
-    expected = ("launch" if m > 1 else "tree") if n == 20000 else "columns" if columns else "tree"
+    launch = (n == 20000 and m > 1) or (n == 5120 and m == 300)  # chunked rows; one wave on rows of 8-20 KiB
+    expected = "launch" if launch else "columns" if columns else "tree"
     assert DwPlan.from_shape(m, n, torch.bfloat16).combine == expected
     _check_combines_agree(m, n)
 
 
-def test_one_wave_of_partials_combined_by_columns_of_256(monkeypatch):
-    """The one-wave plan's columns of 256 (from 257 rows of 8-20 KiB, too slow for the
-    interpreter: here from 9 rows, with at most 4 partials)."""
+def test_one_wave_of_partials_combined_by_a_launch_over_columns_of_256(monkeypatch):
+    """The one-wave plan on rows of 8-20 KiB (from 257 rows, too slow for the interpreter:
+    here from 9 rows, with at most 4 partials)."""
     monkeypatch.setattr(norm_dw, "_FEW_ROWS_MAX_PARTIALS", 4)
     plan = DwPlan.from_shape(12, 5120, torch.bfloat16)
-    assert (plan.combine, plan.combine_block, plan.num_partials, plan.num_combine_programs) == ("columns", 256, 4, 20)
+    assert (plan.combine, plan.combine_block, plan.num_partials, plan.num_combine_programs) == ("launch", 256, 4, 20)
     _check_combines_agree(12, 5120)
 
 
