@@ -4,6 +4,7 @@ Runs on CPU under Triton's interpreter (small shapes) and on CUDA (large shapes)
 
 import pytest
 import torch
+import triton
 
 import tpfuse
 from tpfuse import reference
@@ -134,18 +135,21 @@ def test_fused_and_separate_dw_combine_give_the_same_bits(m, n):
     _check_combines_agree(m, n)
 
 
-def test_one_wave_of_partials_combined_by_a_launch_over_columns_of_256(monkeypatch):
+@pytest.mark.parametrize("dtype, n, combine", [(torch.bfloat16, 5120, "launch"), (torch.float32, 2880, "columns")])
+def test_one_wave_of_partials_combined_over_columns_of_256(dtype, n, combine, monkeypatch):
     """The one-wave plan on rows of 8-20 KiB (from 257 rows, too slow for the interpreter:
-    here from 9 rows, with at most 4 partials)."""
+    here from 9 rows, with at most 4 partials): the separate launch for 16-bit rows, column
+    programs in the backward's launch for fp32."""
     monkeypatch.setattr(norm_dw, "_FEW_ROWS_MAX_PARTIALS", 4)
-    plan = DwPlan.from_shape(12, 5120, torch.bfloat16)
-    assert (plan.combine, plan.combine_block, plan.num_partials, plan.num_combine_programs) == ("launch", 256, 4, 20)
-    _check_combines_agree(12, 5120)
+    plan = DwPlan.from_shape(12, n, dtype)
+    assert (plan.combine, plan.combine_block, plan.num_partials, plan.num_combine_programs) == (
+        combine, 256, 4, triton.cdiv(n, 256))
+    _check_combines_agree(12, n, dtype)
 
 
-def _check_combines_agree(m, n):
-    x, w, _ = _inputs(m, n, torch.bfloat16, "plain", seed=m + n)
-    dy = torch.randn(m, n).to(torch.bfloat16).to(DEVICE)
+def _check_combines_agree(m, n, dtype=torch.bfloat16):
+    x, w, _ = _inputs(m, n, dtype, "plain", seed=m + n)
+    dy = torch.randn(m, n).to(dtype).to(DEVICE)
     dy[:, 0], x[:, 0] = 0.0, -x[:, 0].abs() - 1  # dW[0] sums -0.0 terms: +0.0 in either combine
     outs = []
     for fused in (True, True, False):
@@ -159,7 +163,7 @@ def _check_combines_agree(m, n):
     for dx, dw in outs[1:]:
         assert _same_bits(outs[0][0], dx) and _same_bits(outs[0][1], dw)
     _, dw_ref = reference.rms_norm_backward(dy, x, w)
-    assert rel_err(outs[0][1], dw_ref) <= 2 * rel_err_budget(torch.bfloat16)
+    assert rel_err(outs[0][1], dw_ref) <= 2 * rel_err_budget(dtype)
 
 
 @pytest.mark.parametrize("m", [1, 7])

@@ -36,21 +36,23 @@ from tpfuse.kernels.norm import NormConfig
 # M=4096 63.0 vs 72.2; N=16384 M=1024 41.5 vs 51.3, M=4096 121.1 vs 129.9; N=4096 (8 KiB
 # rows) gained at M=1024 only, 17.2 vs 18.6, and lost from M=2048).
 _MAX_DW_PARTIALS = 256
-# From 257 to 1024 rows of up to 8192 elements, 128 partials too (one wave), combined by the
-# separate launch over columns of 256 for rows of 8 KiB to 20 KiB, by the tree otherwise
-# (longer rows, swept before, keep the rule for few wide rows). H200, us, 256 partials and
-# the rules below -> this (scripts/tune_norm.py dw, benchmarks/NOTES.md 2026-11-24), M=1024:
-# bf16 N=2048 10.6 -> 8.9, N=2880 15.0 -> 13.6, N=4096 17.3 -> 15.0, N=5120 24.1 -> 17.2,
-# N=7168 29.7 -> 19.5, N=8192 (128 by columns of 1024) 23.6 -> 21.8; fp32 N=2880 19.5 ->
-# 17.3, N=4096 22.4 -> 22.0, N=5120 26.5 -> 25.1, N=7168 37.5 -> 32.9, N=8192 40.5 -> 36.6.
-# Rows of 8-20 KiB: the separate launch over 256 columns against in-kernel column programs
-# over 256, bf16 N=5120 17.2 vs 20.7 (M=512 12.6 vs 14.2), N=7168 19.5 vs 20.4, N=8192 21.8
-# vs 22.5; fp32 N=2880 17.3 vs 17.3, N=4096 22.0 vs 21.8. At M=4096 256 partials by the
-# tree stayed best at N <= 5120.
+# From 257 to 1024 rows of up to 8192 elements, 128 partials too (one wave), combined on rows
+# of 8 KiB to 20 KiB over columns of 256, by the separate launch for 16-bit rows and by
+# in-kernel column programs for fp32 rows, and by the tree otherwise (longer rows, swept
+# before, keep the rule for few wide rows). H200, us, 256 partials and the rules below ->
+# this (scripts/tune_norm.py dw, benchmarks/NOTES.md 2026-11-24), M=1024: bf16 N=2048 10.6
+# -> 8.9, N=2880 15.0 -> 13.6, N=4096 17.3 -> 15.0, N=5120 24.1 -> 17.2, N=7168 29.7 ->
+# 19.5, N=8192 (128 by columns of 1024) 23.6 -> 21.8; fp32 N=2880 19.5 -> 17.1, N=4096 22.4
+# -> 21.8, N=5120 26.5 -> 25.1, N=7168 37.5 -> 32.9, N=8192 40.5 -> 36.6. The separate
+# launch against the in-kernel columns, both over 256 columns, in `tpfuse bench norm`
+# (autograd, us): bf16 N=5120 19.5 vs 22.5, N=7168 20.6 vs 21.4, N=8192 22.2 vs 23.0; fp32
+# N=2880 22.1 vs 20.8, N=5120 26.6 vs 25.0 (the sweep had them even: 17.3 vs 17.3 at fp32
+# N=2880). fp16 takes bf16's rule, unmeasured. At M=4096 256 partials by the tree stayed
+# best at N <= 5120.
 _ONE_WAVE_ROWS = 1024
 _ONE_WAVE_MAX_N = 8192
-_ONE_WAVE_LAUNCH_MIN_ROW_BYTES = 8 * 1024 + 1
-_ONE_WAVE_LAUNCH_MAX_ROW_BYTES = 20 * 1024
+_ONE_WAVE_COLUMNS_MIN_ROW_BYTES = 8 * 1024 + 1
+_ONE_WAVE_COLUMNS_MAX_ROW_BYTES = 20 * 1024
 _ONE_WAVE_COMBINE_BLOCK = 256
 _FEW_ROWS = 4096
 _FEW_ROWS_MIN_ROW_BYTES = 16 * 1024
@@ -82,7 +84,7 @@ class DwPlan:
     - "columns": ``num_combine_programs`` extra programs, one per ``combine_block``
       columns, wait for every partial row and sum their columns (``_combine_when_done``).
     - "launch": the separate combine launch, ``dw_combine`` (chunked rows of more than
-      one partial; one wave of partials on rows of 8-20 KiB).
+      one partial; one wave of partials on 16-bit rows of 8-20 KiB).
 
     Depends on (M, N, dtype) only.
     """
@@ -128,8 +130,11 @@ class DwPlan:
         elif cfg.bwd_num_chunks > 1:
             combine = "launch"
         elif one_wave:
-            launch = _ONE_WAVE_LAUNCH_MIN_ROW_BYTES <= row_bytes <= _ONE_WAVE_LAUNCH_MAX_ROW_BYTES
-            combine, combine_block = ("launch" if launch else "tree"), _ONE_WAVE_COMBINE_BLOCK
+            if _ONE_WAVE_COLUMNS_MIN_ROW_BYTES <= row_bytes <= _ONE_WAVE_COLUMNS_MAX_ROW_BYTES:
+                combine = "columns" if dtype == torch.float32 else "launch"
+            else:
+                combine = "tree"
+            combine_block = _ONE_WAVE_COMBINE_BLOCK
         elif n <= 2048 or (n <= 8192 and num_partials >= 128 and not few_wide_rows):
             combine = "tree"
         else:
