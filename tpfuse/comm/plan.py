@@ -87,20 +87,21 @@ MAX_ELEMENTS = 2**31 - 1
 ALGOS = ("auto", "oneshot", "twoshot", "nccl")
 
 
+def for_world(knob: dict, world_size: int):
+    """A knob keyed by world size, at ``world_size``: its own entry, else W=8's."""
+    return knob.get(world_size, knob[8])
+
+
 def ll_max_bytes(world_size: int, max_bytes: int) -> int:
     """The LL capacity of a communicator's workspace (LL_MAX_BYTES, at most its one-shot capacity)."""
     oneshot_capacity = WorkspaceLayout(world_size, max_bytes, 1).oneshot_slot_bytes
-    return min(_ll_max(world_size), oneshot_capacity)
-
-
-def _ll_max(world_size: int) -> int:
-    return LL_MAX_BYTES.get(world_size, LL_MAX_BYTES[8])
+    return min(for_world(LL_MAX_BYTES, world_size), oneshot_capacity)
 
 
 def uses_ll(nbytes: int, world_size: int, layout: WorkspaceLayout) -> bool:
     """Whether a one-shot message of nbytes goes over LL: LL_MAX_BYTES as it is now (tuning
     scripts lower it at run time), within the LL capacity of the workspace."""
-    return nbytes <= min(layout.ll_max_bytes, _ll_max(world_size))
+    return nbytes <= min(layout.ll_max_bytes, for_world(LL_MAX_BYTES, world_size))
 
 
 def check_algo(algo: str) -> None:
@@ -160,8 +161,8 @@ class AllReducePlan:
             "twoshot": chunk * esize <= layout.twoshot_slot_bytes,
         }
         if algo == "auto":
-            small = nbytes <= ONESHOT_MAX_BYTES.get(world_size, ONESHOT_MAX_BYTES[8])
-            nccl_min = NCCL_MIN_BYTES.get(world_size, NCCL_MIN_BYTES[8])
+            small = nbytes <= for_world(ONESHOT_MAX_BYTES, world_size)
+            nccl_min = for_world(NCCL_MIN_BYTES, world_size)
             if nccl_min is not None and nbytes >= nccl_min:
                 return cls("nccl", reason=f"messages of {nccl_min} bytes and more go to the backend (NCCL_MIN_BYTES)")
             algo = "oneshot" if small and fits["oneshot"] else "twoshot"
@@ -279,10 +280,10 @@ class FusedPlan:
         over_ll = uses_ll(nbytes, world_size, layout)
         if algo == "auto":
             vectors_per_thread = cfg.rows * cfg.block_n * esize // 16 / (cfg.num_warps * 32)
-            if (nbytes <= FUSED_ONESHOT_MAX_BYTES.get(world_size, FUSED_ONESHOT_MAX_BYTES[8]) and fits["oneshot"]
+            if (nbytes <= for_world(FUSED_ONESHOT_MAX_BYTES, world_size) and fits["oneshot"]
                     and (FUSED_ONESHOT_LL if over_ll else vectors_per_thread <= FUSED_ONESHOT_MAX_VECTORS)):
                 algo = "oneshot"
-            elif nbytes <= FUSED_TWOSHOT_MAX_BYTES.get(world_size, FUSED_TWOSHOT_MAX_BYTES[8]) and fits["twoshot"]:
+            elif nbytes <= for_world(FUSED_TWOSHOT_MAX_BYTES, world_size) and fits["twoshot"]:
                 algo = "twoshot"
             else:
                 return cls("split", reason="message above the fused kernels' sizes or the workspace")

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from tpfuse._runtime import INTERPRETER
+from tpfuse.comm.plan import for_world
 from tpfuse.comm.workspace import ALIGN, WorkspaceLayout
 from tpfuse.reference import QUANT_CODECS, QUANT_GROUP, packed_layout
 
@@ -91,8 +92,7 @@ def check_quant(quant: str | None, quant_min_bytes: int | None) -> None:
 
 def default_quant_min_bytes(codec: str, world_size: int) -> int | None:
     """The message size from which ``codec`` is used (QUANT_MIN_BYTES), None for never."""
-    table = QUANT_MIN_BYTES[codec]
-    return table.get(world_size, table[8])
+    return for_world(QUANT_MIN_BYTES[codec], world_size)
 
 
 def _cdiv(a: int, b: int) -> int:

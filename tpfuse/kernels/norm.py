@@ -161,10 +161,8 @@ class NormConfig:
         if held:
             block_n = bwd_block_n = triton.next_power_of_2(max(n, 1))
         else:
-            if narrow:
-                block_n = triton.next_power_of_2(n)
-            else:
-                block_n = (_STREAM_CHUNK_BYTES if n * esize >= _STREAM_ROW_BYTES else _CHUNK_BYTES) // esize
+            chunk_bytes = _STREAM_CHUNK_BYTES if n * esize >= _STREAM_ROW_BYTES else _CHUNK_BYTES
+            block_n = triton.next_power_of_2(n) if narrow else chunk_bytes // esize
             bwd_block_n = _BWD_CHUNK_BYTES // esize
         num_chunks = triton.cdiv(n, block_n)
         rows = 1

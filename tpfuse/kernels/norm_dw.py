@@ -51,8 +51,7 @@ _MAX_DW_PARTIALS = 256
 # best at N <= 5120.
 _ONE_WAVE_ROWS = 1024
 _ONE_WAVE_MAX_N = 8192
-_ONE_WAVE_COLUMNS_MIN_ROW_BYTES = 8 * 1024 + 1
-_ONE_WAVE_COLUMNS_MAX_ROW_BYTES = 20 * 1024
+_ONE_WAVE_COLUMNS_ROW_BYTES = (8 * 1024, 20 * 1024)  # over the first, up to the second
 _ONE_WAVE_COMBINE_BLOCK = 256
 _FEW_ROWS = 4096
 _FEW_ROWS_MIN_ROW_BYTES = 16 * 1024
@@ -130,7 +129,7 @@ class DwPlan:
         elif cfg.bwd_num_chunks > 1:
             combine = "launch"
         elif one_wave:
-            if _ONE_WAVE_COLUMNS_MIN_ROW_BYTES <= row_bytes <= _ONE_WAVE_COLUMNS_MAX_ROW_BYTES:
+            if _ONE_WAVE_COLUMNS_ROW_BYTES[0] < row_bytes <= _ONE_WAVE_COLUMNS_ROW_BYTES[1]:
                 combine = "columns" if dtype == torch.float32 else "launch"
             else:
                 combine = "tree"

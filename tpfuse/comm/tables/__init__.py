@@ -160,7 +160,7 @@ def effective_knobs(world_size: int) -> dict:
     ``Communicator`` checks when it is created."""
     from tpfuse.comm import plan, quant_plan
 
-    knobs = {key: getattr(plan, key).get(world_size, getattr(plan, key)[8]) for key in SIZE_KNOBS}
+    knobs = {key: plan.for_world(getattr(plan, key), world_size) for key in SIZE_KNOBS}
     knobs[QUANT_KNOB] = {c: quant_plan.default_quant_min_bytes(c, world_size) for c in QUANT_CODECS}
     return knobs
 
