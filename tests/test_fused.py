@@ -206,20 +206,25 @@ def test_fused_plan_picks_by_size_and_keeps_groups_whole_tiles(monkeypatch):
         FusedPlan.from_shape(1, 64, 4, bf16, layout, "nccl")
     cfg = NormConfig.from_shape(96, bf16)
     assert FusedPlan.from_shape(40, 96, 2, bf16, layout, "twoshot").rows_per_group % cfg.rows == 0
-    # Over LL (the workspace's LL regions, LL_MAX_BYTES) auto takes the LL kernel whatever the
-    # vectors per thread, unless FUSED_ONESHOT_LL is off.
+    # Up to FUSED_LL_MAX_BYTES (within the workspace's LL regions and LL_MAX_BYTES) one-shot
+    # goes over LL, and auto takes it whatever the vectors per thread; above, the flag kernel
+    # and the vectors rule.
     ll_layout = WorkspaceLayout(4, 1 << 20, max_blocks=128, ll_max_bytes=64 << 10)
     monkeypatch.setitem(plan.FUSED_TWOSHOT_MAX_BYTES, 4, 0)
-    assert FusedPlan.from_shape(1, 8192, 4, bf16, ll_layout).algo == "oneshot"
-    monkeypatch.setattr(plan, "FUSED_ONESHOT_LL", False)
-    assert FusedPlan.from_shape(4, 4096, 4, bf16, ll_layout).algo == "split"
-    one = FusedPlan.from_shape(4, 4096, 4, bf16, ll_layout, "oneshot")
-    pieces = ll_pieces(4096, bf16)[1]
-    assert one.ll and pieces == 8 and one.grid == min(4 * pieces, plan.FUSED_MAX_CTAS)  # a CTA per piece
-    assert FusedPlan.from_shape(32, 4096, 4, bf16, ll_layout).algo == "oneshot"  # 256 KiB: flags
-    monkeypatch.setattr(plan, "FUSED_ONESHOT_LL", True)
-    assert FusedPlan.from_shape(4, 4096, 4, bf16, ll_layout).algo == "oneshot"
-    assert FusedPlan.from_shape(20, 8192, 4, bf16, ll_layout).algo == "split"  # 320 KiB: flags, 4 vectors
+    monkeypatch.setitem(plan.LL_MAX_BYTES, 4, 64 << 10)
+    monkeypatch.setitem(plan.FUSED_LL_MAX_BYTES, 4, 16 << 10)
+    one = FusedPlan.from_shape(1, 8192, 4, bf16, ll_layout)  # 16 KiB: LL, 4 vectors per thread
+    pieces = ll_pieces(8192, bf16)[1]
+    assert one.algo == "oneshot" and one.ll and one.grid == min(pieces, plan.FUSED_MAX_CTAS)  # a CTA per piece
+    assert FusedPlan.from_shape(2, 8192, 4, bf16, ll_layout).algo == "split"  # 32 KiB: flags, 4 vectors
+    two = FusedPlan.from_shape(2, 8192, 4, bf16, ll_layout, "oneshot")
+    assert two.algo == "oneshot" and not two.ll
+    assert FusedPlan.from_shape(4, 4096, 4, bf16, ll_layout).algo == "oneshot"  # 32 KiB: flags, 2 vectors
+    monkeypatch.setitem(plan.FUSED_LL_MAX_BYTES, 4, 1 << 20)  # LL_MAX_BYTES and the LL regions still bound it
+    assert FusedPlan.from_shape(2, 8192, 4, bf16, ll_layout).ll
+    assert not FusedPlan.from_shape(8, 8192, 4, bf16, ll_layout, "oneshot").ll  # 128 KiB
+    monkeypatch.setitem(plan.LL_MAX_BYTES, 4, 16 << 10)
+    assert FusedPlan.from_shape(2, 8192, 4, bf16, ll_layout).algo == "split"
     # Hidden sizes off the multiple of 16 take the split path (tests/test_fused_layouts.py says why).
     assert FusedPlan.from_shape(4, 1000, 4, bf16, layout).algo == "split"
     with pytest.raises(ValueError, match="multiple of 16"):

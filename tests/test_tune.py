@@ -53,8 +53,8 @@ def test_within_three_percent_the_earlier_algorithm_keeps_the_size():
 
 
 def test_exact_ties_go_to_the_earlier_algorithm():
-    times = {"oneshot": _curve(lambda s: 10), "twoshot": _curve(lambda s: 10), "split": _curve(lambda s: 10)}
-    assert tune.chain_thresholds(times, tune.FUSED_CHAIN) == (1 * MiB, 1 * MiB)
+    times = {"oneshot_flags": _curve(lambda s: 10), "twoshot": _curve(lambda s: 10), "split": _curve(lambda s: 10)}
+    assert tune.chain_thresholds(times, tune.FUSED_CHAIN[1:]) == (1 * MiB, 1 * MiB)
 
 
 def test_ties_give_ll_the_smaller_range():
@@ -91,14 +91,16 @@ def test_thresholds_are_monotone_and_unmeasured_sizes_go_to_the_next_algorithm()
 def test_derived_knobs_in_table_form():
     allreduce = {"oneshot_ll": _curve(lambda s: 3 + s / 8192), "oneshot_flags": _curve(lambda s: 6 + s / 16384),
                  "twoshot": _curve(lambda s: 20 + s / 65536)}
-    fused = {"oneshot": _curve(lambda s: 5 + s / 8192), "twoshot": _curve(lambda s: 9 + s / 8192),
-             "split": _curve(lambda s: 8 + s / 16384)}  # split from 64 KiB (12 vs 13); two-shot never: 0
+    fused = {"oneshot_ll": _curve(lambda s: 3 + s / 4096),  # 8 KiB: 5 vs 6 (16 KiB: a tie, to flags)
+             "oneshot_flags": _curve(lambda s: 5 + s / 8192),  # to 32 KiB (9 vs 10)
+             "twoshot": _curve(lambda s: 9 + s / 8192),  # never: 0
+             "split": _curve(lambda s: 8 + s / 16384)}  # from 64 KiB (12 vs 13)
     quant = {"exact": _curve(lambda s: 10 + s / 16384), "int4": _curve(lambda s: 30 + s / 65536),  # 512 KiB: 38 vs 42
              "fp8": _curve(lambda s: 60 + s / 16384)}  # never faster
     knobs = tune.derive_knobs({"allreduce": allreduce, "fused": fused, "quant": quant})
     # fp8 never wins up to 1 MiB, but the sweep stopped short of tune.SIZES[-1]: no verdict.
     assert knobs == {"LL_MAX_BYTES": 32 * KiB, "ONESHOT_MAX_BYTES": 256 * KiB,
-                     "FUSED_ONESHOT_MAX_BYTES": 32 * KiB, "FUSED_TWOSHOT_MAX_BYTES": 0,
+                     "FUSED_LL_MAX_BYTES": 8 * KiB, "FUSED_ONESHOT_MAX_BYTES": 32 * KiB, "FUSED_TWOSHOT_MAX_BYTES": 0,
                      "QUANT_MIN_BYTES": {"int4": 512 * KiB}}
     assert tune.derive_knobs({"allreduce": allreduce}).keys() == {"LL_MAX_BYTES", "ONESHOT_MAX_BYTES"}
     to_32m = {s: 60 + s / 16384 for s in tune.SIZES}
@@ -115,7 +117,7 @@ def test_crossovers_outside_the_sweep_leave_the_defaults():
     large = {m: {s: t for s, t in curve.items() if s >= 512 * KiB} for m, curve in {
         "oneshot_ll": _curve(lambda s: 9), "oneshot_flags": _curve(lambda s: 5), "twoshot": _curve(lambda s: 1)}.items()}
     assert tune.derive_knobs({"allreduce": large}) == {}  # lost from 512 KiB: may win below
-    assert tune.derive_knobs({"fused": {"oneshot": {}, "twoshot": {}, "split": {}}}) == {}
+    assert tune.derive_knobs({"fused": {m: {} for m in tune.FUSED_CHAIN}}) == {}
     codec_wins_from_the_start = {"exact": {s: 10.0 for s in SIZES[3:]}, "int4": {s: 5.0 for s in SIZES[3:]}}
     assert tune.derive_knobs({"quant": codec_wins_from_the_start}) == {}
 
@@ -240,9 +242,15 @@ def test_a_file_that_is_not_json_raises_naming_it(tmp_path):
 
 @cpu_only
 def test_tune_refuses_cpu_timings_into_the_package(capsys):
+    path = tables.table_path(tables.PACKAGE_DIR, 2)
+
+    def package_table():  # the committed GPU table, or None
+        return open(path, "rb").read() if os.path.exists(path) else None
+
+    before = package_table()
     assert tune.main(["--write-table"]) == 2
     assert "refusing" in capsys.readouterr().err
-    assert not os.path.exists(tables.table_path(tables.PACKAGE_DIR, 2))
+    assert package_table() == before
 
 
 @cpu_only
@@ -258,13 +266,17 @@ def test_tune_on_two_cpu_ranks_writes_a_sweep_and_a_table_the_loader_accepts(tmp
     with open(out / "tune_w2_bf16.json") as f:
         sweep = json.load(f)
     assert sweep["header"]["world_size"] == 2 and sweep["header"]["commit"] and sweep["header"]["stopped"] is None
+    knobs = sweep["header"]["derived_knobs"]
     methods = {"allreduce": tune.ALLREDUCE_CHAIN + ("nccl",), "fused": tune.FUSED_CHAIN,
                "quant": ("exact",) + tune.CODECS}
     expected = {(name, size, m) for name, ms in methods.items() for size in (8 * KiB, 16 * KiB) for m in ms}
+    # The fused LL kernel is measured where "auto" can take it: up to the LL_MAX_BYTES that the
+    # all-reduce sweep derived (from wall clock here), or the default.
+    ll_max = knobs.get("LL_MAX_BYTES", P.for_world(P.LL_MAX_BYTES, 2))
+    expected -= {("fused", size, "oneshot_ll") for size in (8 * KiB, 16 * KiB) if size > ll_max}
     records = sweep["records"]
     assert sorted((r["sweep"], r["size_bytes"], r["method"]) for r in records) == sorted(expected)
     assert all(r["correct"] is (None if r["method"] == "nccl" else True) for r in records)  # NCCL: timed only
-    knobs = sweep["header"]["derived_knobs"]
     assert f"Derived knobs (W=2): {json.dumps(knobs)}" in (out / "tune_w2_bf16.md").read_text()
     path = tables.table_path(str(table_dir), 2)
     if not knobs:  # no crossover inside 8-16 KiB this time

@@ -5,10 +5,11 @@ rank has identically, so every rank launches the identical grid (DESIGN.md 2.5).
 
 The GPU thresholds, CTA counts, tile size and warps were set from the 4x H200 sweep
 (scripts/tune_allreduce.py, W=4 bf16; the knob notes below and benchmarks/NOTES.md), within
-H200's limits (132 SMs). W=2 and W=8 keep the W=4 values until measured there.
+H200's limits (132 SMs).
 
 The size thresholds keyed by world size (ONESHOT_MAX_BYTES, LL_MAX_BYTES,
-FUSED_ONESHOT_MAX_BYTES, FUSED_TWOSHOT_MAX_BYTES) are the defaults: a measured table
+FUSED_ONESHOT_MAX_BYTES, FUSED_LL_MAX_BYTES, FUSED_TWOSHOT_MAX_BYTES) are the defaults
+(W=4's, reused at W=2 and W=8 until measured there): a measured table
 ``tpfuse/comm/tables/w{W}.json`` (``tpfuse tune --write-table`` on a W-GPU machine) replaces
 them for that W when tpfuse.comm is imported (``tpfuse.comm.tables``).
 """
@@ -189,8 +190,8 @@ class AllReducePlan:
 # The fused kernels (tpfuse.kernels.fused) take the norm's tile shape and warps, fixed by
 # (N, dtype) (NormConfig), so only the algorithm and the grid are chosen here. Set from
 # `tpfuse bench fused` on 4x H200 (W=4 bf16, benchmarks/NOTES.md); W=2 and W=8 keep W=4's
-# until measured: W reads tables/w{W}.json when it exists (FUSED_ONESHOT_MAX_BYTES and
-# FUSED_TWOSHOT_MAX_BYTES, measured at hidden 4096 bf16 by `tpfuse tune`).
+# until measured: W reads tables/w{W}.json when it exists (FUSED_ONESHOT_MAX_BYTES,
+# FUSED_LL_MAX_BYTES and FUSED_TWOSHOT_MAX_BYTES, measured at hidden 4096 bf16 by `tpfuse tune`).
 #
 # FUSED_ONESHOT_MAX_BYTES: largest message (x's bytes) "auto" sends to the fused one-shot
 #   kernel, by world size (other sizes: W=8's), and only for hidden sizes whose norm tile
@@ -200,11 +201,15 @@ class AllReducePlan:
 #   split for 1-32 tokens, 1.03x at 64; hidden 8192, 4 vectors per thread, 0.97x at 1 token).
 #   bf16 rows of 49152-65536 held narrow have 8 vectors per thread, so above LL_MAX_BYTES
 #   they go to split (their chunked tiles had 1 at 49152-65535; not measured either way).
-# FUSED_ONESHOT_LL: whether "auto" takes the fused one-shot for messages that go over LL
-#   (up to LL_MAX_BYTES), whatever FUSED_ONESHOT_MAX_VECTORS says: that kernel spreads each
-#   row over several CTAs (commit d9ff098: hidden 4096, 1-16 tokens, fused 5.2-8.0 us, split
-#   5.5-8.6; hidden 8192, 1 token, 5.9 vs 6.6). Above LL_MAX_BYTES the flag kernel and the
-#   vectors rule apply (hidden 4096, 32 tokens: 9.7 vs 10.5 us).
+# FUSED_LL_MAX_BYTES: largest message the fused one-shot sends over LL, by world size (and
+#   never above LL_MAX_BYTES or the workspace's LL regions, which it uses); "auto" takes the
+#   fused one-shot for these whatever FUSED_ONESHOT_MAX_VECTORS says: that kernel spreads each
+#   row over several CTAs (commit d9ff098, W=4: hidden 4096, 1-16 tokens, fused 5.2-8.0 us,
+#   split 5.5-8.6; hidden 8192, 1 token, 5.9 vs 6.6). Above it the flag kernel and the vectors
+#   rule apply (W=4, hidden 4096, 32 tokens: 9.7 vs 10.5 us). A knob of its own because the
+#   fused LL kernel stops paying before the all-reduce's does: W=2 (`tpfuse tune` at 4c797ca),
+#   the all-reduce over LL wins to 256 KiB (5.5 us vs flags 6.2), the fused LL kernel at 256 KiB
+#   (32 tokens) took 9.1 us against split's 7.7.
 # FUSED_TWOSHOT_MAX_BYTES: largest message "auto" sends to the fused two-shot kernel (0: never;
 #   it measured 0.91-0.98x of split from 128 to 1024 tokens).
 #   Above both, "split" (tpfuse all_reduce, then add_rms_norm: the same bits).
@@ -214,7 +219,7 @@ class AllReducePlan:
 #   H200's 132 SMs at one CTA per SM.
 FUSED_ONESHOT_MAX_BYTES = {2: 512 * KiB, 4: 512 * KiB, 8: 128 * KiB}
 FUSED_ONESHOT_MAX_VECTORS = 2
-FUSED_ONESHOT_LL = True
+FUSED_LL_MAX_BYTES = {2: 128 * KiB, 4: 128 * KiB, 8: 64 * KiB}  # LL_MAX_BYTES's defaults
 FUSED_TWOSHOT_MAX_BYTES = {2: 0, 4: 0, 8: 0}
 FUSED_MAX_CTAS = 128 if not INTERPRETER else 4
 FUSED_HIDDEN_MULTIPLE = 16
@@ -251,8 +256,8 @@ class FusedPlan:
     @classmethod
     def from_shape(cls, n_rows: int, n: int, world_size: int, dtype: torch.dtype, layout: WorkspaceLayout | None,
                    algo: str = "auto") -> "FusedPlan":
-        """"auto" picks one-shot up to FUSED_ONESHOT_MAX_BYTES (over LL when FUSED_ONESHOT_LL;
-        above LL for hidden sizes with at most FUSED_ONESHOT_MAX_VECTORS vectors per thread),
+        """"auto" picks one-shot up to FUSED_ONESHOT_MAX_BYTES (over LL up to FUSED_LL_MAX_BYTES;
+        above it for hidden sizes with at most FUSED_ONESHOT_MAX_VECTORS vectors per thread),
         two-shot up to FUSED_TWOSHOT_MAX_BYTES, else "split" (also when the workspace cannot
         hold the message, or n is not a multiple of FUSED_HIDDEN_MULTIPLE). An explicit
         "oneshot" or "twoshot" that cannot serve the shape raises ValueError."""
@@ -277,11 +282,11 @@ class FusedPlan:
                 "twoshot": rows_per_group["twoshot"] * n * esize <= layout.twoshot_slot_bytes}
         if n_rows * n > MAX_ELEMENTS:
             fits = {"oneshot": False, "twoshot": False}
-        over_ll = uses_ll(nbytes, world_size, layout)
+        over_ll = uses_ll(nbytes, world_size, layout) and nbytes <= for_world(FUSED_LL_MAX_BYTES, world_size)
         if algo == "auto":
             vectors_per_thread = cfg.rows * cfg.block_n * esize // 16 / (cfg.num_warps * 32)
             if (nbytes <= for_world(FUSED_ONESHOT_MAX_BYTES, world_size) and fits["oneshot"]
-                    and (FUSED_ONESHOT_LL if over_ll else vectors_per_thread <= FUSED_ONESHOT_MAX_VECTORS)):
+                    and (over_ll or vectors_per_thread <= FUSED_ONESHOT_MAX_VECTORS)):
                 algo = "oneshot"
             elif nbytes <= for_world(FUSED_TWOSHOT_MAX_BYTES, world_size) and fits["twoshot"]:
                 algo = "twoshot"

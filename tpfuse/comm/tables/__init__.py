@@ -10,7 +10,8 @@ A table file::
 
     {"world_size": 2,
      "knobs": {"ONESHOT_MAX_BYTES": 524288, "LL_MAX_BYTES": 131072,
-               "FUSED_ONESHOT_MAX_BYTES": 524288, "FUSED_TWOSHOT_MAX_BYTES": 0,
+               "FUSED_ONESHOT_MAX_BYTES": 524288, "FUSED_LL_MAX_BYTES": 131072,
+               "FUSED_TWOSHOT_MAX_BYTES": 0,
                "QUANT_MIN_BYTES": {"int4": 2097152, "int6": 4194304, "int8": 4194304, "fp8": null}},
      "provenance": {"gpu": "...", "date": "...", "commit": "...", "sweep": "tune_w2_bf16.json"}}
 
@@ -37,7 +38,8 @@ from tpfuse.reference import QUANT_CODECS
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 ENV_DIR = "TPFUSE_TABLE_DIR"
-SIZE_KNOBS = ("ONESHOT_MAX_BYTES", "LL_MAX_BYTES", "FUSED_ONESHOT_MAX_BYTES", "FUSED_TWOSHOT_MAX_BYTES")
+SIZE_KNOBS = ("ONESHOT_MAX_BYTES", "LL_MAX_BYTES", "FUSED_ONESHOT_MAX_BYTES", "FUSED_LL_MAX_BYTES",
+              "FUSED_TWOSHOT_MAX_BYTES")
 """Knobs of tpfuse.comm.plan: {world size: bytes}."""
 QUANT_KNOB = "QUANT_MIN_BYTES"
 """The knob of tpfuse.comm.quant_plan: {codec: {world size: bytes or None}}."""
