@@ -24,8 +24,9 @@ import torch.distributed as dist
 
 import tpfuse.comm  # noqa: F401  (sets the no-multicast environment before ranks are spawned)
 from tpfuse import reference
-from tpfuse.bench.common import (DTYPES, KiB, SymmMemAllReduce, collective_graph_us, fmt_size, header_markdown,
-                                 init_rank, random_inputs, rotation, run_header, run_workers, same_bits, write_results)
+from tpfuse.bench.common import (DTYPES, KiB, SymmMemAllReduce, collective_graph_us, collective_header, fmt_size,
+                                 header_markdown, init_rank, random_inputs, rotation, run_workers, same_bits,
+                                 write_results)
 
 SIZES = [4 * KiB << i for i in range(17)]  # 4 KiB .. 256 MiB
 METHODS = ["nccl", "symm_oneshot", "symm_twoshot", "tpfuse_auto", "tpfuse_oneshot", "tpfuse_twoshot"]
@@ -135,7 +136,7 @@ def _gpu_worker(rank: int, world: int, port: int | None, opts: dict) -> None:
         wrong = [f"{fmt_size(r['size_bytes'])} {r['method']}" for r in records
                  if r["method"].startswith("tpfuse") and not r["bitwise"]]
         if rank == 0:
-            header = run_header() | {"world_size": world, "dtype": opts["dtype"], "tpfuse_max_bytes": max_bytes}
+            header = collective_header(world) | {"dtype": opts["dtype"], "tpfuse_max_bytes": max_bytes}
             md = _markdown(records, header, world, opts["dtype"], max_bytes)
             print(md)
             name = f"allreduce_w{world}_{opts['dtype']}"

@@ -65,6 +65,14 @@ def run_header() -> dict:
     return header
 
 
+def collective_header(world: int) -> dict:
+    """``run_header`` and what a collective's timings depend on beyond the commit: the world
+    size and the plan knobs in effect there (the defaults, or a table's: tpfuse.comm.tables)."""
+    from tpfuse.comm import tables
+
+    return run_header() | {"world_size": world, "plan_knobs": tables.effective_knobs(world)}
+
+
 def graph_time_us(fn: Callable[[int], object], calls_per_graph: int = 20, repeats: int = 5,
                   min_replay_ms: float = 20.0, stream: torch.cuda.Stream | None = None, *,
                   agree: Callable[[float], float] | None = None, capture_error_mode: str = "global") -> float:

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 import tpfuse
 from tpfuse import reference
-from tpfuse.bench.common import (collective_graph_us, header_markdown, init_rank, layer_inputs, rotation, run_header,
-                                 run_workers, same_bits, write_results)
+from tpfuse.bench.common import (collective_graph_us, collective_header, header_markdown, init_rank, layer_inputs,
+                                 rotation, run_workers, same_bits, write_results)
 
 DECODE = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 PREFILL = [512, 1024, 2048, 4096, 8192, 16384]
@@ -115,7 +115,7 @@ def _gpu_worker(rank: int, world: int, port: int | None, opts: dict) -> None:
                         if (r["tokens"], r["hidden"]) == (tokens, hidden)), flush=True)
         wrong = [f"{r['tokens']}x{r['hidden']} {r['method']}" for r in records if not r["bitwise"]]
         if rank == 0:
-            header = run_header() | {"world_size": world, "dtype": "bf16", "tpfuse_max_bytes": max_bytes}
+            header = collective_header(world) | {"dtype": "bf16", "tpfuse_max_bytes": max_bytes}
             md = _markdown(records, header, world)
             print(md)
             print("wrote " + ", ".join(write_results(opts["out"], f"fused_w{world}_bf16", header, records, md)))

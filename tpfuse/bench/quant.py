@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from tpfuse import reference
-from tpfuse.bench.common import (DTYPES, KiB, MiB, agreed_max, fmt_size, graph_time_us, header_markdown, init_rank,
-                                 random_inputs, rotation, run_header, same_bits, write_results)
+from tpfuse.bench.common import (DTYPES, KiB, MiB, agreed_max, collective_header, fmt_size, graph_time_us,
+                                 header_markdown, init_rank, random_inputs, rotation, same_bits, write_results)
 
 QUANT_SIZES = [MiB << i for i in range(10)]  # 1 MiB .. 512 MiB
 CODECS = list(reference.QUANT_CODECS)
@@ -154,7 +154,7 @@ def gpu_worker(rank: int, world: int, port: int | None, opts: dict) -> None:
         over = [f"{fmt_size(r['size_bytes'])} {r['method']} {100 * r['rel_err']:.2f}%" for r in records
                 if _quantized(r["method"]) and r["rel_err"] > reference.QUANT_ERROR_BUDGET[_quantized(r["method"])]]
         if rank == 0:
-            header = run_header() | {"world_size": world, "dtype": opts["dtype"], "tpfuse_max_bytes": max_bytes,
+            header = collective_header(world) | {"dtype": opts["dtype"], "tpfuse_max_bytes": max_bytes,
                                      "quant_max_bytes": quant_max_bytes, "input": "gaussian"}
             md = _markdown(records, header, world, opts["dtype"], max_bytes, quant_max_bytes)
             print(md)
