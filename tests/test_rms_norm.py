@@ -124,20 +124,39 @@ def test_fused_and_separate_dw_combine_give_the_same_bits(m, n):
     """The plan's in-kernel combine (the tree, or column programs: n=3000 with 5 or 32
     partials) against the separate launch, twice in a row: the in-kernel counters must be
     back at zero after each call. On GPU also rows in two pieces (5120, 10240; at 300 rows
-    one wave of partials, combined by the separate launch over columns of 256), with the
+    and 4096 rows a short call's partials, combined by the separate launch over columns of 256), with the
     weight re-read (16384), and chunked rows (20000: the separate launch from two rows on),
     whose layouts the interpreter does not have."""
     columns = ((n in (3000, 4096, 5120) and m in (5, 64))  # few partials
                or (n in (10240, 16384) and m > 1))  # rows over 8192 in one chunk: columns from 2 partials
-    launch = (n == 20000 and m > 1) or (n == 5120 and m == 300)  # chunked rows; one wave on rows of 8-20 KiB
+    launch = (n == 20000 and m > 1) or (n == 5120 and m in (300, 4096))  # chunked rows; short calls, rows of 8-20 KiB
     expected = "launch" if launch else "columns" if columns else "tree"
     assert DwPlan.from_shape(m, n, torch.bfloat16).combine == expected
     _check_combines_agree(m, n)
 
 
+# Short calls (257-4096 rows of up to 8192 elements), the sweep's best at M=1024-4096:
+# (dtype, M, N) -> (partials, combine, columns per combine program).
+SHORT_CALL_PLANS = [
+    ((torch.bfloat16, 1024, 4096), (128, "tree", 256)), ((torch.bfloat16, 4096, 4096), (256, "tree", 256)),
+    ((torch.bfloat16, 2048, 5120), (256, "launch", 256)), ((torch.bfloat16, 4096, 6144), (256, "launch", 256)),
+    ((torch.bfloat16, 4096, 7168), (128, "launch", 256)), ((torch.bfloat16, 2048, 8192), (128, "launch", 256)),
+    ((torch.float32, 2048, 2880), (256, "columns", 256)), ((torch.float32, 4096, 5120), (128, "columns", 256)),
+    ((torch.float32, 2048, 7168), (128, "tree", 256)), ((torch.float32, 4096, 8192), (128, "tree", 256)),
+    # outside: wider rows (few wide rows: 128 partials by columns of 1024), more rows (the M=32768 rule)
+    ((torch.bfloat16, 4096, 10240), (128, "columns", 1024)), ((torch.bfloat16, 8192, 7168), (256, "tree", 1024)),
+]
+
+
+@pytest.mark.parametrize("shape, plan", SHORT_CALL_PLANS)
+def test_short_call_plans(shape, plan):
+    p = DwPlan.from_shape(*shape[1:], shape[0])
+    assert (p.num_partials, p.combine, p.combine_block) == plan
+
+
 @pytest.mark.parametrize("dtype, n, combine", [(torch.bfloat16, 5120, "launch"), (torch.float32, 2880, "columns")])
 def test_one_wave_of_partials_combined_over_columns_of_256(dtype, n, combine, monkeypatch):
-    """The one-wave plan on rows of 8-20 KiB (from 257 rows, too slow for the interpreter:
+    """The short-call plan on rows of 8-20 KiB (from 257 rows, too slow for the interpreter:
     here from 9 rows, with at most 4 partials): the separate launch for 16-bit rows, column
     programs in the backward's launch for fp32."""
     monkeypatch.setattr(norm_dw, "_FEW_ROWS_MAX_PARTIALS", 4)

@@ -36,29 +36,37 @@ from tpfuse.kernels.norm import NormConfig
 # M=4096 63.0 vs 72.2; N=16384 M=1024 41.5 vs 51.3, M=4096 121.1 vs 129.9; N=4096 (8 KiB
 # rows) gained at M=1024 only, 17.2 vs 18.6, and lost from M=2048).
 _MAX_DW_PARTIALS = 256
-# From 257 to 1024 rows of up to 8192 elements, 128 partials too (one wave), combined on rows
-# of 8 KiB to 20 KiB over columns of 256, by the separate launch for 16-bit rows and by
-# in-kernel column programs for fp32 rows, and by the tree otherwise (longer rows, swept
-# before, keep the rule for few wide rows). H200, us, 256 partials and the rules below ->
-# this (scripts/tune_norm.py dw, benchmarks/NOTES.md 2026-11-24), M=1024: bf16 N=2048 10.6
+# Short calls, 257 to 4096 rows of up to 8192 elements: up to 1024 rows 128 partials (one
+# wave), above it 128 for rows of over 12 KiB and 256 for shorter ones; rows of 8 KiB to
+# 20 KiB combined over columns of 256, by the separate launch for 16-bit rows and by in-kernel
+# column programs for fp32 rows, and by the tree otherwise (fp32 rows of over 20 KiB too).
+# H200, us, 256 partials and the rules below -> this (scripts/tune_norm.py dw,
+# benchmarks/NOTES.md 2026-11-24), M=1024: bf16 N=2048 10.6
 # -> 8.9, N=2880 15.0 -> 13.6, N=4096 17.3 -> 15.0, N=5120 24.1 -> 17.2, N=7168 29.7 ->
 # 19.5, N=8192 (128 by columns of 1024) 23.6 -> 21.8; fp32 N=2880 19.5 -> 17.1, N=4096 22.4
 # -> 21.8, N=5120 26.5 -> 25.1, N=7168 37.5 -> 32.9, N=8192 40.5 -> 36.6. The separate
 # launch against the in-kernel columns, both over 256 columns, in `tpfuse bench norm`
 # (autograd, us): bf16 N=5120 19.5 vs 22.5, N=7168 20.6 vs 21.4, N=8192 22.2 vs 23.0; fp32
 # N=2880 22.1 vs 20.8, N=5120 26.6 vs 25.0 (the sweep had them even: 17.3 vs 17.3 at fp32
-# N=2880). fp16 takes bf16's rule, unmeasured. At M=4096 256 partials by the tree stayed
-# best at N <= 5120.
+# N=2880). fp16 takes bf16's rule, unmeasured. M=2048 and 4096 (the sweep, us, the rules
+# before -> this): bf16 N=4096 unchanged (256 by the tree); N=5120 34.7 -> 31.2 and 50.8 ->
+# 48.0, N=6144 38.9 -> 34.6 and 57.9 -> 53.2 (256 partials); N=7168 42.7 -> 33.7 and 68.2 ->
+# 58.0, N=8192 37.2 -> 35.5 and 63.5 -> 61.9 (128); fp32 N=2880 32.6 -> 30.5 and 51.0 -> 49.1
+# (256), N=5120 42.2 -> 40.7 and 74.2 -> 72.7, N=7168 62.7 -> 54.4 and 113.9 -> 99.3, N=8192
+# 69.1 -> 61.7 and 125.0 -> 114.9 (128). Each was the sweep's best of 32-256 partials by
+# tree, columns or launch, over 256 or 1024 columns, but bf16 N=6144 at M=2048 (columns of
+# 256, 33.5).
+_SHORT_MAX_N = 8192
 _ONE_WAVE_ROWS = 1024
-_ONE_WAVE_MAX_N = 8192
-_ONE_WAVE_COLUMNS_ROW_BYTES = (8 * 1024, 20 * 1024)  # over the first, up to the second
-_ONE_WAVE_COMBINE_BLOCK = 256
+_SHORT_FEWER_PARTIALS_ROW_BYTES = 12 * 1024  # over _ONE_WAVE_ROWS: 128 partials for rows over this
+_SHORT_COLUMNS_ROW_BYTES = (8 * 1024, 20 * 1024)  # over the first, up to the second
+_SHORT_COMBINE_BLOCK = 256
 _FEW_ROWS = 4096
 _FEW_ROWS_MIN_ROW_BYTES = 16 * 1024
 _FEW_ROWS_MAX_PARTIALS = 128
 _MIN_DW_PARTIALS = 16
 _DW_GROUP_SIZE = 16
-_COMBINE_BLOCK = 1024  # DwPlan.combine_block, but for one wave
+_COMBINE_BLOCK = 1024  # DwPlan.combine_block, but for short calls
 # Chunked rows (N > 16384, norm_bwd_chunked) take a program per (partial, chunk), about
 # _CHUNKED_BWD_PROGRAMS of them.
 _CHUNKED_BWD_PROGRAMS = 512
@@ -83,7 +91,7 @@ class DwPlan:
     - "columns": ``num_combine_programs`` extra programs, one per ``combine_block``
       columns, wait for every partial row and sum their columns (``_combine_when_done``).
     - "launch": the separate combine launch, ``dw_combine`` (chunked rows of more than
-      one partial; one wave of partials on 16-bit rows of 8-20 KiB).
+      one partial; short calls on 16-bit rows of 8-20 KiB).
 
     Depends on (M, N, dtype) only.
     """
@@ -104,11 +112,14 @@ class DwPlan:
         cfg = NormConfig.from_shape(n, dtype)
         row_bytes = n * dtype.itemsize
         few_wide_rows = cfg.bwd_num_chunks == 1 and m <= _FEW_ROWS and row_bytes >= _FEW_ROWS_MIN_ROW_BYTES
-        one_wave = 2 * _FEW_ROWS_MAX_PARTIALS < m <= _ONE_WAVE_ROWS and n <= _ONE_WAVE_MAX_N
+        short = 2 * _FEW_ROWS_MAX_PARTIALS < m <= _FEW_ROWS and n <= _SHORT_MAX_N
         if cfg.bwd_num_chunks > 1:  # a program per (partial, chunk): as many programs from fewer partials
             max_partials = max(1, _CHUNKED_BWD_PROGRAMS // cfg.bwd_num_chunks)
+        elif short:
+            fewer = m <= _ONE_WAVE_ROWS or row_bytes > _SHORT_FEWER_PARTIALS_ROW_BYTES
+            max_partials = _FEW_ROWS_MAX_PARTIALS if fewer else _MAX_DW_PARTIALS
         else:
-            max_partials = _FEW_ROWS_MAX_PARTIALS if one_wave or few_wide_rows else _MAX_DW_PARTIALS
+            max_partials = _FEW_ROWS_MAX_PARTIALS if few_wide_rows else _MAX_DW_PARTIALS
         num_partials = max(1, min(max_partials, max(min(m, _MIN_DW_PARTIALS), m // 2)))
         rows_per_partial = triton.cdiv(triton.cdiv(m, num_partials), cfg.bwd_rows) * cfg.bwd_rows
         num_partials = triton.cdiv(m, rows_per_partial)
@@ -128,12 +139,12 @@ class DwPlan:
             combine = "tree"
         elif cfg.bwd_num_chunks > 1:
             combine = "launch"
-        elif one_wave:
-            if _ONE_WAVE_COLUMNS_ROW_BYTES[0] < row_bytes <= _ONE_WAVE_COLUMNS_ROW_BYTES[1]:
+        elif short:
+            if _SHORT_COLUMNS_ROW_BYTES[0] < row_bytes <= _SHORT_COLUMNS_ROW_BYTES[1]:
                 combine = "columns" if dtype == torch.float32 else "launch"
             else:
                 combine = "tree"
-            combine_block = _ONE_WAVE_COMBINE_BLOCK
+            combine_block = _SHORT_COMBINE_BLOCK
         elif n <= 2048 or (n <= 8192 and num_partials >= 128 and not few_wide_rows):
             combine = "tree"
         else:
