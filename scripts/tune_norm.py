@@ -21,7 +21,7 @@ import sys
 import torch
 import triton
 
-from tpfuse.bench.common import copy_bandwidth_gbps, graph_time_us
+from tpfuse.bench.common import copy_bandwidth_gbps, graph_time_us, rotation
 from tpfuse.kernels import norm, norm_bwd_chunked, norm_dw
 from tpfuse.kernels.norm import NormConfig, rms_norm_fwd
 from tpfuse.kernels.norm_bwd import rms_norm_bwd
@@ -65,14 +65,17 @@ def check_bwd(x, dy, w, dx, dw):
             and (dw is None or torch.allclose(dw.float(), ref_dw, rtol=2e-2, atol=2e-2 * ref_dw.abs().max().item())))
 
 
-def time_checked_bwd(x, dy, w, dx, dw, fused_combine=True):
+def time_checked_bwd(x, dy, w, dx, dw, fused_combine=True, sets=1):
     """(us per call, whether dx and dW were right) of the backward under the current config;
-    dx and dW are poisoned first."""
-    dx.fill_(float("nan"))
+    dx and dW are poisoned first. sets > 1: x, dy, dx are lists of that many input sets,
+    rotated through (as `tpfuse bench norm` does), so small shapes are not timed from L2."""
+    xs, dys, dxs = (t if sets > 1 else [t] for t in (x, dy, dx))
+    dxs[0].fill_(float("nan"))
     dw.fill_(float("nan"))
-    rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0, fused_combine=fused_combine)
-    ok = check_bwd(x, dy, w, dx, dw)
-    return graph_time_us(lambda i: rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0, fused_combine=fused_combine)), ok
+    rms_norm_bwd(dys[0], xs[0], w, dxs[0], dw, 1e-6, 0.0, fused_combine=fused_combine)
+    ok = check_bwd(xs[0], dys[0], w, dxs[0], dw)
+    return graph_time_us(lambda i: rms_norm_bwd(dys[i % sets], xs[i % sets], w, dxs[i % sets], dw, 1e-6, 0.0,
+                                                fused_combine=fused_combine)), ok
 
 
 def tune_bwd(copy):
@@ -156,17 +159,19 @@ DW_CASES = ",".join(f"{d}:{m}:{n}" for (d, m), n in itertools.product(
 def tune_dw(copy, cases=DW_CASES):
     """dW plans at small M: partials (of whole backward tiles) x combine ("tree"; "columns"
     on column blocks of 256 or 1024; "launch", the separate combine, on the same blocks) per
-    case, dtype:M:N,... (dw=CASES on the command line)."""
+    case, dtype:M:N,... (dw=CASES on the command line). Inputs rotate as in `tpfuse bench norm`."""
     base_plan = DwPlan.from_shape
     for case in cases.split(","):
         dname, m, n = case.split(":")
         dt, m, n = {"bf16": torch.bfloat16, "fp32": torch.float32}[dname], int(m), int(n)
-        x = torch.randn(m, n, device="cuda", dtype=dt)
-        dy, w = torch.randn_like(x), torch.randn(n, device="cuda", dtype=dt)
-        dx, dw = torch.empty_like(x), torch.empty_like(w)
+        sets = rotation(3 * m * n * dt.itemsize)
+        x = [torch.randn(m, n, device="cuda", dtype=dt) for _ in range(sets)]
+        dy, dx = [torch.randn_like(t) for t in x], [torch.empty_like(t) for t in x]
+        w = torch.randn(n, device="cuda", dtype=dt)
+        dw = torch.empty_like(w)
         base = base_plan(m, n, dt)
         tile_rows = base_from_shape(n, dt).bwd_rows
-        us, ok = time_checked_bwd(x, dy, w, dx, dw)
+        us, ok = time_checked_bwd(x, dy, w, dx, dw, sets=sets)
         print(f"dw {str(dt)[6:]} M={m} N={n} plan partials={base.num_partials} {base.combine} "
               f"{us:.1f}us{'' if ok else ' WRONG'}", flush=True)
         combines = ["tree", "columns256", "columns1024", "launch256", "launch1024"]
@@ -177,7 +182,7 @@ def tune_dw(copy, cases=DW_CASES):
                                        combine="tree" if combine == "tree" else "columns",
                                        num_combine_programs=-(-n // block), combine_block=block)
             DwPlan.from_shape = staticmethod(lambda m_, n_, d_, plan=plan: plan)
-            us, ok = time_checked_bwd(x, dy, w, dx, dw, fused_combine=not combine.startswith("launch"))
+            us, ok = time_checked_bwd(x, dy, w, dx, dw, fused_combine=not combine.startswith("launch"), sets=sets)
             DwPlan.from_shape = staticmethod(base_plan)
             print(f"  partials={plan.num_partials} rows={rows} {combine} {us:.1f}us "
                   f"{pct(3 * m * n * dt.itemsize, us, copy):.0f}%{'' if ok else ' WRONG'}", flush=True)
