@@ -65,11 +65,12 @@ def check_bwd(x, dy, w, dx, dw):
             and (dw is None or torch.allclose(dw.float(), ref_dw, rtol=2e-2, atol=2e-2 * ref_dw.abs().max().item())))
 
 
-def time_checked_bwd(x, dy, w, dx, dw, fused_combine=True, sets=1):
+def time_checked_bwd(x, dy, w, dx, dw, fused_combine=True):
     """(us per call, whether dx and dW were right) of the backward under the current config;
-    dx and dW are poisoned first. sets > 1: x, dy, dx are lists of that many input sets,
-    rotated through (as `tpfuse bench norm` does), so small shapes are not timed from L2."""
-    xs, dys, dxs = (t if sets > 1 else [t] for t in (x, dy, dx))
+    dx and dW are poisoned first. x, dy, dx may be lists of input sets, rotated through (as
+    `tpfuse bench norm` does), so small shapes are not timed from L2."""
+    xs, dys, dxs = (t if isinstance(t, list) else [t] for t in (x, dy, dx))
+    sets = len(xs)
     dxs[0].fill_(float("nan"))
     dw.fill_(float("nan"))
     rms_norm_bwd(dys[0], xs[0], w, dxs[0], dw, 1e-6, 0.0, fused_combine=fused_combine)
@@ -171,7 +172,7 @@ def tune_dw(copy, cases=DW_CASES):
         dw = torch.empty_like(w)
         base = base_plan(m, n, dt)
         tile_rows = base_from_shape(n, dt).bwd_rows
-        us, ok = time_checked_bwd(x, dy, w, dx, dw, sets=sets)
+        us, ok = time_checked_bwd(x, dy, w, dx, dw)
         print(f"dw {str(dt)[6:]} M={m} N={n} plan partials={base.num_partials} {base.combine} "
               f"{us:.1f}us{'' if ok else ' WRONG'}", flush=True)
         combines = ["tree", "columns256", "columns1024", "launch256", "launch1024"]
@@ -182,7 +183,7 @@ def tune_dw(copy, cases=DW_CASES):
                                        combine="tree" if combine == "tree" else "columns",
                                        num_combine_programs=-(-n // block), combine_block=block)
             DwPlan.from_shape = staticmethod(lambda m_, n_, d_, plan=plan: plan)
-            us, ok = time_checked_bwd(x, dy, w, dx, dw, fused_combine=not combine.startswith("launch"), sets=sets)
+            us, ok = time_checked_bwd(x, dy, w, dx, dw, fused_combine=not combine.startswith("launch"))
             DwPlan.from_shape = staticmethod(base_plan)
             print(f"  partials={plan.num_partials} rows={rows} {combine} {us:.1f}us "
                   f"{pct(3 * m * n * dt.itemsize, us, copy):.0f}%{'' if ok else ' WRONG'}", flush=True)
