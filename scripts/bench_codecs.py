@@ -30,14 +30,16 @@ def _gbps(fn, nbytes: int) -> float:
     return nbytes / ms / 1e6
 
 
-def measure(mib: int) -> list[dict]:
+def measure(mib: int, tile: int | None = None, warps: int | None = None) -> list[dict]:
     n = mib * (1 << 20) // 2
     x = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     y = torch.empty_like(x)
     rows = [{"codec": "copy", "encode_gbps": _gbps(lambda: y.copy_(x), 2 * x.nbytes)}]
     variants = [(c, True) for c in reference.QUANT_CODECS] + [("fp8", False)]
+    launch = {k: v for k, v in (("TILE_ELEMS", tile), ("NUM_WARPS", warps)) if v}
     for codec, hw in variants:
-        with mock.patch.object(codecs, "hardware_e4m3", lambda device, hw=hw: hw and codec == "fp8"):
+        with mock.patch.object(codecs, "hardware_e4m3", lambda device, hw=hw: hw and codec == "fp8"), \
+                mock.patch.multiple(codecs, **launch):
             packed = codecs.quantize(x, codec)
             nbytes = x.nbytes + packed.nbytes
             enc = _gbps(lambda: codecs.quantize_into(x, packed, codec), nbytes)  # noqa: B023
@@ -53,12 +55,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mib", type=int, default=256, help="bf16 input size in MiB")
     ap.add_argument("--out", default=None, help="directory for codecs.json and codecs.md")
+    ap.add_argument("--tile", type=int, default=None,
+                    help="elements per program instead of codecs.TILE_ELEMS (the all-reduce's tiles are 8192-16384)")
+    ap.add_argument("--warps", type=int, default=None, help="warps per program instead of codecs.NUM_WARPS")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_codecs needs a CUDA GPU", file=sys.stderr)
         return 2
-    rows = measure(args.mib)
-    header = run_header()
+    rows = measure(args.mib, args.tile, args.warps)
+    header = run_header() | {"tile": args.tile or codecs.TILE_ELEMS, "warps": args.warps or codecs.NUM_WARPS}
     lines = [f"# Codec kernels, {args.mib} MiB of bf16, one GPU", "",
              ", ".join(f"{k}: {v}" for k, v in header.items()), "",
              "| codec | encode GB/s | decode GB/s | bitwise equal to reference |", "|---|---|---|---|"]
