@@ -160,7 +160,8 @@ DW_CASES = ",".join(f"{d}:{m}:{n}" for (d, m), n in itertools.product(
 def tune_dw(copy, cases=DW_CASES):
     """dW plans at small M: partials (of whole backward tiles) x combine ("tree"; "columns"
     on column blocks of 256 or 1024; "launch", the separate combine, on the same blocks) per
-    case, dtype:M:N,... (dw=CASES on the command line). Inputs rotate as in `tpfuse bench norm`."""
+    case, dtype:M:N,... (dw=CASES on the command line); 32-256 partials up to M=4096, 128-1024
+    above. Inputs rotate as in `tpfuse bench norm`."""
     base_plan = DwPlan.from_shape
     for case in cases.split(","):
         dname, m, n = case.split(":")
@@ -176,7 +177,8 @@ def tune_dw(copy, cases=DW_CASES):
         print(f"dw {str(dt)[6:]} M={m} N={n} plan partials={base.num_partials} {base.combine} "
               f"{us:.1f}us{'' if ok else ' WRONG'}", flush=True)
         combines = ["tree", "columns256", "columns1024", "launch256", "launch1024"]
-        for partials, combine in itertools.product([32, 64, 128, 256], combines):
+        counts = [32, 64, 128, 256] if m <= 4096 else [128, 256, 512, 1024]
+        for partials, combine in itertools.product(counts, combines):
             rows = -(-max(1, -(-m // partials)) // tile_rows) * tile_rows
             block = 1024 if combine.endswith("1024") else 256
             plan = dataclasses.replace(base, num_partials=-(-m // rows), rows_per_partial=rows,
