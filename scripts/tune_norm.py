@@ -3,7 +3,7 @@ Not part of the library: it patches ``NormConfig.from_shape`` and the dW partial
 
     python3 scripts/tune_norm.py [bwd|fwd|chunk|dw|fp32|split|bwdsplit[=dtype:N,...] ...] > tune.txt
 
-bwd: tile rows x warps x prefetch x joint reduction per N (M=32768, bf16), then the best
+bwd: tile rows x warps x prefetch x joint reduction per N (M=32768, bf16; bwd=M:N,... picks), then the best
 three per N again with 512 dW partials; fwd: warps x rows per N; chunk: rows too long for
 registers (N=65536): forward chunk bytes x warps, backward programs x warps; dw: dW partials
 x combine mode at small M (dw=dtype:M:N,... picks the shapes); fp32: warps for fp32 rows of 16384 held in registers; split: forward
@@ -79,26 +79,28 @@ def time_checked_bwd(x, dy, w, dx, dw, fused_combine=True):
                                                 fused_combine=fused_combine)), ok
 
 
-def tune_bwd(copy):
-    for n in [256, 512, 1024, 2048, 2880, 4096, 5120, 8192, 16384]:
-        x = torch.randn(M, n, device="cuda", dtype=DT)
+def tune_bwd(copy, cases=",".join(f"{M}:{n}" for n in [256, 512, 1024, 2048, 2880, 4096, 5120, 8192, 16384])):
+    """bf16 backward tiles per shape, M:N,... (bwd=CASES on the command line)."""
+    for case in cases.split(","):
+        m, n = map(int, case.split(":"))
+        x = torch.randn(m, n, device="cuda", dtype=DT)
         dy, w = torch.randn_like(x), torch.randn(n, device="cuda", dtype=DT)
         dx, dw = torch.empty_like(x), torch.empty_like(w)
         base = base_from_shape(n, DT)
-        print(f"bwd N={n} base rows={base.bwd_rows} warps={base.bwd_num_warps} prefetch={base.bwd_prefetch} "
+        print(f"bwd M={m} N={n} base rows={base.bwd_rows} warps={base.bwd_num_warps} prefetch={base.bwd_prefetch} "
               f"joint={base.bwd_joint_reduce}", flush=True)
         timed = []
         for fields in bwd_variants(n):
             use_config(**fields)
             us, ok = time_checked_bwd(x, dy, w, dx, dw)
             timed.append((us, fields))
-            print(f"  {fields} {us:.1f}us {pct(3 * M * n * 2, us, copy):.0f}%{'' if ok else ' WRONG'}", flush=True)
+            print(f"  {fields} {us:.1f}us {pct(3 * m * n * 2, us, copy):.0f}%{'' if ok else ' WRONG'}", flush=True)
         for us, fields in sorted(timed, key=lambda t: t[0])[:3]:
             use_config(**fields)
             norm_dw._MAX_DW_PARTIALS = 512
             us512 = graph_time_us(lambda i: rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0))
             norm_dw._MAX_DW_PARTIALS = 256
-            print(f"  partials 512: {fields} {us512:.1f}us {pct(3 * M * n * 2, us512, copy):.0f}% "
+            print(f"  partials 512: {fields} {us512:.1f}us {pct(3 * m * n * 2, us512, copy):.0f}% "
                   f"(256: {us:.1f}us)", flush=True)
     NormConfig.from_shape = staticmethod(base_from_shape)
 
@@ -303,6 +305,6 @@ if __name__ == "__main__":
         what, _, arg = what.partition("=")
         tune = {"bwd": tune_bwd, "fwd": tune_fwd, "chunk": tune_chunk, "dw": tune_dw, "fp32": tune_fp32,
                 "split": tune_split, "bwdsplit": tune_bwd_split, "wide": tune_wide}[what]
-        if arg and what not in ("bwdsplit", "dw"):
-            sys.exit(f"{what} takes no argument (only bwdsplit=dtype:N,... and dw=dtype:M:N,...)")
+        if arg and what not in ("bwd", "bwdsplit", "dw"):
+            sys.exit(f"{what} takes no argument (only bwd=M:N,..., bwdsplit=dtype:N,... and dw=dtype:M:N,...)")
         tune(copy, arg) if arg else tune(copy)
