@@ -6,7 +6,7 @@ codec's arithmetic costs more than its memory traffic, the all-reduce is compute
 (benchmarks/NOTES.md). On one GPU the standalone kernels show each codec's cost per value
 without the network: GB/s counts the bf16 values read (or written) plus the packed bytes.
 
-    python scripts/bench_codecs.py [--mib 256] [--out DIR]
+    python scripts/bench_codecs.py [--mib 256] [--out DIR] [--tile N] [--warps N]
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def measure(mib: int, tile: int | None = None, warps: int | None = None) -> list
     y = torch.empty_like(x)
     rows = [{"codec": "copy", "encode_gbps": _gbps(lambda: y.copy_(x), 2 * x.nbytes)}]
     variants = [(c, True) for c in reference.QUANT_CODECS] + [("fp8", False)]
-    launch = {k: v for k, v in (("TILE_ELEMS", tile), ("NUM_WARPS", warps)) if v}
+    launch = dict(TILE_ELEMS=tile or codecs.TILE_ELEMS, NUM_WARPS=warps or codecs.NUM_WARPS)
     for codec, hw in variants:
         with mock.patch.object(codecs, "hardware_e4m3", lambda device, hw=hw: hw and codec == "fp8"), \
                 mock.patch.multiple(codecs, **launch):

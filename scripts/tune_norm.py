@@ -79,13 +79,20 @@ def time_checked_bwd(x, dy, w, dx, dw, fused_combine=True):
                                                 fused_combine=fused_combine)), ok
 
 
+def rotated_bwd_inputs(m, n, dt):
+    """x, dy, dx as lists of input sets to rotate through (as `tpfuse bench norm` does, so
+    small shapes are not timed from L2), the weight and dW."""
+    sets = rotation(3 * m * n * dt.itemsize)
+    x = [torch.randn(m, n, device="cuda", dtype=dt) for _ in range(sets)]
+    w = torch.randn(n, device="cuda", dtype=dt)
+    return x, [torch.randn_like(t) for t in x], [torch.empty_like(t) for t in x], w, torch.empty_like(w)
+
+
 def tune_bwd(copy, cases=",".join(f"{M}:{n}" for n in [256, 512, 1024, 2048, 2880, 4096, 5120, 8192, 16384])):
     """bf16 backward tiles per shape, M:N,... (bwd=CASES on the command line)."""
     for case in cases.split(","):
         m, n = map(int, case.split(":"))
-        x = torch.randn(m, n, device="cuda", dtype=DT)
-        dy, w = torch.randn_like(x), torch.randn(n, device="cuda", dtype=DT)
-        dx, dw = torch.empty_like(x), torch.empty_like(w)
+        x, dy, dx, w, dw = rotated_bwd_inputs(m, n, DT)
         base = base_from_shape(n, DT)
         print(f"bwd M={m} N={n} base rows={base.bwd_rows} warps={base.bwd_num_warps} prefetch={base.bwd_prefetch} "
               f"joint={base.bwd_joint_reduce}", flush=True)
@@ -98,7 +105,7 @@ def tune_bwd(copy, cases=",".join(f"{M}:{n}" for n in [256, 512, 1024, 2048, 288
         for us, fields in sorted(timed, key=lambda t: t[0])[:3]:
             use_config(**fields)
             norm_dw._MAX_DW_PARTIALS = 512
-            us512 = graph_time_us(lambda i: rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0))
+            us512, _ = time_checked_bwd(x, dy, w, dx, dw)
             norm_dw._MAX_DW_PARTIALS = 256
             print(f"  partials 512: {fields} {us512:.1f}us {pct(3 * m * n * 2, us512, copy):.0f}% "
                   f"(256: {us:.1f}us)", flush=True)
@@ -168,11 +175,7 @@ def tune_dw(copy, cases=DW_CASES):
     for case in cases.split(","):
         dname, m, n = case.split(":")
         dt, m, n = {"bf16": torch.bfloat16, "fp32": torch.float32}[dname], int(m), int(n)
-        sets = rotation(3 * m * n * dt.itemsize)
-        x = [torch.randn(m, n, device="cuda", dtype=dt) for _ in range(sets)]
-        dy, dx = [torch.randn_like(t) for t in x], [torch.empty_like(t) for t in x]
-        w = torch.randn(n, device="cuda", dtype=dt)
-        dw = torch.empty_like(w)
+        x, dy, dx, w, dw = rotated_bwd_inputs(m, n, dt)
         base = base_plan(m, n, dt)
         tile_rows = base_from_shape(n, dt).bwd_rows
         us, ok = time_checked_bwd(x, dy, w, dx, dw)

@@ -219,12 +219,15 @@ def test_fused_plan_picks_by_size_and_keeps_groups_whole_tiles(monkeypatch):
     assert FusedPlan.from_shape(2, 8192, 4, bf16, ll_layout).algo == "split"  # 32 KiB: flags, 4 vectors
     two = FusedPlan.from_shape(2, 8192, 4, bf16, ll_layout, "oneshot")
     assert two.algo == "oneshot" and not two.ll
-    assert FusedPlan.from_shape(4, 4096, 4, bf16, ll_layout).algo == "oneshot"  # 32 KiB: flags, 2 vectors
-    monkeypatch.setitem(plan.FUSED_LL_MAX_BYTES, 4, 1 << 20)  # LL_MAX_BYTES and the LL regions still bound it
-    assert FusedPlan.from_shape(2, 8192, 4, bf16, ll_layout).ll
-    assert not FusedPlan.from_shape(8, 8192, 4, bf16, ll_layout, "oneshot").ll  # 128 KiB
+    flags = FusedPlan.from_shape(4, 4096, 4, bf16, ll_layout)  # 32 KiB: flags, 2 vectors
+    assert flags.algo == "oneshot" and not flags.ll
+    monkeypatch.setitem(plan.FUSED_LL_MAX_BYTES, 4, 1 << 20)  # the LL regions and LL_MAX_BYTES still bound it
+    monkeypatch.setitem(plan.LL_MAX_BYTES, 4, 1 << 20)
+    assert FusedPlan.from_shape(4, 8192, 4, bf16, ll_layout).ll  # 64 KiB: the LL regions' capacity
+    assert not FusedPlan.from_shape(8, 8192, 4, bf16, ll_layout, "oneshot").ll  # 128 KiB: above it
     monkeypatch.setitem(plan.LL_MAX_BYTES, 4, 16 << 10)
-    assert FusedPlan.from_shape(2, 8192, 4, bf16, ll_layout).algo == "split"
+    assert FusedPlan.from_shape(1, 8192, 4, bf16, ll_layout).ll
+    assert FusedPlan.from_shape(2, 8192, 4, bf16, ll_layout).algo == "split"  # 32 KiB: flags, 4 vectors
     # Hidden sizes off the multiple of 16 take the split path (tests/test_fused_layouts.py says why).
     assert FusedPlan.from_shape(4, 1000, 4, bf16, layout).algo == "split"
     with pytest.raises(ValueError, match="multiple of 16"):

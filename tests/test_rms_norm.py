@@ -155,7 +155,7 @@ def test_short_call_plans(shape, plan):
 
 
 @pytest.mark.parametrize("dtype, n, combine", [(torch.bfloat16, 5120, "launch"), (torch.float32, 2880, "columns")])
-def test_one_wave_of_partials_combined_over_columns_of_256(dtype, n, combine, monkeypatch):
+def test_short_call_combined_over_columns_of_256(dtype, n, combine, monkeypatch):
     """The short-call plan on rows of 8-20 KiB (from 257 rows, too slow for the interpreter:
     here from 9 rows, with at most 4 partials): the separate launch for 16-bit rows, column
     programs in the backward's launch for fp32."""

@@ -11,9 +11,9 @@ message size, bf16, three sweeps, in this order:
   FUSED_ONESHOT_MAX_BYTES, FUSED_TWOSHOT_MAX_BYTES;
 - quantized all-reduce: each codec against the exact path -> QUANT_MIN_BYTES.
 
-Each sweep runs under the knobs the sweeps before it derived (the fused one-shot goes over LL
-where the derived LL_MAX_BYTES says, split and "exact" run the derived all-reduce), so it
-measures what "auto" will do. Timing is ``tpfuse bench``'s (CUDA-graph replay, rotated
+Each sweep runs under the knobs the sweeps before it derived (the fused one-shot over LL is
+timed up to the derived LL_MAX_BYTES, which bounds it, and with flags at every size; split and
+"exact" run the derived all-reduce), so it measures what "auto" will do. Timing is ``tpfuse bench``'s (CUDA-graph replay, rotated
 inputs, slowest rank's median); every timed method's output is first checked bitwise against
 tpfuse.reference (the codecs: against ``reference.quantized_all_reduce``, and their error
 against the codec's budget). A method that fails its check fails the run and no table is
@@ -64,8 +64,9 @@ SWEEPS = ("allreduce", "fused", "quant")
 SMALLEST_ON_TIES = ("oneshot_ll",)
 """Methods whose threshold breaks ties toward the smaller size: LL, in both chains. LL_MAX_BYTES
 also sizes every Communicator's workspace (its LL regions take about 4 * W bytes per byte of
-LL_MAX_BYTES), so sizes where LL is no better than flags go to flags; the fused kernels follow
-suit (FUSED_LL_MAX_BYTES), so the fused chain makes no exception."""
+LL_MAX_BYTES), so sizes where LL is no better than flags go to flags. FUSED_LL_MAX_BYTES sizes
+nothing; the fused chain follows the same rule only so that both chains read alike (a tie is
+within run-to-run noise either way)."""
 
 
 # ---- from timings to knobs (pure functions; timings: {method: {size_bytes: us}})

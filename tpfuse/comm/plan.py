@@ -32,8 +32,9 @@ KiB = 1024
 # algorithms (3-12%); one-shot is flat for 32-128 CTAs and beats two-shot to 512 KiB
 # (256 KiB: 8.6 vs 10.7 us; 1 MiB: 16.6 vs 15.8); two-shot with 128 CTAs was within 0-4% of
 # the per-size best from 256 KiB to 128 MiB (32 MiB: 168.9 us, 298 GB/s, NCCL 177.3; 128 MiB
-# 647 us, NCCL 615). W=2 and W=8 keep the W=4 values until measured there: W reads
-# tables/w{W}.json when it exists (ONESHOT_MAX_BYTES and LL_MAX_BYTES; see tpfuse.comm.tables).
+# 647 us, NCCL 615). The per-world-size thresholds below are W=4's, reused elsewhere, but
+# W reads tables/w{W}.json when it exists (ONESHOT_MAX_BYTES and LL_MAX_BYTES; see
+# tpfuse.comm.tables): W=2 has one, from `tpfuse tune` on 2x H200.
 #
 # ONESHOT_MAX_BYTES: largest message "auto" sends to one-shot, by world size (other sizes:
 #   W=8's). Above it, two-shot.

@@ -34,7 +34,9 @@ from tpfuse.kernels.norm import NormConfig
 # wave on H200's 132 SMs and half the partial bytes (benchmarks/NOTES.md, 2026-11-24; H200
 # bf16, us, 128 partials by columns vs 256 by the rule below: N=8192 M=1024 24.0 vs 32.0,
 # M=4096 63.0 vs 72.2; N=16384 M=1024 41.5 vs 51.3, M=4096 121.1 vs 129.9; N=4096 (8 KiB
-# rows) gained at M=1024 only, 17.2 vs 18.6, and lost from M=2048).
+# rows) gained at M=1024 only, 17.2 vs 18.6, and lost from M=2048). Short calls (below)
+# replaced this rule from 257 rows on rows of up to 8192 elements: it serves M <= 256 and
+# wider rows.
 _MAX_DW_PARTIALS = 256
 # Short calls, 257 to 4096 rows of up to 8192 elements: up to 1024 rows 128 partials (one
 # wave), above it 128 for rows of over 12 KiB and 256 for shorter ones; rows of 8 KiB to
