@@ -4,7 +4,7 @@ Not part of the library: it patches ``NormConfig.from_shape`` and the dW partial
     python3 scripts/tune_norm.py [bwd|fwd|chunk|dw|fp32|split|bwdsplit[=dtype:N,...] ...] > tune.txt
 
 bwd: tile rows x warps x prefetch x joint reduction per N (M=32768, bf16; bwd=M:N,... picks), then the best
-three per N again with 512 dW partials; fwd: warps x rows per N (fwd=M:N,... picks), forward and add+norm; chunk: rows too long for
+three per N again with 512 dW partials; fwd: warps x rows per N (fwd=[dtype:]M:N,... picks), forward and add+norm; chunk: rows too long for
 registers (N=65536): forward chunk bytes x warps, backward programs x warps; dw: dW partials
 x combine mode at small M (dw=dtype:M:N,... picks the shapes); fp32: warps for fp32 rows of 16384 held in registers; split: forward
 rows in two pieces vs one padded tile (NormConfig.tail_n); bwdsplit: the same for the backward
@@ -113,16 +113,19 @@ def tune_bwd(copy, cases=",".join(f"{M}:{n}" for n in [256, 512, 1024, 2048, 288
 
 
 def tune_fwd(copy, cases=",".join(f"{M if n < 65536 else 4096}:{n}" for n in [2880, 5120, 65536])):
-    """bf16 forward and add+norm (one config serves both) per warps x rows, M:N,... (fwd=CASES on
-    the command line); inputs rotate as in `tpfuse bench norm`; y checked against fp32 torch."""
+    """Forward and add+norm (one config serves both) per warps x rows, [dtype:]M:N,... (fwd=CASES
+    on the command line; bf16 unless fp32: leads); inputs rotate as in `tpfuse bench norm`; y
+    checked against fp32 torch."""
     for case in cases.split(","):
-        m, n = map(int, case.split(":"))
-        sets = rotation(4 * m * n * 2)
-        xs = [torch.randn(m, n, device="cuda", dtype=DT) for _ in range(sets)]
+        *dname, m, n = case.split(":")
+        dt, m, n = {"bf16": torch.bfloat16, "fp32": torch.float32}[dname[0] if dname else "bf16"], int(m), int(n)
+        esize = dt.itemsize
+        sets = rotation(4 * m * n * esize)
+        xs = [torch.randn(m, n, device="cuda", dtype=dt) for _ in range(sets)]
         ress = [torch.randn_like(x) for x in xs]
-        y, res_out, w = torch.empty_like(xs[0]), torch.empty_like(xs[0]), torch.randn(n, device="cuda", dtype=DT)
+        y, res_out, w = torch.empty_like(xs[0]), torch.empty_like(xs[0]), torch.randn(n, device="cuda", dtype=dt)
         ref = torch.nn.functional.rms_norm(xs[0].float(), (n,), w.float(), 1e-6)
-        base = base_from_shape(n, DT)
+        base = base_from_shape(n, dt)
         for warps, rows in itertools.product([4, 8, 16, 32], sorted({1, 2, base.rows})):
             use_config(num_warps=warps, rows=rows)
             y.fill_(float("nan"))
@@ -130,8 +133,9 @@ def tune_fwd(copy, cases=",".join(f"{M if n < 65536 else 4096}:{n}" for n in [28
             ok = torch.allclose(y.float(), ref, rtol=1 / 128, atol=1e-2)
             fwd = graph_time_us(lambda i: rms_norm_fwd(xs[i % sets], w, y, 1e-6, 0.0))
             add = graph_time_us(lambda i: rms_norm_fwd(xs[i % sets], w, y, 1e-6, 0.0, ress[i % sets], res_out))
-            print(f"fwd N={n} M={m} warps={warps} rows={rows} base=({base.num_warps},{base.rows}) fwd {fwd:.1f}us "
-                  f"{pct(2 * m * n * 2, fwd, copy):.0f}% add {add:.1f}us {pct(4 * m * n * 2, add, copy):.0f}%"
+            print(f"fwd {str(dt)[6:]} N={n} M={m} warps={warps} rows={rows} base=({base.num_warps},{base.rows}) "
+                  f"fwd {fwd:.1f}us {pct(2 * m * n * esize, fwd, copy):.0f}% add {add:.1f}us "
+                  f"{pct(4 * m * n * esize, add, copy):.0f}%"
                   f"{'' if ok else ' WRONG'}", flush=True)
     NormConfig.from_shape = staticmethod(base_from_shape)
 
@@ -319,6 +323,6 @@ if __name__ == "__main__":
         tune = {"bwd": tune_bwd, "fwd": tune_fwd, "chunk": tune_chunk, "dw": tune_dw, "fp32": tune_fp32,
                 "split": tune_split, "bwdsplit": tune_bwd_split, "wide": tune_wide}[what]
         if arg and what not in ("bwd", "fwd", "bwdsplit", "dw"):
-            sys.exit(f"{what} takes no argument (only bwd=M:N,..., fwd=M:N,..., bwdsplit=dtype:N,... and "
+            sys.exit(f"{what} takes no argument (only bwd=M:N,..., fwd=[dtype:]M:N,..., bwdsplit=dtype:N,... and "
                      "dw=dtype:M:N,...)")
         tune(copy, arg) if arg else tune(copy)
