@@ -3,7 +3,7 @@ Not part of the library: it patches ``NormConfig.from_shape`` and the dW partial
 
     python3 scripts/tune_norm.py [bwd|fwd|chunk|dw|fp32|split|bwdsplit[=dtype:N,...] ...] > tune.txt
 
-bwd: tile rows x warps x prefetch x joint reduction per N (M=32768, bf16; bwd=M:N,... picks), then the best
+bwd: tile rows x warps x prefetch x joint reduction per N (M=32768, bf16; bwd=[dtype:]M:N,... picks), then the best
 three per N again with 512 dW partials; fwd: warps x rows per N (fwd=[dtype:]M:N,... picks), forward and add+norm; chunk: rows too long for
 registers (N=65536): forward chunk bytes x warps, backward programs x warps; dw: dW partials
 x combine mode at small M (dw=dtype:M:N,... picks the shapes); fp32: warps for fp32 rows of 16384 held in registers; split: forward
@@ -42,8 +42,8 @@ def pct(nbytes, us, copy):
     return 100 * nbytes / (us * 1e-6) / 1e9 / copy
 
 
-def bwd_variants(n):
-    base = base_from_shape(n, DT)
+def bwd_variants(n, dt=DT):
+    base = base_from_shape(n, dt)
     tile_rows = [r for r in (1, 2, 4, 8, 16, 32) if r >= base.rows and r * base.block_n <= max(8192, base.block_n)]
     warps = [w for w in (4, 8, 16, 32) if w * 32 * 8 <= tile_rows[-1] * base.block_n * 2 or w == 4]
     for rows, w, prefetch, joint in itertools.product(tile_rows, warps, (False, True), (False, True)):
@@ -89,25 +89,29 @@ def rotated_bwd_inputs(m, n, dt):
 
 
 def tune_bwd(copy, cases=",".join(f"{M}:{n}" for n in [256, 512, 1024, 2048, 2880, 4096, 5120, 8192, 16384])):
-    """bf16 backward tiles per shape, M:N,... (bwd=CASES on the command line)."""
+    """Backward tiles per shape, [dtype:]M:N,... (bwd=CASES on the command line; bf16 unless
+    fp32: leads): today's config first, then the variants (single-piece rows, g held)."""
     for case in cases.split(","):
-        m, n = map(int, case.split(":"))
-        x, dy, dx, w, dw = rotated_bwd_inputs(m, n, DT)
-        base = base_from_shape(n, DT)
-        print(f"bwd M={m} N={n} base rows={base.bwd_rows} warps={base.bwd_num_warps} prefetch={base.bwd_prefetch} "
-              f"joint={base.bwd_joint_reduce}", flush=True)
+        *dname, m, n = case.split(":")
+        dt, m, n = {"bf16": torch.bfloat16, "fp32": torch.float32}[dname[0] if dname else "bf16"], int(m), int(n)
+        x, dy, dx, w, dw = rotated_bwd_inputs(m, n, dt)
+        base = base_from_shape(n, dt)
+        print(f"bwd {str(dt)[6:]} M={m} N={n} base rows={base.bwd_rows} warps={base.bwd_num_warps} "
+              f"prefetch={base.bwd_prefetch} joint={base.bwd_joint_reduce} tail={base.bwd_tail_n} "
+              f"reload={base.bwd_reload_weight}", flush=True)
         timed = []
-        for fields in bwd_variants(n):
+        for fields in [{}] + list(bwd_variants(n, dt)):
             use_config(**fields)
             us, ok = time_checked_bwd(x, dy, w, dx, dw)
             timed.append((us, fields))
-            print(f"  {fields} {us:.1f}us {pct(3 * m * n * 2, us, copy):.0f}%{'' if ok else ' WRONG'}", flush=True)
+            print(f"  {fields or 'base'} {us:.1f}us {pct(3 * m * n * dt.itemsize, us, copy):.0f}%"
+                  f"{'' if ok else ' WRONG'}", flush=True)
         for us, fields in sorted(timed, key=lambda t: t[0])[:3]:
             use_config(**fields)
             norm_dw._MAX_DW_PARTIALS = 512
             us512, _ = time_checked_bwd(x, dy, w, dx, dw)
             norm_dw._MAX_DW_PARTIALS = 256
-            print(f"  partials 512: {fields} {us512:.1f}us {pct(3 * m * n * 2, us512, copy):.0f}% "
+            print(f"  partials 512: {fields or 'base'} {us512:.1f}us {pct(3 * m * n * dt.itemsize, us512, copy):.0f}% "
                   f"(256: {us:.1f}us)", flush=True)
     NormConfig.from_shape = staticmethod(base_from_shape)
 
@@ -323,6 +327,6 @@ if __name__ == "__main__":
         tune = {"bwd": tune_bwd, "fwd": tune_fwd, "chunk": tune_chunk, "dw": tune_dw, "fp32": tune_fp32,
                 "split": tune_split, "bwdsplit": tune_bwd_split, "wide": tune_wide}[what]
         if arg and what not in ("bwd", "fwd", "bwdsplit", "dw"):
-            sys.exit(f"{what} takes no argument (only bwd=M:N,..., fwd=[dtype:]M:N,..., bwdsplit=dtype:N,... and "
+            sys.exit(f"{what} takes no argument (only bwd=[dtype:]M:N,..., fwd=[dtype:]M:N,..., bwdsplit=dtype:N,... and "
                      "dw=dtype:M:N,...)")
         tune(copy, arg) if arg else tune(copy)
