@@ -78,9 +78,13 @@ def row_reduction_layouts(ttgir: str) -> list[str]:
     return [ty.replace(alias, aliases.get(alias, alias)) for ty, alias in _REDUCE.findall(ttgir)]
 
 
-def _launch_args(launch) -> tuple[JITFunction, dict]:
+def _launch_args(launch, first: bool = False) -> tuple[JITFunction, dict]:
+    """The one kernel launch that ``launch`` makes (first: the first of several, e.g. the
+    backward kernel before its separate dW combine)."""
     _launches.clear()
     launch()
+    if first:
+        return _launches[0]
     (kernel, kwargs), = _launches
     return kernel, kwargs
 
@@ -120,7 +124,7 @@ def kernel_registers(case: dict) -> dict:
         if case["kernel"] == "forward":
             kernel, kwargs = _launch_args(lambda: rms_norm_fwd(x, w, dx, 1e-6, 0.0, x.clone(), x.clone()))
         else:
-            kernel, kwargs = _launch_args(lambda: rms_norm_bwd(x, x, w, dx, dw, 1e-6, 0.0))
+            kernel, kwargs = _launch_args(lambda: rms_norm_bwd(x, x, w, dx, dw, 1e-6, 0.0), first=True)
     finally:
         NormConfig.from_shape = staticmethod(base)
     ptx = _compile(kernel, kwargs).asm["ptx"]

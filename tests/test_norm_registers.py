@@ -1,5 +1,5 @@
-"""The RMSNorm backward holds bf16 rows of 2048 to 16384 columns in registers without spills,
-and the forward holds bf16 rows of 49152 to 65536 (NormConfig's narrow rows) with at most a
+"""The RMSNorm backward holds bf16 rows of 2048 to 16384 columns in registers without spills
+(stacked rows of 2049-3072: one register's worth), and the forward holds bf16 rows of 49152 to 65536 (NormConfig's narrow rows) with at most a
 register's worth.
 
 Its speed there rests on the register budget (benchmarks/NOTES.md, seventh session): one row's
@@ -19,9 +19,15 @@ import pytest
 
 from tests.conftest import compile_for_sm90
 
-NS = [2048, 2880, 4096, 5120, 6144, 7168, 8192, 10240, 12288, 16384]
+NS = [2048, 4096, 5120, 6144, 7168, 8192, 10240, 12288, 16384]
 # The check can fail: without the weight re-read, N=16384 spills.
 SPILLING = dict(kernel="backward", dtype="bf16", n=16384, rows=4096, config={"bwd_reload_weight": False})
+# Rows of 2049-3072 (multiples of 16) stack two rows per backward tile (norm._BWD_STACKED_*): the
+# 16-bit tile spills one register and measured faster all the same; fp32's does not spill; N=3000
+# (not a multiple of 16) keeps one row, in two pieces for fp32.
+STACKED_16BIT_NS = [2560, 2880, 3072]
+STACKED_MAX_SPILL_BYTES = 4
+OTHER_BACKWARD = [("bf16", 3000), ("fp32", 2880), ("fp32", 3000)]
 
 
 # Narrow forward rows: a padded tile (50000) and a full one.
@@ -33,6 +39,8 @@ NARROW_SPILLING = dict(kernel="forward", dtype="bf16", n=65536, rows=64, config=
 
 def _cases():
     return ([SPILLING] + [dict(kernel="backward", dtype="bf16", n=n, rows=4096) for n in NS]
+            + [dict(kernel="backward", dtype=d, n=n, rows=4096) for d, n in OTHER_BACKWARD]
+            + [dict(kernel="backward", dtype="bf16", n=n, rows=4096) for n in STACKED_16BIT_NS]
             + [NARROW_SPILLING] + [dict(kernel="forward", dtype="bf16", n=n, rows=64) for n in NARROW_NS])
 
 
@@ -59,8 +67,10 @@ def test_the_check_can_fail(reports):
 
 
 def test_bf16_rows_in_registers_do_not_spill(reports):
-    spilling = [r for r in _backward(reports)[1:] if r["spill_bytes"]]
-    assert not spilling, spilling
+    stacked = len(STACKED_16BIT_NS)
+    spilling = [r for r in _backward(reports)[1:-stacked] if r["spill_bytes"]]
+    spilling += [r for r in _backward(reports)[-stacked:] if r["spill_bytes"] > STACKED_MAX_SPILL_BYTES]
+    assert len(_backward(reports)) == 1 + len(NS) + len(OTHER_BACKWARD) + stacked and not spilling, spilling
 
 
 def test_narrow_bf16_forward_rows_fit_in_registers(reports):

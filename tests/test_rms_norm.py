@@ -231,10 +231,12 @@ def test_backward_dx_is_batch_invariant(n):
 # without pieces, and tails whose last lanes are past N. (dtype, n, m, with dresidual)
 # Chunked rows (the three-launch backward): several rows per partial with a shorter last
 # partial (41 rows in 14 partials of 3), fp32 rows in 10 chunks, and a masked last chunk.
+# Rows of 2049-3072 two to a tile (an odd M: the last tile's second row masked).
 BWD_LAYOUT_CASES = [(torch.bfloat16, 5000, 5, True), (torch.float32, 2049, 3, False),
                     (torch.float32, 9000, 4, True), (torch.bfloat16, 12289, 2, False),
                     (torch.float32, 12289, 2, True), (torch.float16, 6144, 5, False),
-                    (torch.bfloat16, 20000, 41, True), (torch.float32, 20000, 7, False)]
+                    (torch.bfloat16, 20000, 41, True), (torch.float32, 20000, 7, False),
+                    (torch.bfloat16, 2880, 5, True), (torch.float32, 3072, 3, False)]
 
 
 def test_backward_layout_cases_cover_every_row_layout():
@@ -242,6 +244,8 @@ def test_backward_layout_cases_cover_every_row_layout():
     kinds = {(c.bwd_num_chunks, c.bwd_tail_n > 0, c.bwd_prefetch, c.bwd_reload_weight) for c, _ in cfgs}
     assert {(1, True, True, True), (1, True, True, False), (1, True, False, False), (1, False, False, True)} <= kinds
     assert any(c.bwd_tail_n and n < c.block_n // 2 + c.bwd_tail_n for c, n in cfgs)  # a masked tail
+    stacked = [(c, n) for c, n in cfgs if c.bwd_num_chunks == 1 and c.bwd_rows == 2 and c.bwd_block_n == 4096]
+    assert {c.bwd_num_warps for c, _ in stacked} == {8, 16}  # rows of 2049-3072 two to a tile, fp32 and bf16
     plans = [DwPlan.from_shape(m, n, dtype) for dtype, n, m, _ in BWD_LAYOUT_CASES]
     assert any(c.bwd_num_chunks > 1 and p.rows_per_partial > 1 and p.num_partials * p.rows_per_partial > m
                for (c, _), p, (_, _, m, _) in zip(cfgs, plans, BWD_LAYOUT_CASES))  # a chunked partial of fewer rows

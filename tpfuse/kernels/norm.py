@@ -116,6 +116,21 @@ _MAX_BWD_TILE_BYTES_16_WARPS = 32 * 1024
 # (N=16384 71 vs 69, N=5120 70 vs 68, N=1024 in 4-row tiles 79 vs 69). fp32 rows of 2049 to
 # 3072 (pieces of a 4096-column tile) reduce each piece in two as well: 87% with them.
 _BWD_TWO_REDUCTION_BLOCK_N = 4096
+# Rows of 2049 to 3072 elements (a 4096-column tile over a quarter padding) stack two rows per
+# backward tile, unsplit, with one tuple reduction: 16-bit rows on 16 warps, fp32 on 8. H200,
+# us, one row per tile (fp32: in two pieces on 4 warps; both with two reductions) -> two rows,
+# M=1024 and M=32768 (scripts/tune_norm.py bwd, benchmarks/NOTES.md 2026-11-24): bf16 N=2560
+# 14.1 -> 12.8 and 180.2 -> 171.9, N=2880 14.7 -> 13.5 and 184.3 -> 183.0, N=3072 15.2 -> 13.7
+# and 188.4 -> 191.0; fp32 N=2560 21.1 -> 16.5 and 287.6 -> 276.3, N=2880 21.8 -> 17.0 and
+# 308.0 -> 297.9, N=3072 23.1 -> 17.6 and 322.0 -> 316.1. Only rows of a multiple of 16
+# elements, the divisibility Triton specialises on: for others it cannot prove the second
+# row 16-byte aligned, and ptxas (sm_90, on CPU) spilled 1.2 KiB (bf16 N=3000) to 4.2 KiB
+# (fp32 N=2049, 3000) per thread. The 16-bit tile spills 4 bytes (one register), and still
+# won as measured above (tests/test_norm_registers.py holds it to that).
+_BWD_STACKED_BLOCK_N = 4096
+_BWD_STACKED_ROW_MULTIPLE = 16
+_BWD_STACKED_ROWS = 2
+_BWD_STACKED_WARPS = {2: 16, 4: 8}  # by element size
 
 
 def _pow2_warps(threads: int, cap: int) -> int:
@@ -177,8 +192,14 @@ class NormConfig:
         bwd_rows = rows
         while bwd_rows < _MAX_TILE_ROWS and bwd_rows * bwd_block_n * esize < _MIN_BWD_TILE_BYTES:
             bwd_rows *= 2
-        bwd_tail_n = tail if splittable and bwd_block_n * esize >= _MIN_BWD_SPLIT_BYTES else 0  # one row per tile
-        if bwd_tail_n:  # 4 vectors of the head per thread
+        stacked = splittable and bwd_block_n == _BWD_STACKED_BLOCK_N and n % _BWD_STACKED_ROW_MULTIPLE == 0
+        if stacked:
+            bwd_rows = _BWD_STACKED_ROWS
+        bwd_tail_n = (tail if splittable and not stacked and bwd_block_n * esize >= _MIN_BWD_SPLIT_BYTES
+                      else 0)  # one row per tile
+        if stacked:
+            bwd_warps = _BWD_STACKED_WARPS[esize]
+        elif bwd_tail_n:  # 4 vectors of the head per thread
             bwd_warps = _pow2_warps(bwd_block_n // 2 // (16 // esize) // 4, 16)
         elif bwd_block_n * esize > _MAX_BWD_TILE_BYTES_16_WARPS:
             bwd_warps = 8
