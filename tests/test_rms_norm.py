@@ -157,13 +157,13 @@ def test_short_call_plans(shape, plan):
 @pytest.mark.parametrize("dtype, n, combine", [(torch.bfloat16, 5120, "launch"), (torch.float32, 2880, "columns")])
 def test_short_call_combined_over_columns_of_256(dtype, n, combine, monkeypatch):
     """The short-call plan on rows of 8-20 KiB (from 257 rows, too slow for the interpreter:
-    here from 9 rows, with at most 4 partials): the separate launch for 16-bit rows, column
+    here from 9 rows, with at most 4 partials; 16 rows): the separate launch for 16-bit rows, column
     programs in the backward's launch for fp32."""
     monkeypatch.setattr(norm_dw, "_FEW_ROWS_MAX_PARTIALS", 4)
-    plan = DwPlan.from_shape(12, n, dtype)
+    plan = DwPlan.from_shape(16, n, dtype)  # fp32 N=2880: tiles of two rows, four to a partial
     assert (plan.combine, plan.combine_block, plan.num_partials, plan.num_combine_programs) == (
         combine, 256, 4, triton.cdiv(n, 256))
-    _check_combines_agree(12, n, dtype)
+    _check_combines_agree(16, n, dtype)
 
 
 def _check_combines_agree(m, n, dtype=torch.bfloat16):
