@@ -22,6 +22,7 @@ import torch
 
 from tpfuse._runtime import INTERPRETER
 from tpfuse.comm.workspace import ALIGN, WorkspaceLayout
+from tpfuse.kernels.common import TRITON_DIVISIBILITY
 from tpfuse.kernels.fused import ll_pieces
 from tpfuse.kernels.norm import NormConfig
 
@@ -223,7 +224,7 @@ FUSED_ONESHOT_MAX_VECTORS = 2
 FUSED_LL_MAX_BYTES = {2: 128 * KiB, 4: 128 * KiB, 8: 64 * KiB}  # LL_MAX_BYTES's defaults
 FUSED_TWOSHOT_MAX_BYTES = {2: 0, 4: 0, 8: 0}
 FUSED_MAX_CTAS = 128 if not INTERPRETER else 4
-FUSED_HIDDEN_MULTIPLE = 16
+FUSED_HIDDEN_MULTIPLE = TRITON_DIVISIBILITY
 """The fused kernels serve hidden sizes that are multiples of this, the divisibility Triton
 specialises on: for other sizes the compiler cannot prove rows 16-byte aligned, and the
 fused kernels' row reduction may get another register layout than tpfuse.rms_norm's (seen

@@ -24,6 +24,12 @@ def round_to(x, DTYPE: tl.constexpr):
     return x.to(DTYPE)
 
 
+TRITON_DIVISIBILITY = 16
+"""Triton specialises integer arguments on divisibility by this: a row length that is a
+multiple of it lets the compiler prove every row 16-byte aligned (vector loads and stores, and
+the register layouts the bitwise contracts were checked with); others compile differently."""
+
+
 # Launch options of every tpfuse kernel. LLVM contracts a*b + c into an FMA depending on the
 # code around it (seen on H200: the same row reduction compiled inside the rms_norm and the
 # add_rms_norm kernels fused different multiply-adds and gave different bits). With

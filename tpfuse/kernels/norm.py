@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from tpfuse.kernels.allreduce import sum_in_rank_order
-from tpfuse.kernels.common import EXACT_FP, round_to, to_f32
+from tpfuse.kernels.common import EXACT_FP, TRITON_DIVISIBILITY, round_to, to_f32
 
 # A row of up to 16384 elements is held in registers and read from memory once (fp32 rows of
 # 16384 in 8 KiB chunks instead reached 69% of copy bandwidth forward and 44% backward on H200,
@@ -122,13 +122,12 @@ _BWD_TWO_REDUCTION_BLOCK_N = 4096
 # M=1024 and M=32768 (scripts/tune_norm.py bwd, benchmarks/NOTES.md 2026-11-24): bf16 N=2560
 # 14.1 -> 12.8 and 180.2 -> 171.9, N=2880 14.7 -> 13.5 and 184.3 -> 183.0, N=3072 15.2 -> 13.7
 # and 188.4 -> 191.0; fp32 N=2560 21.1 -> 16.5 and 287.6 -> 276.3, N=2880 21.8 -> 17.0 and
-# 308.0 -> 297.9, N=3072 23.1 -> 17.6 and 322.0 -> 316.1. Only rows of a multiple of 16
-# elements, the divisibility Triton specialises on: for others it cannot prove the second
-# row 16-byte aligned, and ptxas (sm_90, on CPU) spilled 1.2 KiB (bf16 N=3000) to 4.2 KiB
-# (fp32 N=2049, 3000) per thread. The 16-bit tile spills 4 bytes (one register), and still
-# won as measured above (tests/test_norm_registers.py holds it to that).
+# 308.0 -> 297.9, N=3072 23.1 -> 17.6 and 322.0 -> 316.1. Only rows of a multiple of
+# TRITON_DIVISIBILITY elements: for others Triton cannot prove the second row 16-byte
+# aligned, and ptxas (sm_90, on CPU) spilled 1.2 KiB (bf16 N=3000) to 4.2 KiB (fp32 N=2049,
+# 3000) per thread. The 16-bit tile spills 4 bytes (one register), and still won as measured
+# above (tests/test_norm_registers.py holds it to that).
 _BWD_STACKED_BLOCK_N = 4096
-_BWD_STACKED_ROW_MULTIPLE = 16
 _BWD_STACKED_ROWS = 2
 _BWD_STACKED_WARPS = {2: 16, 4: 8}  # by element size
 
@@ -192,13 +191,9 @@ class NormConfig:
         bwd_rows = rows
         while bwd_rows < _MAX_TILE_ROWS and bwd_rows * bwd_block_n * esize < _MIN_BWD_TILE_BYTES:
             bwd_rows *= 2
-        stacked = splittable and bwd_block_n == _BWD_STACKED_BLOCK_N and n % _BWD_STACKED_ROW_MULTIPLE == 0
-        if stacked:
-            bwd_rows = _BWD_STACKED_ROWS
-        bwd_tail_n = (tail if splittable and not stacked and bwd_block_n * esize >= _MIN_BWD_SPLIT_BYTES
-                      else 0)  # one row per tile
-        if stacked:
-            bwd_warps = _BWD_STACKED_WARPS[esize]
+        bwd_tail_n = tail if splittable and bwd_block_n * esize >= _MIN_BWD_SPLIT_BYTES else 0  # one row per tile
+        if splittable and bwd_block_n == _BWD_STACKED_BLOCK_N and n % TRITON_DIVISIBILITY == 0:  # two rows, unsplit
+            bwd_rows, bwd_tail_n, bwd_warps = _BWD_STACKED_ROWS, 0, _BWD_STACKED_WARPS[esize]
         elif bwd_tail_n:  # 4 vectors of the head per thread
             bwd_warps = _pow2_warps(bwd_block_n // 2 // (16 // esize) // 4, 16)
         elif bwd_block_n * esize > _MAX_BWD_TILE_BYTES_16_WARPS:
