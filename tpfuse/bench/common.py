@@ -183,12 +183,25 @@ def spawn_ranks(worker, world: int, opts: dict) -> int:
     # released and bound again by rank 0 could be taken meanwhile by another process.
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     try:
-        mp.spawn(worker, args=(world, store.port, opts), nprocs=world, join=True)
+        mp.spawn(_rank_main, args=(worker, world, store.port, opts), nprocs=world, join=True)
     # The two kinds of ProcessException: torch.multiprocessing does not export the base class.
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
         print(e, file=sys.stderr)
         return 1
     return 0
+
+
+def _rank_main(rank: int, worker, world: int, port: int, opts: dict) -> None:
+    """A spawned rank: ``worker``, then an exit that skips the interpreter's finalization.
+    A worker's exception propagates (mp.spawn reports it, exit code 1). After a normal return
+    every result has been checked and written, but finalization can still abort the process:
+    CI saw gloo ranks die there with SIGABRT ("terminate called without an active exception",
+    benchmarks/NOTES.md), as C++ threads and objects of the process group outlive the Python
+    objects they reference. os._exit leaves without running any of it."""
+    worker(rank, world, port, opts)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_workers(gpu_worker, cpu_worker, opts: dict) -> int:
