@@ -319,14 +319,48 @@ def tune_wide(copy):
         del x, res, y, res_out, y2
 
 
+
+def tune_bwd_by_m(copy, cases="bf16:256,bf16:512,bf16:1024,fp32:256,fp32:512", ms=(1024, 4096, 16384, 32768, 65536),
+                  base_only=False):
+    """Backward tiles of short rows per M, dtype:N,... (bwdm=CASES; bwdbase=CASES times today's
+    config only): rows x warps at each M, every variant's dx compared bit for bit with today's
+    config's on the same inputs ("bits differ" marks a variant whose row reductions are laid out
+    differently, which a choice by M must not take: a row's dx bits may depend on N and dtype only)."""
+    for case in cases.split(","):
+        dname, n = case.split(":")
+        dt, n = {"bf16": torch.bfloat16, "fp32": torch.float32}[dname], int(n)
+        base = base_from_shape(n, dt)
+        variants = [{}] if base_only else [{}] + [
+            dict(bwd_rows=rows, bwd_num_warps=warps)
+            for rows in sorted({base.bwd_rows, 2 * base.bwd_rows, 4 * base.bwd_rows})
+            for warps in (4, 8, 16) if (rows, warps) != (base.bwd_rows, base.bwd_num_warps)
+            and warps * 32 * (16 // dt.itemsize) <= rows * base.bwd_block_n]  # a 16-byte vector per thread at least
+        for m in ms:
+            x, dy, dx, w, dw = rotated_bwd_inputs(m, n, dt)
+            ref = None
+            for fields in variants:
+                use_config(**fields)
+                us, ok = time_checked_bwd(x, dy, w, dx, dw)
+                dx[0].fill_(float("nan"))
+                rms_norm_bwd(dy[0], x[0], w, dx[0], dw, 1e-6, 0.0)
+                same = "" if ref is None or torch.equal(dx[0], ref) else " bits differ"
+                ref = dx[0].clone() if ref is None else ref
+                print(f"bwdm {dname} N={n} M={m} {fields or f'base rows={base.bwd_rows} warps={base.bwd_num_warps}'} "
+                      f"{us:.2f}us {pct(3 * m * n * dt.itemsize, us, copy):.0f}%{'' if ok else ' WRONG'}{same}",
+                      flush=True)
+            del x, dy, dx
+    NormConfig.from_shape = staticmethod(base_from_shape)
+
+
 if __name__ == "__main__":
     copy = copy_bandwidth_gbps()
     print(f"copy {copy:.0f} GB/s")
     for what in sys.argv[1:] or ["bwd", "fwd"]:
         what, _, arg = what.partition("=")
         tune = {"bwd": tune_bwd, "fwd": tune_fwd, "chunk": tune_chunk, "dw": tune_dw, "fp32": tune_fp32,
-                "split": tune_split, "bwdsplit": tune_bwd_split, "wide": tune_wide}[what]
-        if arg and what not in ("bwd", "fwd", "bwdsplit", "dw"):
+                "split": tune_split, "bwdsplit": tune_bwd_split, "wide": tune_wide, "bwdm": tune_bwd_by_m,
+                "bwdbase": lambda c, *a: tune_bwd_by_m(c, *a, base_only=True)}[what]
+        if arg and what not in ("bwd", "fwd", "bwdsplit", "dw", "bwdm", "bwdbase"):
             sys.exit(f"{what} takes no argument (only bwd=[dtype:]M:N,..., fwd=[dtype:]M:N,..., bwdsplit=dtype:N,... and "
-                     "dw=dtype:M:N,...)")
+                     "dw=dtype:M:N,..., bwdm=/bwdbase=dtype:N,...)")
         tune(copy, arg) if arg else tune(copy)

@@ -17,7 +17,8 @@ Usage: python tests/sm90_layouts.py '<json list of cases>'; prints one JSON obje
 [layouts]} (oneshot_ll: the one-shot kernel over the LL protocol), a layout being
 the reduced operand's type with its layout attribute written out. A case with "kernel":
 "backward" or "forward" reports instead that norm kernel's registers and spill bytes per
-thread from ptxas (tests/test_norm_registers.py).
+thread from ptxas (tests/test_norm_registers.py); one with "report": "reductions", the
+backward kernel's warps and row-reduction layouts (tests/test_norm_bwd_layouts.py).
 """
 
 from __future__ import annotations
@@ -110,10 +111,9 @@ def layouts_for(case: dict) -> dict:
     return out
 
 
-def kernel_registers(case: dict) -> dict:
-    """ptxas's registers per thread and spill-store bytes for the norm kernel ``case["kernel"]``
-    ("backward", or "forward": add_rms_norm's) of (dtype, n, rows), with ``case["config"]``
-    (NormConfig fields) overriding the tile config."""
+def _norm_kernel_launch(case: dict) -> tuple[JITFunction, dict]:
+    """The launch of the norm kernel ``case["kernel"]`` ("backward", or "forward": add_rms_norm's)
+    on (dtype, n, rows), with ``case["config"]`` (NormConfig fields) overriding the tile config."""
     dtype, n, rows = DTYPES[case["dtype"]], case["n"], case["rows"]
     x, dx, w, dw = torch.empty(rows, n, dtype=dtype), torch.empty(rows, n, dtype=dtype), torch.empty(n, dtype=dtype), \
         torch.empty(n, dtype=dtype)
@@ -122,11 +122,31 @@ def kernel_registers(case: dict) -> dict:
     NormConfig.from_shape = staticmethod(lambda n_, dt: dataclasses.replace(base(n_, dt), **case.get("config", {})))
     try:
         if case["kernel"] == "forward":
-            kernel, kwargs = _launch_args(lambda: rms_norm_fwd(x, w, dx, 1e-6, 0.0, x.clone(), x.clone()))
-        else:
-            kernel, kwargs = _launch_args(lambda: rms_norm_bwd(x, x, w, dx, dw, 1e-6, 0.0), first=True)
+            return _launch_args(lambda: rms_norm_fwd(x, w, dx, 1e-6, 0.0, x.clone(), x.clone()))
+        return _launch_args(lambda: rms_norm_bwd(x, x, w, dx, dw, 1e-6, 0.0), first=True)
     finally:
         NormConfig.from_shape = staticmethod(base)
+
+
+_REDUCE_ROWS = re.compile(r'"tt\.reduce"\([^)]*\) <\{axis = 1 : i32\}> \(\{.*?\}\) : \(([^)]*)\)', re.S)
+
+
+def backward_reductions(case: dict) -> dict:
+    """The backward kernel's warps and the layout of every fp32 operand of its row reductions
+    (the joint reduction of x^2 and g*x has two), for (dtype, n, rows) as in kernel_registers."""
+    kernel, kwargs = _norm_kernel_launch(dict(case, kernel="backward"))
+    ttgir = _compile(kernel, kwargs).asm["ttgir"]
+    aliases = dict(re.findall(r"^(#[\w.]+) = (.*)$", ttgir, re.M))
+    layouts = [aliases.get(alias, alias) for operands in _REDUCE_ROWS.findall(ttgir)
+               for alias in re.findall(r"tensor<[0-9x]+xf32, (#[\w.]+)>", operands)]
+    return {"case": case, "num_warps": kwargs["num_warps"], "reductions": layouts}
+
+
+def kernel_registers(case: dict) -> dict:
+    """ptxas's registers per thread and spill-store bytes for the norm kernel ``case["kernel"]``
+    ("backward", or "forward": add_rms_norm's) of (dtype, n, rows), with ``case["config"]``
+    (NormConfig fields) overriding the tile config."""
+    kernel, kwargs = _norm_kernel_launch(case)
     ptx = _compile(kernel, kwargs).asm["ptx"]
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.ptx")
@@ -140,4 +160,5 @@ def kernel_registers(case: dict) -> dict:
 
 if __name__ == "__main__":
     for c in json.loads(sys.argv[1]):
-        print(json.dumps(kernel_registers(c) if "kernel" in c else layouts_for(c)), flush=True)
+        report = {"registers": kernel_registers, "reductions": backward_reductions, "layouts": layouts_for}
+        print(json.dumps(report[c.get("report", "registers" if "kernel" in c else "layouts")](c)), flush=True)

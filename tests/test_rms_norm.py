@@ -9,7 +9,7 @@ import triton
 import tpfuse
 from tpfuse import reference
 from tpfuse.kernels import norm_dw
-from tpfuse.kernels.norm import NormConfig, rms_norm_fwd
+from tpfuse.kernels.norm import NormConfig, bwd_num_warps, rms_norm_fwd
 from tpfuse.kernels.norm_bwd import rms_norm_bwd
 from tpfuse.kernels.norm_dw import DwPlan
 from tests.conftest import DEVICE, ON_GPU
@@ -212,13 +212,19 @@ def test_one_partial_on_chunked_rows_writes_dw_without_a_combine(dtype, m, monke
     assert rel_err(outs[0][0], dx_ref) <= 2 * rel_err_budget(dtype)
 
 
-@pytest.mark.parametrize("n", [1000, 20000])
-def test_backward_dx_is_batch_invariant(n):
-    """A row's dx alone (one dW partial, the tree) and inside a batch at a random position:
-    the same bits."""
-    m = 300 if ON_GPU else 12
-    x, w, _ = _inputs(m, n, torch.bfloat16, "plain", seed=n + 1)
-    dy = torch.randn(m, n).to(torch.bfloat16).to(DEVICE)
+# On GPU, short rows also in a batch whose programs run long enough for twice the warps.
+@pytest.mark.parametrize("dtype, n", [(torch.bfloat16, 1000), (torch.bfloat16, 20000)]
+                         + ([(torch.bfloat16, 256), (torch.float32, 512)] if ON_GPU else []))
+def test_backward_dx_is_batch_invariant(dtype, n):
+    """A row's dx alone (one dW partial, the tree, 4 warps on short rows) and inside a batch at
+    a random position: the same bits."""
+    long_runs = ON_GPU and n <= 1024
+    m = 40000 if long_runs else 300 if ON_GPU else 12
+    if long_runs:
+        cfg = NormConfig.from_shape(n, dtype)
+        assert bwd_num_warps(cfg, DwPlan.from_shape(m, n, dtype).rows_per_partial) > bwd_num_warps(cfg, 1)
+    x, w, _ = _inputs(m, n, dtype, "plain", seed=n + 1)
+    dy = torch.randn(m, n).to(dtype).to(DEVICE)
     pos = int(torch.randint(m, (1,)))
     dx_batch, dx_alone = torch.full_like(x, float("nan")), torch.full_like(x[:1], float("nan"))
     rms_norm_bwd(dy, x, w, dx_batch, torch.empty_like(w), 1e-6, 0.0)

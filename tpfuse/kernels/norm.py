@@ -214,6 +214,28 @@ class NormConfig:
         )
 
 
+# Backward programs that run through long stretches of short rows (tiles of 4 or more rows, on
+# 4 warps) take twice the warps. Triton lays a tile's warps along its columns first, up to a
+# row's 16-byte vectors / 32 (at most 4 on these tiles), and the rest along its rows: the
+# extra warps take rows, each row is reduced in the same layout, and dx keeps its bits at
+# every M (tests/test_norm_bwd_layouts.py). H200, us, 4 -> 8 warps at M=32768 and 65536 (256
+# partials of 128 and 256 rows; scripts/tune_norm.py bwdm, benchmarks/NOTES.md 2026-11-25):
+# bf16 N=128 14.3 -> 13.8 and 22.1 -> 20.0, N=256 23.6 -> 22.8 and 38.9 -> 35.6, N=512 34.8 ->
+# 35.6 and 61.8 -> 60.3, N=1024 61.7 -> 60.1 and 115.7 -> 111.5; fp32 N=128 20.0 -> 20.0 and
+# 33.5 -> 32.7, N=256 34.3 -> 32.3 and 62.2 -> 56.8, N=512 61.8 -> 57.3 and 117.9 -> 108.2. At 64
+# rows per program (M=16384) 8 warps lost as often as they won (bf16 N=512 21.0 -> 23.0, fp32
+# N=512 34.0 -> 32.2).
+_LONG_RUN_ROWS = 128
+_LONG_RUN_MIN_TILE_ROWS = 4
+
+
+def bwd_num_warps(cfg: NormConfig, rows_per_partial: int) -> int:
+    """The backward kernel's warps for programs of ``rows_per_partial`` rows (DwPlan)."""
+    if cfg.bwd_rows >= _LONG_RUN_MIN_TILE_ROWS and rows_per_partial >= _LONG_RUN_ROWS:
+        return 2 * cfg.bwd_num_warps
+    return cfg.bwd_num_warps
+
+
 @triton.jit
 def inv_rms(sum_sq, N, eps):
     """1 / sqrt(mean(x^2) + eps) from a row's sum of squares."""

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from tpfuse.kernels.common import EXACT_FP, to_f32
-from tpfuse.kernels.norm import NormConfig, inv_rms
+from tpfuse.kernels.norm import NormConfig, bwd_num_warps, inv_rms
 from tpfuse.kernels.norm_bwd_chunked import _rms_norm_bwd_chunked
 from tpfuse.kernels.norm_bwd_common import _bwd_row_sums, _load_piece, _store_dx, _weighted_grad
 from tpfuse.kernels.norm_dw import (DwPlan, _combine_when_done, _dw_counters_for, _finish_dw, _store_dw_piece,
@@ -124,8 +124,9 @@ def _bwd_rows(DY, X, W, DX, DRES, PARTIAL, DW, pid, n_rows, N, rows_per_partial,
             _store_dw_piece(DW, partial_row, dw_acc_t, BLOCK_N // 2, N, num_partials, TREE)
 
 
-# Row counts are not specialised: one compiled kernel per (N, dtype, combine mode) serves
-# every M (the modes reduce rows in the same layouts, so dx has the same bits in each).
+# Row counts are not specialised: one compiled kernel per (N, dtype, combine mode, warps) serves
+# every M (the modes and the warp counts of bwd_num_warps reduce rows in the same layouts, so
+# dx has the same bits in each).
 @triton.jit(do_not_specialize=["n_rows", "rows_per_partial", "num_partials", "num_combine_programs"])
 def rms_norm_bwd_kernel(
     DY, X, W, DX, DRES, PARTIAL, GROUP_SUM, COUNTERS, DW,
@@ -214,7 +215,7 @@ def rms_norm_bwd(
             HAS_WEIGHT=has_weight, HAS_DRES=dresidual_out is not None, COMBINE=combine.value,
             GROUP_SIZE=plan.group_size, PREFETCH=cfg.bwd_prefetch, JOINT_REDUCE=cfg.bwd_joint_reduce,
             RELOAD_WEIGHT=cfg.bwd_reload_weight,
-            COMBINE_BLOCK=plan.combine_block, num_warps=cfg.bwd_num_warps, **EXACT_FP,
+            COMBINE_BLOCK=plan.combine_block, num_warps=bwd_num_warps(cfg, plan.rows_per_partial), **EXACT_FP,
         )
     if has_weight and not fused:
         dw_combine(partial, dweight, plan)

@@ -20,11 +20,16 @@ def _add_pair(a0, a1, b0, b1):
 @triton.jit
 def _weighted_grad(dy, W, cols, N, weight_offset, HAS_WEIGHT: tl.constexpr, CACHE: tl.constexpr):
     """g = dy * (w + weight_offset) at cols, in fp32. The weight is re-read per tile (an L1
-    hit) in the tile's own layout: hoisted out of the row loop it cost N=4096 85% -> 71% of
-    copy bandwidth on H200. CACHE is the load's cache modifier."""
+    hit): hoisted out of the row loop it cost N=4096 85% -> 71% of copy bandwidth on H200.
+    It is read per row of the tile, so that its load has the tile's layout. Read once as
+    [1, W], its load set the layout of the whole tile wherever the two differ (tiles with
+    warps along their rows: 16-bit rows of up to 512 elements, fp32 up to 256): x and dy were
+    converted to it through shared memory every tile, and a row's reduction crossed warps
+    (benchmarks/NOTES.md, 2026-11-25). CACHE is the load's cache modifier."""
     g = to_f32(dy)
     if HAS_WEIGHT:
-        g = g * (to_f32(tl.load(W + cols, mask=cols < N, other=0.0, cache_modifier=CACHE)) + weight_offset)
+        wcols = tl.broadcast_to(cols, g.shape)
+        g = g * (to_f32(tl.load(W + wcols, mask=wcols < N, other=0.0, cache_modifier=CACHE)) + weight_offset)
     return g
 
 

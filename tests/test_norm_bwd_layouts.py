@@ -1,0 +1,66 @@
+"""A row's backward reduction is laid out the same at every M, so dx's bits depend on N and
+dtype only.
+
+The backward launcher picks the kernel's warps by how many rows each program runs through
+(norm.bwd_num_warps: twice the warps on long runs of short rows). A row's dx bits follow the
+order of its row reductions, which is fixed by the reduced tile's layout along the columns:
+elements per thread, lanes and warps across a row (the rows dimension may differ). Under
+Triton's interpreter every layout sums alike, so this compiles the kernel for sm_90 on CPU
+(tests/sm90_layouts.py) at a short and a long M and compares those layouts.
+"""
+
+import re
+
+import pytest
+
+from tests.conftest import compile_for_sm90
+
+SHORT_M, LONG_M = 1024, 65536  # 256 dW partials of 4 and of 256 rows
+# Tiles of 4 to 32 rows: 16-bit rows of 64 (lanes share a row), 256 (a warp per row), 512
+# (2 warps per row), 768 (a padded tile) and 1024 (4 warps per row); fp32 rows of 64 to 512.
+CASES = [("bf16", 64), ("bf16", 256), ("bf16", 512), ("bf16", 768), ("bf16", 1024), ("fp16", 256),
+         ("fp32", 64), ("fp32", 256), ("fp32", 512)]
+# The check can fail: a single-row tile (bf16 4096 on 16 warps) on 8 warps spreads each row
+# over 8 warps instead of 16.
+SINGLE_ROW = dict(dtype="bf16", n=4096)
+SINGLE_ROW_WARPS = 8
+
+
+def _cases():
+    cases = [dict(report="reductions", dtype=d, n=n, rows=m) for d, n in CASES for m in (SHORT_M, LONG_M)]
+    return cases + [dict(report="reductions", rows=SHORT_M, **SINGLE_ROW),
+                    dict(report="reductions", rows=SHORT_M, config={"bwd_num_warps": SINGLE_ROW_WARPS}, **SINGLE_ROW)]
+
+
+@pytest.fixture(scope="module")
+def reports():
+    return {(r["case"]["dtype"], r["case"]["n"], r["case"]["rows"], "config" in r["case"]): r
+            for r in compile_for_sm90(_cases())}
+
+
+def across_a_row(layout: str) -> tuple:
+    """What fixes a row's summation order in a blocked layout: its column component of
+    sizePerThread, threadsPerWarp and warpsPerCTA, and the order."""
+    fields = dict(re.findall(r"(\w+) = \[([0-9, ]+)\]", layout))
+    assert {"sizePerThread", "threadsPerWarp", "warpsPerCTA", "order"} <= fields.keys(), layout
+    per_dim = {k: [int(v) for v in fields[k].split(",")] for k in fields}
+    return tuple(per_dim[k][1] for k in ("sizePerThread", "threadsPerWarp", "warpsPerCTA")) + (tuple(per_dim["order"]),)
+
+
+def test_every_case_was_compiled(reports):
+    assert len(reports) == len(_cases())
+    assert all(r["reductions"] for r in reports.values())
+
+
+@pytest.mark.parametrize("dtype, n", CASES)
+def test_long_runs_take_more_warps_and_reduce_rows_alike(reports, dtype, n):
+    short, long = reports[(dtype, n, SHORT_M, False)], reports[(dtype, n, LONG_M, False)]
+    assert long["num_warps"] == 2 * short["num_warps"]  # the case covers the switch
+    assert len(short["reductions"]) == len(long["reductions"])
+    assert [across_a_row(a) for a in short["reductions"]] == [across_a_row(b) for b in long["reductions"]]
+
+
+def test_the_check_sees_a_row_spread_over_other_warps(reports):
+    base, fewer = (reports[(SINGLE_ROW["dtype"], SINGLE_ROW["n"], SHORT_M, c)] for c in (False, True))
+    assert fewer["num_warps"] == SINGLE_ROW_WARPS != base["num_warps"]
+    assert [across_a_row(a) for a in base["reductions"]] != [across_a_row(b) for b in fewer["reductions"]]
