@@ -22,13 +22,14 @@ import torch
 import triton
 
 from tpfuse.bench.common import copy_bandwidth_gbps, graph_time_us, rotation
-from tpfuse.kernels import norm, norm_bwd_chunked, norm_dw
+from tpfuse.kernels import norm, norm_bwd, norm_bwd_chunked, norm_dw
 from tpfuse.kernels.norm import NormConfig, rms_norm_fwd
 from tpfuse.kernels.norm_bwd import rms_norm_bwd
 from tpfuse.kernels.norm_dw import DwPlan
 
 base_from_shape = NormConfig.from_shape
 DT = torch.bfloat16
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 M = 32768
 
 
@@ -323,34 +324,42 @@ def tune_wide(copy):
 def tune_bwd_by_m(copy, cases="bf16:256,bf16:512,bf16:1024,fp32:256,fp32:512", ms=(1024, 4096, 16384, 32768, 65536),
                   base_only=False):
     """Backward tiles of short rows per M, dtype:N,... (bwdm=CASES; bwdbase=CASES times today's
-    config only): rows x warps at each M, every variant's dx compared bit for bit with today's
-    config's on the same inputs ("bits differ" marks a variant whose row reductions are laid out
-    differently, which a choice by M must not take: a row's dx bits may depend on N and dtype only)."""
+    launch only): today's launch (its warps from norm.bwd_num_warps), then rows x warps as given
+    (norm.bwd_num_warps bypassed), every variant's dx compared bit for bit with today's on the
+    same inputs ("bits differ" marks a variant whose row reductions are laid out differently,
+    which a choice by M must not take: a row's dx bits may depend on N and dtype only).
+    CASES may end in ;M,M,... to pick the Ms."""
+    cases, _, m_list = cases.partition(";")
+    ms = [int(m) for m in m_list.split(",")] if m_list else ms
     for case in cases.split(","):
         dname, n = case.split(":")
-        dt, n = {"bf16": torch.bfloat16, "fp32": torch.float32}[dname], int(n)
+        dt, n = DTYPES[dname], int(n)
         base = base_from_shape(n, dt)
-        variants = [{}] if base_only else [{}] + [
+        variants = [] if base_only else [
             dict(bwd_rows=rows, bwd_num_warps=warps)
-            for rows in sorted({base.bwd_rows, 2 * base.bwd_rows, 4 * base.bwd_rows})
-            for warps in (4, 8, 16) if (rows, warps) != (base.bwd_rows, base.bwd_num_warps)
-            and warps * 32 * (16 // dt.itemsize) <= rows * base.bwd_block_n]  # a 16-byte vector per thread at least
+            for rows in sorted({base.bwd_rows, 2 * base.bwd_rows, 4 * base.bwd_rows}) for warps in (4, 8, 16)
+            if warps * 32 * (16 // dt.itemsize) <= rows * base.bwd_block_n]  # a 16-byte vector per thread at least
         for m in ms:
             x, dy, dx, w, dw = rotated_bwd_inputs(m, n, dt)
             ref = None
-            for fields in variants:
-                use_config(**fields)
+            for fields in [None] + variants:
+                if fields is None:
+                    warps = norm.bwd_num_warps(base, DwPlan.from_shape(m, n, dt).rows_per_partial)
+                    label = f"today rows={base.bwd_rows} warps={warps}"
+                else:
+                    use_config(**fields)
+                    norm_bwd.bwd_num_warps = lambda cfg, rows_per_partial: cfg.bwd_num_warps
+                    label = str(fields)
                 us, ok = time_checked_bwd(x, dy, w, dx, dw)
                 dx[0].fill_(float("nan"))
                 rms_norm_bwd(dy[0], x[0], w, dx[0], dw, 1e-6, 0.0)
                 same = "" if ref is None or torch.equal(dx[0], ref) else " bits differ"
                 ref = dx[0].clone() if ref is None else ref
-                print(f"bwdm {dname} N={n} M={m} {fields or f'base rows={base.bwd_rows} warps={base.bwd_num_warps}'} "
-                      f"{us:.2f}us {pct(3 * m * n * dt.itemsize, us, copy):.0f}%{'' if ok else ' WRONG'}{same}",
-                      flush=True)
+                print(f"bwdm {dname} N={n} M={m} {label} {us:.2f}us {pct(3 * m * n * dt.itemsize, us, copy):.0f}%"
+                      f"{'' if ok else ' WRONG'}{same}", flush=True)
+                NormConfig.from_shape = staticmethod(base_from_shape)
+                norm_bwd.bwd_num_warps = norm.bwd_num_warps
             del x, dy, dx
-    NormConfig.from_shape = staticmethod(base_from_shape)
-
 
 if __name__ == "__main__":
     copy = copy_bandwidth_gbps()
