@@ -43,7 +43,7 @@ run() {  # run NAME TIMEOUT CMD...: log to $OUT/NAME.log, remember failures
 }
 want() { [[ "$steps" == *" $1 "* ]]; }
 multi() { [ "$ngpu" -ge 2 ] || { echo "== $1: needs 2+ GPUs, skipped"; return 1; }; }
-want test_norm && run test_norm 240 python3 -m pytest -q -x tests/test_rms_norm.py tests/test_rms_norm_module.py
+want test_norm && run test_norm 300 python3 -m pytest -q -x tests/test_rms_norm.py tests/test_rms_norm_module.py
 want bench_norm && run bench_norm 540 python3 -m tpfuse.cli bench norm --out "$OUT" --plot ${BENCH_ARGS:-}
 want test_allreduce && multi test_allreduce && run test_allreduce 270 python3 -m pytest -q -x -m multigpu tests/test_allreduce_gpu.py
 want bench_allreduce && multi bench_allreduce && run bench_allreduce 290 python3 -m tpfuse.cli bench allreduce --out "$OUT" --plot ${BENCH_ARGS:-}

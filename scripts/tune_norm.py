@@ -22,7 +22,7 @@ import torch
 import triton
 
 from tpfuse.bench.common import copy_bandwidth_gbps, graph_time_us, rotation
-from tpfuse.kernels import norm, norm_bwd, norm_bwd_chunked, norm_dw
+from tpfuse.kernels import norm, norm_bwd_chunked, norm_dw
 from tpfuse.kernels.norm import NormConfig, rms_norm_fwd
 from tpfuse.kernels.norm_bwd import rms_norm_bwd
 from tpfuse.kernels.norm_dw import DwPlan
@@ -34,6 +34,9 @@ M = 32768
 
 
 def use_config(**fields):
+    if "bwd_num_warps" in fields:  # at every M (the launcher otherwise takes bwd_long_run_warps on long runs)
+        fields.setdefault("bwd_long_run_warps", fields["bwd_num_warps"])
+
     def from_shape(n, dtype):
         return dataclasses.replace(base_from_shape(n, dtype), **fields)
     NormConfig.from_shape = staticmethod(from_shape)
@@ -325,7 +328,7 @@ def tune_bwd_by_m(copy, cases="bf16:256,bf16:512,bf16:1024,fp32:256,fp32:512", m
                   base_only=False):
     """Backward tiles of short rows per M, dtype:N,... (bwdm=CASES; bwdbase=CASES times today's
     launch only): today's launch (its warps from norm.bwd_num_warps), then rows x warps as given
-    (norm.bwd_num_warps bypassed), every variant's dx compared bit for bit with today's on the
+    (at every M), every variant's dx compared bit for bit with today's on the
     same inputs ("bits differ" marks a variant whose row reductions are laid out differently,
     which a choice by M must not take: a row's dx bits may depend on N and dtype only).
     CASES may end in ;M,M,... to pick the Ms."""
@@ -348,7 +351,6 @@ def tune_bwd_by_m(copy, cases="bf16:256,bf16:512,bf16:1024,fp32:256,fp32:512", m
                     label = f"today rows={base.bwd_rows} warps={warps}"
                 else:
                     use_config(**fields)
-                    norm_bwd.bwd_num_warps = lambda cfg, rows_per_partial: cfg.bwd_num_warps
                     label = str(fields)
                 us, ok = time_checked_bwd(x, dy, w, dx, dw)
                 dx[0].fill_(float("nan"))
@@ -358,7 +360,6 @@ def tune_bwd_by_m(copy, cases="bf16:256,bf16:512,bf16:1024,fp32:256,fp32:512", m
                 print(f"bwdm {dname} N={n} M={m} {label} {us:.2f}us {pct(3 * m * n * dt.itemsize, us, copy):.0f}%"
                       f"{'' if ok else ' WRONG'}{same}", flush=True)
                 NormConfig.from_shape = staticmethod(base_from_shape)
-                norm_bwd.bwd_num_warps = norm.bwd_num_warps
             del x, dy, dx
 
 if __name__ == "__main__":

@@ -12,14 +12,21 @@ Triton's interpreter every layout sums alike, so this compiles the kernel for sm
 import re
 
 import pytest
+import torch
 
 from tests.conftest import compile_for_sm90
+from tpfuse.kernels.norm import NormConfig
 
 SHORT_M, LONG_M = 1024, 65536  # 256 dW partials of 4 and of 256 rows
-# Tiles of 4 to 32 rows: 16-bit rows of 64 (lanes share a row), 256 (a warp per row), 512
-# (2 warps per row), 768 (a padded tile) and 1024 (4 warps per row); fp32 rows of 64 to 512.
-CASES = [("bf16", 64), ("bf16", 256), ("bf16", 512), ("bf16", 768), ("bf16", 1024), ("fp16", 256),
+# Tiles of 4 to 32 rows whose warps double on long runs: 16-bit rows of 256 (a warp per row),
+# 512 (2 warps per row), 768 (a padded tile) and 1024 (4 warps per row); fp32 rows of 64 (lanes
+# share a row) to 512.
+CASES = [("bf16", 256), ("bf16", 512), ("bf16", 768), ("bf16", 1024), ("fp16", 256),
          ("fp32", 64), ("fp32", 256), ("fp32", 512)]
+# Tiles that keep their warps: one 16-byte vector per thread on twice the warps (bf16 64, 4 KiB
+# tiles), warps that do not span a row yet (bf16 2048, 2 rows on 8 warps: more would split the
+# row further), rows in two pieces (bf16 5120) and single rows (fp32 4096).
+KEEP = [(torch.bfloat16, 64), (torch.bfloat16, 2048), (torch.bfloat16, 5120), (torch.float32, 4096)]
 # The check can fail: a single-row tile (bf16 4096 on 16 warps) on 8 warps spreads each row
 # over 8 warps instead of 16.
 SINGLE_ROW = dict(dtype="bf16", n=4096)
@@ -64,3 +71,9 @@ def test_the_check_sees_a_row_spread_over_other_warps(reports):
     base, fewer = (reports[(SINGLE_ROW["dtype"], SINGLE_ROW["n"], SHORT_M, c)] for c in (False, True))
     assert fewer["num_warps"] == SINGLE_ROW_WARPS != base["num_warps"]
     assert [across_a_row(a) for a in base["reductions"]] != [across_a_row(b) for b in fewer["reductions"]]
+
+
+@pytest.mark.parametrize("dtype, n", KEEP)
+def test_other_tiles_keep_their_warps_on_long_runs(dtype, n):
+    cfg = NormConfig.from_shape(n, dtype)
+    assert cfg.bwd_long_run_warps == cfg.bwd_num_warps

@@ -132,6 +132,22 @@ _BWD_STACKED_ROWS = 2
 _BWD_STACKED_WARPS = {2: 16, 4: 8}  # by element size
 
 
+# Backward programs that run through long stretches of rows (_LONG_RUN_ROWS or more per dW
+# partial: M >= 32768 at 256 partials) take twice the warps on tiles whose warps already span a
+# row, when each thread still holds two 16-byte vectors (``bwd_long_run_warps``). Triton lays a
+# tile's warps along its columns first, up to a row's 16-byte vectors / 32, and the rest along
+# its rows: there the extra warps take rows, each row is reduced in the same layout, and dx
+# keeps its bits at every M (tests/test_norm_bwd_layouts.py; scripts/tune_norm.py bwdm compares
+# them too). H200, us, 4 -> 8 warps at M=32768 and 65536 (benchmarks/NOTES.md 2026-11-25): bf16
+# N=128 14.3 -> 13.8 and 22.1 -> 20.0, N=256 23.6 -> 22.8 and 38.9 -> 35.6, N=512 34.8 -> 35.6 and
+# 61.8 -> 60.3, N=768 54.0 -> 53.7 and 100.5 -> 98.0, N=1024 61.7 -> 60.1 and 115.7 -> 111.5; fp16
+# N=256 23.4 -> 22.8 and 38.7 -> 35.4; fp32 N=64 13.0 -> 12.5 and 20.5 -> 18.9, N=256 34.3 -> 32.3
+# and 62.2 -> 56.8, N=384 54.8 -> 50.2 and 102.4 -> 93.0, N=512 61.8 -> 57.3 and 117.9 -> 108.2. With
+# one vector per thread they lost (bf16 N=64, 4 KiB tiles: 9.9 -> 10.4 and 14.0 -> 14.5), and at
+# 64 rows per partial (M=16384) as often as they won (bf16 N=512 21.0 -> 23.0, fp32 N=512 34.0 ->
+# 32.2).
+_LONG_RUN_ROWS = 128
+
 def _pow2_warps(threads: int, cap: int) -> int:
     return min(triton.next_power_of_2(max(threads // 32, 1)), cap)
 
@@ -162,6 +178,7 @@ class NormConfig:
     bwd_rows: int  # rows per backward tile
     bwd_tail_n: int  # as tail_n, for the backward (see _MIN_BWD_SPLIT_BYTES)
     bwd_num_warps: int
+    bwd_long_run_warps: int  # bwd_num_warps for programs of _LONG_RUN_ROWS rows or more (bwd_num_warps())
     bwd_prefetch: bool  # backward keeps the next tile's loads in flight
     bwd_joint_reduce: bool  # backward reduces x^2 and g*x in one tuple reduction
     bwd_reload_weight: bool  # backward re-reads the weight for dx rather than hold g = dy * w
@@ -200,6 +217,9 @@ class NormConfig:
             bwd_warps = 8
         else:
             bwd_warps = max(4, _pow2_warps(bwd_block_n // (16 // esize), 16))
+        spans_row = bwd_tail_n == 0 and bwd_warps * 32 * (16 // esize) >= bwd_block_n  # extra warps take rows
+        two_vectors = bwd_rows * bwd_block_n * esize >= 2 * 16 * 32 * (2 * bwd_warps)  # per thread, on twice the warps
+        bwd_long_run_warps = 2 * bwd_warps if spans_row and two_vectors else bwd_warps
         bwd_lanes = bwd_rows * (bwd_block_n // 2 + bwd_tail_n if bwd_tail_n else bwd_block_n)
         bwd_prefetch = held and bwd_lanes <= min(_MAX_PREFETCH_LANES, _MAX_PREFETCH_BYTES // esize)
         bwd_reload = (held and bwd_rows == 1
@@ -208,32 +228,16 @@ class NormConfig:
             block_n=block_n, tail_n=tail_n, num_chunks=num_chunks, bwd_block_n=bwd_block_n,
             bwd_num_chunks=triton.cdiv(n, bwd_block_n), rows=rows,
             num_warps=_pow2_warps(threads, 8) if held else _CHUNKED_FWD_WARPS,
-            bwd_rows=bwd_rows, bwd_tail_n=bwd_tail_n, bwd_num_warps=bwd_warps, bwd_prefetch=bwd_prefetch,
+            bwd_rows=bwd_rows, bwd_tail_n=bwd_tail_n, bwd_num_warps=bwd_warps,
+            bwd_long_run_warps=bwd_long_run_warps, bwd_prefetch=bwd_prefetch,
             bwd_joint_reduce=not (bwd_rows == 1 and bwd_block_n == _BWD_TWO_REDUCTION_BLOCK_N),
             bwd_reload_weight=bwd_reload,
         )
 
 
-# Backward programs that run through long stretches of short rows (tiles of 4 or more rows, on
-# 4 warps) take twice the warps. Triton lays a tile's warps along its columns first, up to a
-# row's 16-byte vectors / 32 (at most 4 on these tiles), and the rest along its rows: the
-# extra warps take rows, each row is reduced in the same layout, and dx keeps its bits at
-# every M (tests/test_norm_bwd_layouts.py). H200, us, 4 -> 8 warps at M=32768 and 65536 (256
-# partials of 128 and 256 rows; scripts/tune_norm.py bwdm, benchmarks/NOTES.md 2026-11-25):
-# bf16 N=128 14.3 -> 13.8 and 22.1 -> 20.0, N=256 23.6 -> 22.8 and 38.9 -> 35.6, N=512 34.8 ->
-# 35.6 and 61.8 -> 60.3, N=1024 61.7 -> 60.1 and 115.7 -> 111.5; fp32 N=128 20.0 -> 20.0 and
-# 33.5 -> 32.7, N=256 34.3 -> 32.3 and 62.2 -> 56.8, N=512 61.8 -> 57.3 and 117.9 -> 108.2. At 64
-# rows per program (M=16384) 8 warps lost as often as they won (bf16 N=512 21.0 -> 23.0, fp32
-# N=512 34.0 -> 32.2).
-_LONG_RUN_ROWS = 128
-_LONG_RUN_MIN_TILE_ROWS = 4
-
-
 def bwd_num_warps(cfg: NormConfig, rows_per_partial: int) -> int:
     """The backward kernel's warps for programs of ``rows_per_partial`` rows (DwPlan)."""
-    if cfg.bwd_rows >= _LONG_RUN_MIN_TILE_ROWS and rows_per_partial >= _LONG_RUN_ROWS:
-        return 2 * cfg.bwd_num_warps
-    return cfg.bwd_num_warps
+    return cfg.bwd_long_run_warps if rows_per_partial >= _LONG_RUN_ROWS else cfg.bwd_num_warps
 
 
 @triton.jit
