@@ -362,6 +362,49 @@ def tune_bwd_by_m(copy, cases="bf16:256,bf16:512,bf16:1024,fp32:256,fp32:512", m
                 NormConfig.from_shape = staticmethod(base_from_shape)
             del x, dy, dx
 
+
+def tune_fwd_by_m(copy, cases="bf16:256,bf16:512,bf16:1024,fp32:256", ms=(1024, 4096, 16384, 32768, 65536)):
+    """Forward and add+norm tiles of short rows per M, dtype:N,...[;M,...] (fwdm=CASES): today's
+    config, then rows x warps, each variant's y (and add+norm's y and residual_out) compared bit
+    for bit with today's on the same inputs ("bits differ": a layout a choice by M must not take)."""
+    cases, _, m_list = cases.partition(";")
+    ms = [int(m) for m in m_list.split(",")] if m_list else ms
+    for case in cases.split(","):
+        dname, n = case.split(":")
+        dt, n = DTYPES[dname], int(n)
+        base = base_from_shape(n, dt)
+        vec = 16 // dt.itemsize
+        variants = [dict(rows=rows, num_warps=warps) for rows in (base.rows, 2 * base.rows, 4 * base.rows,
+                                                                  8 * base.rows)
+                    for warps in (1, 2, 4, 8, 16) if warps * 32 * vec <= rows * base.block_n]
+        for m in ms:
+            sets = rotation(4 * m * n * dt.itemsize)
+            xs = [torch.randn(m, n, device="cuda", dtype=dt) for _ in range(sets)]
+            ress = [torch.randn_like(x) for x in xs]
+            y, res_out, w = torch.empty_like(xs[0]), torch.empty_like(xs[0]), torch.randn(n, device="cuda", dtype=dt)
+            ref_fp32 = torch.nn.functional.rms_norm(xs[0].float(), (n,), w.float(), 1e-6)
+            ref = None
+            for fields in [None] + variants:
+                if fields is not None:
+                    use_config(**fields)
+                y.fill_(float("nan"))
+                rms_norm_fwd(xs[0], w, y, 1e-6, 0.0)
+                ok = torch.allclose(y.float(), ref_fp32, rtol=1 / 128, atol=1e-2)
+                y_add, r_add = torch.full_like(y, float("nan")), torch.full_like(y, float("nan"))
+                rms_norm_fwd(xs[0], w, y_add, 1e-6, 0.0, ress[0], r_add)
+                outs = (y.clone(), y_add, r_add)
+                same = "" if ref is None or all(torch.equal(a, b) for a, b in zip(outs, ref)) else " bits differ"
+                ref = outs if ref is None else ref
+                fwd = graph_time_us(lambda i: rms_norm_fwd(xs[i % sets], w, y, 1e-6, 0.0))
+                add = graph_time_us(lambda i: rms_norm_fwd(xs[i % sets], w, y, 1e-6, 0.0, ress[i % sets], res_out))
+                label = f"today rows={base.rows} warps={base.num_warps}" if fields is None else str(fields)
+                print(f"fwdm {dname} N={n} M={m} {label} fwd {fwd:.2f}us "
+                      f"{pct(2 * m * n * dt.itemsize, fwd, copy):.0f}% "
+                      f"add {add:.2f}us {pct(4 * m * n * dt.itemsize, add, copy):.0f}%{'' if ok else ' WRONG'}{same}",
+                      flush=True)
+                NormConfig.from_shape = staticmethod(base_from_shape)
+            del xs, ress
+
 if __name__ == "__main__":
     copy = copy_bandwidth_gbps()
     print(f"copy {copy:.0f} GB/s")
@@ -369,8 +412,9 @@ if __name__ == "__main__":
         what, _, arg = what.partition("=")
         tune = {"bwd": tune_bwd, "fwd": tune_fwd, "chunk": tune_chunk, "dw": tune_dw, "fp32": tune_fp32,
                 "split": tune_split, "bwdsplit": tune_bwd_split, "wide": tune_wide, "bwdm": tune_bwd_by_m,
+                "fwdm": tune_fwd_by_m,
                 "bwdbase": lambda c, *a: tune_bwd_by_m(c, *a, base_only=True)}[what]
-        if arg and what not in ("bwd", "fwd", "bwdsplit", "dw", "bwdm", "bwdbase"):
+        if arg and what not in ("bwd", "fwd", "bwdsplit", "dw", "bwdm", "bwdbase", "fwdm"):
             sys.exit(f"{what} takes no argument (only bwd=[dtype:]M:N,..., fwd=[dtype:]M:N,..., bwdsplit=dtype:N,... and "
-                     "dw=dtype:M:N,..., bwdm=/bwdbase=dtype:N,...)")
+                     "dw=dtype:M:N,..., bwdm=/bwdbase=/fwdm=dtype:N,...[;M,...])")
         tune(copy, arg) if arg else tune(copy)
