@@ -324,6 +324,15 @@ def tune_wide(copy):
 
 
 
+def _shapes_by_m(cases, ms):
+    """(dtype name, dtype, N, Ms) per case of dtype:N,...[;M,...] (the Ms default to ms)."""
+    cases, _, m_list = cases.partition(";")
+    ms = [int(m) for m in m_list.split(",")] if m_list else ms
+    for case in cases.split(","):
+        dname, n = case.split(":")
+        yield dname, DTYPES[dname], int(n), ms
+
+
 def tune_bwd_by_m(copy, cases="bf16:256,bf16:512,bf16:1024,fp32:256,fp32:512", ms=(1024, 4096, 16384, 32768, 65536),
                   base_only=False):
     """Backward tiles of short rows per M, dtype:N,... (bwdm=CASES; bwdbase=CASES times today's
@@ -332,11 +341,7 @@ def tune_bwd_by_m(copy, cases="bf16:256,bf16:512,bf16:1024,fp32:256,fp32:512", m
     same inputs ("bits differ" marks a variant whose row reductions are laid out differently,
     which a choice by M must not take: a row's dx bits may depend on N and dtype only).
     CASES may end in ;M,M,... to pick the Ms."""
-    cases, _, m_list = cases.partition(";")
-    ms = [int(m) for m in m_list.split(",")] if m_list else ms
-    for case in cases.split(","):
-        dname, n = case.split(":")
-        dt, n = DTYPES[dname], int(n)
+    for dname, dt, n, ms in _shapes_by_m(cases, ms):
         base = base_from_shape(n, dt)
         variants = [] if base_only else [
             dict(bwd_rows=rows, bwd_num_warps=warps)
@@ -367,11 +372,7 @@ def tune_fwd_by_m(copy, cases="bf16:256,bf16:512,bf16:1024,fp32:256", ms=(1024, 
     """Forward and add+norm tiles of short rows per M, dtype:N,...[;M,...] (fwdm=CASES): today's
     config, then rows x warps, each variant's y (and add+norm's y and residual_out) compared bit
     for bit with today's on the same inputs ("bits differ": a layout a choice by M must not take)."""
-    cases, _, m_list = cases.partition(";")
-    ms = [int(m) for m in m_list.split(",")] if m_list else ms
-    for case in cases.split(","):
-        dname, n = case.split(":")
-        dt, n = DTYPES[dname], int(n)
+    for dname, dt, n, ms in _shapes_by_m(cases, ms):
         base = base_from_shape(n, dt)
         vec = 16 // dt.itemsize
         variants = [dict(rows=rows, num_warps=warps) for rows in (base.rows, 2 * base.rows, 4 * base.rows,
