@@ -148,6 +148,12 @@ _BWD_STACKED_WARPS = {2: 16, 4: 8}  # by element size
 # 32.2).
 _LONG_RUN_ROWS = 128
 
+def warps_take_rows(block_n: int, num_warps: int, esize: int) -> bool:
+    """Whether a tile of ``block_n``-column rows on ``num_warps`` has warps along its rows:
+    Triton lays a blocked tile's warps along a row first, up to the row's 16-byte vectors / 32."""
+    return num_warps * 32 * (16 // esize) > block_n
+
+
 def _pow2_warps(threads: int, cap: int) -> int:
     return min(triton.next_power_of_2(max(threads // 32, 1)), cap)
 
@@ -217,9 +223,10 @@ class NormConfig:
             bwd_warps = 8
         else:
             bwd_warps = max(4, _pow2_warps(bwd_block_n // (16 // esize), 16))
-        spans_row = bwd_tail_n == 0 and bwd_warps * 32 * (16 // esize) >= bwd_block_n  # extra warps take rows
-        two_vectors = bwd_rows * bwd_block_n * esize >= 2 * 16 * 32 * (2 * bwd_warps)  # per thread, on twice the warps
-        bwd_long_run_warps = 2 * bwd_warps if spans_row and two_vectors else bwd_warps
+        # On twice the warps: the extra warps take rows, and each thread keeps two 16-byte vectors.
+        extra_take_rows = bwd_tail_n == 0 and warps_take_rows(bwd_block_n, 2 * bwd_warps, esize)
+        two_vectors = bwd_rows * bwd_block_n * esize >= 2 * 16 * 32 * (2 * bwd_warps)
+        bwd_long_run_warps = 2 * bwd_warps if extra_take_rows and two_vectors else bwd_warps
         bwd_lanes = bwd_rows * (bwd_block_n // 2 + bwd_tail_n if bwd_tail_n else bwd_block_n)
         bwd_prefetch = held and bwd_lanes <= min(_MAX_PREFETCH_LANES, _MAX_PREFETCH_BYTES // esize)
         bwd_reload = (held and bwd_rows == 1

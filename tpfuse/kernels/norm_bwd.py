@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from tpfuse.kernels.common import EXACT_FP, to_f32
-from tpfuse.kernels.norm import NormConfig, bwd_num_warps, inv_rms
+from tpfuse.kernels.norm import NormConfig, bwd_num_warps, inv_rms, warps_take_rows
 from tpfuse.kernels.norm_bwd_chunked import _rms_norm_bwd_chunked
 from tpfuse.kernels.norm_bwd_common import _bwd_row_sums, _load_piece, _store_dx, _weighted_grad
 from tpfuse.kernels.norm_dw import (DwPlan, _combine_when_done, _dw_counters_for, _finish_dw, _store_dw_piece,
@@ -31,7 +31,7 @@ COMBINE_COLUMNS = tl.constexpr(2)
 @triton.jit
 def _bwd_tile(x, dy, offs, mask, cols, xt, dyt, toffs, tmask, tcols, W, DX, DRES, N, eps, weight_offset,
               HAS_WEIGHT: tl.constexpr, HAS_DRES: tl.constexpr, JOINT_REDUCE: tl.constexpr, TAIL_N: tl.constexpr,
-              RELOAD_WEIGHT: tl.constexpr):
+              RELOAD_WEIGHT: tl.constexpr, WEIGHT_PER_ROW: tl.constexpr):
     """dx for a loaded tile of rows that fit in one chunk, as one piece (x, dy at offs) or,
     with TAIL_N, two (the tail's xt, dyt at toffs; see NormConfig.bwd_tail_n). Returns
     dy * x_hat for dW, per piece (the tail's is the head's when there is no tail).
@@ -42,24 +42,24 @@ def _bwd_tile(x, dy, offs, mask, cols, xt, dyt, toffs, tmask, tcols, W, DX, DRES
     the compiler cannot merge the two."""
     x = to_f32(x)
     dy = to_f32(dy)
-    g = _weighted_grad(dy, W, cols, N, weight_offset, HAS_WEIGHT, "")
+    g = _weighted_grad(dy, W, cols, N, weight_offset, HAS_WEIGHT, "", WEIGHT_PER_ROW)
     sq, gx = _bwd_row_sums(x, g, JOINT_REDUCE)
     if TAIL_N > 0:
         xt = to_f32(xt)
         dyt = to_f32(dyt)
-        gt = _weighted_grad(dyt, W, tcols, N, weight_offset, HAS_WEIGHT, "")
+        gt = _weighted_grad(dyt, W, tcols, N, weight_offset, HAS_WEIGHT, "", WEIGHT_PER_ROW)
         sq_t, gx_t = _bwd_row_sums(xt, gt, JOINT_REDUCE)
         sq += sq_t
         gx += gx_t
     inv = inv_rms(sq, N, eps)[:, None]
     c = (gx / N)[:, None] * inv
     if RELOAD_WEIGHT:
-        g = _weighted_grad(dy, W, cols, N, weight_offset, HAS_WEIGHT, ".ca")
+        g = _weighted_grad(dy, W, cols, N, weight_offset, HAS_WEIGHT, ".ca", WEIGHT_PER_ROW)
     dw = _store_dx(x, dy, g, inv, c, DX, DRES, offs, mask, HAS_DRES)
     dw_t = dw
     if TAIL_N > 0:
         if RELOAD_WEIGHT:
-            gt = _weighted_grad(dyt, W, tcols, N, weight_offset, HAS_WEIGHT, ".ca")
+            gt = _weighted_grad(dyt, W, tcols, N, weight_offset, HAS_WEIGHT, ".ca", WEIGHT_PER_ROW)
         dw_t = _store_dx(xt, dyt, gt, inv, c, DX, DRES, toffs, tmask, HAS_DRES)
     return dw, dw_t
 
@@ -79,7 +79,7 @@ def _load_tile(X, DY, rows, row_end, cols, tcols, N, TAIL_N: tl.constexpr):
 def _bwd_rows(DY, X, W, DX, DRES, PARTIAL, DW, pid, n_rows, N, rows_per_partial, num_partials, eps, weight_offset,
               BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, ROWS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
               HAS_DRES: tl.constexpr, TREE: tl.constexpr, PREFETCH: tl.constexpr, JOINT_REDUCE: tl.constexpr,
-              RELOAD_WEIGHT: tl.constexpr):
+              RELOAD_WEIGHT: tl.constexpr, WEIGHT_PER_ROW: tl.constexpr):
     """dx for partial ``pid``'s rows (rows of one chunk) and, with HAS_WEIGHT, its partial
     row PARTIAL[pid] of dW (dW itself when TREE and there is one partial)."""
     row_start = pid * rows_per_partial
@@ -103,7 +103,8 @@ def _bwd_rows(DY, X, W, DX, DRES, PARTIAL, DW, pid, n_rows, N, rows_per_partial,
             nx, ndy, noffs, nmask, nxt, ndyt, ntoffs, ntmask = _load_tile(X, DY, rows + r0, row_end, cols,
                                                                           tcols, N, TAIL_N)
             dw, dw_t = _bwd_tile(x, dy, offs, mask, cols, xt, dyt, toffs, tmask, tcols, W, DX, DRES, N, eps,
-                                 weight_offset, HAS_WEIGHT, HAS_DRES, JOINT_REDUCE, TAIL_N, RELOAD_WEIGHT)
+                                 weight_offset, HAS_WEIGHT, HAS_DRES, JOINT_REDUCE, TAIL_N, RELOAD_WEIGHT,
+                                 WEIGHT_PER_ROW)
             dw_acc += dw
             x, dy, offs, mask = nx, ndy, noffs, nmask
             if TAIL_N > 0:
@@ -114,7 +115,8 @@ def _bwd_rows(DY, X, W, DX, DRES, PARTIAL, DW, pid, n_rows, N, rows_per_partial,
             x, dy, offs, mask, xt, dyt, toffs, tmask = _load_tile(X, DY, rows + r0, row_end, cols, tcols, N,
                                                                   TAIL_N)
             dw, dw_t = _bwd_tile(x, dy, offs, mask, cols, xt, dyt, toffs, tmask, tcols, W, DX, DRES, N, eps,
-                                 weight_offset, HAS_WEIGHT, HAS_DRES, JOINT_REDUCE, TAIL_N, RELOAD_WEIGHT)
+                                 weight_offset, HAS_WEIGHT, HAS_DRES, JOINT_REDUCE, TAIL_N, RELOAD_WEIGHT,
+                                 WEIGHT_PER_ROW)
             dw_acc += dw
             if TAIL_N > 0:
                 dw_acc_t += dw_t
@@ -134,7 +136,7 @@ def rms_norm_bwd_kernel(
     BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, ROWS: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_DRES: tl.constexpr, COMBINE: tl.constexpr,
     GROUP_SIZE: tl.constexpr, PREFETCH: tl.constexpr, JOINT_REDUCE: tl.constexpr, RELOAD_WEIGHT: tl.constexpr,
-    COMBINE_BLOCK: tl.constexpr,
+    WEIGHT_PER_ROW: tl.constexpr, COMBINE_BLOCK: tl.constexpr,
 ):
     """DX = d rms_norm(X) / dX applied to DY (+ DRES, the gradient arriving on residual_out).
     With HAS_WEIGHT, partial program p also writes PARTIAL[p] = sum over its rows of
@@ -148,7 +150,7 @@ def rms_norm_bwd_kernel(
     if pid < num_partials:
         _bwd_rows(DY, X, W, DX, DRES, PARTIAL, DW, pid, n_rows, N, rows_per_partial, num_partials, eps,
                   weight_offset, BLOCK_N, TAIL_N, ROWS, HAS_WEIGHT, HAS_DRES, COMBINE == COMBINE_TREE,
-                  PREFETCH, JOINT_REDUCE, RELOAD_WEIGHT)
+                  PREFETCH, JOINT_REDUCE, RELOAD_WEIGHT, WEIGHT_PER_ROW)
         if COMBINE == COMBINE_TREE and num_partials > 1:
             _finish_dw(PARTIAL, GROUP_SUM, COUNTERS, DW, pid, num_partials, N, GROUP_SIZE, BLOCK_N)
         if COMBINE == COMBINE_COLUMNS:
@@ -207,6 +209,7 @@ def rms_norm_bwd(
             counters = _dw_counters_for(x.device)
         # A "columns" combine runs its column programs after the partials, in the same launch.
         grid = plan.num_partials + (plan.num_combine_programs if combine == COMBINE_COLUMNS else 0)
+        num_warps = bwd_num_warps(cfg, plan.rows_per_partial)
         rms_norm_bwd_kernel[(grid,)](
             **operands, GROUP_SUM=group_sum, COUNTERS=counters,
             n_rows=n_rows, N=n, rows_per_partial=plan.rows_per_partial, num_partials=plan.num_partials,
@@ -215,7 +218,8 @@ def rms_norm_bwd(
             HAS_WEIGHT=has_weight, HAS_DRES=dresidual_out is not None, COMBINE=combine.value,
             GROUP_SIZE=plan.group_size, PREFETCH=cfg.bwd_prefetch, JOINT_REDUCE=cfg.bwd_joint_reduce,
             RELOAD_WEIGHT=cfg.bwd_reload_weight,
-            COMBINE_BLOCK=plan.combine_block, num_warps=bwd_num_warps(cfg, plan.rows_per_partial), **EXACT_FP,
+            WEIGHT_PER_ROW=warps_take_rows(cfg.bwd_block_n, num_warps, x.element_size()),
+            COMBINE_BLOCK=plan.combine_block, num_warps=num_warps, **EXACT_FP,
         )
     if has_weight and not fused:
         dw_combine(partial, dweight, plan)

@@ -18,17 +18,19 @@ def _add_pair(a0, a1, b0, b1):
 
 
 @triton.jit
-def _weighted_grad(dy, W, cols, N, weight_offset, HAS_WEIGHT: tl.constexpr, CACHE: tl.constexpr):
+def _weighted_grad(dy, W, cols, N, weight_offset, HAS_WEIGHT: tl.constexpr, CACHE: tl.constexpr,
+                   PER_ROW: tl.constexpr):
     """g = dy * (w + weight_offset) at cols, in fp32. The weight is re-read per tile (an L1
     hit): hoisted out of the row loop it cost N=4096 85% -> 71% of copy bandwidth on H200.
-    It is read per row of the tile, so that its load has the tile's layout. Read once as
-    [1, W], its load set the layout of the whole tile wherever the two differ (tiles with
-    warps along their rows: 16-bit rows of up to 512 elements, fp32 up to 256): x and dy were
+    CACHE is the load's cache modifier. With PER_ROW (tiles whose warps take rows:
+    norm.warps_take_rows) it is read per row of the tile, so that its load has the tile's
+    layout. Read once as [1, W] there, its load set the layout of the whole tile: x and dy were
     converted to it through shared memory every tile, and a row's reduction crossed warps
-    (benchmarks/NOTES.md, 2026-11-25). CACHE is the load's cache modifier."""
+    (benchmarks/NOTES.md, 2026-11-25). Elsewhere the two layouts agree, and reading per row
+    only loads the weight more often (stacked rows of 2880 at M=1: 2.1 -> 2.5 us)."""
     g = to_f32(dy)
     if HAS_WEIGHT:
-        wcols = tl.broadcast_to(cols, g.shape)
+        wcols = tl.broadcast_to(cols, g.shape) if PER_ROW else cols
         g = g * (to_f32(tl.load(W + wcols, mask=wcols < N, other=0.0, cache_modifier=CACHE)) + weight_offset)
     return g
 
