@@ -352,7 +352,7 @@ def tune_bwd_by_m(copy, cases="bf16:256,bf16:512,bf16:1024,fp32:256,fp32:512", m
             ref = None
             for fields in [None] + variants:
                 if fields is None:
-                    warps = norm.bwd_num_warps(base, DwPlan.from_shape(m, n, dt).rows_per_partial)
+                    warps = norm.bwd_num_warps(base, DwPlan.from_shape(m, n, dt).rows_per_partial, True)
                     label = f"today rows={base.bwd_rows} warps={warps}"
                 else:
                     use_config(**fields)

@@ -113,13 +113,18 @@ def layouts_for(case: dict) -> dict:
 
 def _norm_kernel_launch(case: dict) -> tuple[JITFunction, dict]:
     """The launch of the norm kernel ``case["kernel"]`` ("backward", or "forward": add_rms_norm's)
-    on (dtype, n, rows), with ``case["config"]`` (NormConfig fields) overriding the tile config."""
+    on (dtype, n, rows), with ``case["config"]`` (NormConfig fields) overriding the tile config
+    at every M and ``case["weight"]`` ("same", the default, "fp32" or "none") the weight's dtype."""
     dtype, n, rows = DTYPES[case["dtype"]], case["n"], case["rows"]
-    x, dx, w, dw = torch.empty(rows, n, dtype=dtype), torch.empty(rows, n, dtype=dtype), torch.empty(n, dtype=dtype), \
-        torch.empty(n, dtype=dtype)
+    x, dx = torch.empty(rows, n, dtype=dtype), torch.empty(rows, n, dtype=dtype)
+    w = {"same": torch.empty(n, dtype=dtype), "fp32": torch.empty(n), "none": None}[case.get("weight", "same")]
+    dw = None if w is None else torch.empty_like(w)
     torch.cuda.is_current_stream_capturing = lambda: False  # the launcher asks, to allocate its counters
+    config = dict(case.get("config", {}))
+    if "bwd_num_warps" in config:  # long runs too
+        config.setdefault("bwd_long_run_warps", config["bwd_num_warps"])
     base = NormConfig.from_shape
-    NormConfig.from_shape = staticmethod(lambda n_, dt: dataclasses.replace(base(n_, dt), **case.get("config", {})))
+    NormConfig.from_shape = staticmethod(lambda n_, dt: dataclasses.replace(base(n_, dt), **config))
     try:
         if case["kernel"] == "forward":
             return _launch_args(lambda: rms_norm_fwd(x, w, dx, 1e-6, 0.0, x.clone(), x.clone()))
@@ -159,6 +164,6 @@ def kernel_registers(case: dict) -> dict:
 
 
 if __name__ == "__main__":
+    report = {"registers": kernel_registers, "reductions": backward_reductions, "layouts": layouts_for}
     for c in json.loads(sys.argv[1]):
-        report = {"registers": kernel_registers, "reductions": backward_reductions, "layouts": layouts_for}
         print(json.dumps(report[c.get("report", "registers" if "kernel" in c else "layouts")](c)), flush=True)

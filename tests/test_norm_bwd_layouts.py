@@ -19,14 +19,19 @@ from tpfuse.kernels.norm import NormConfig
 
 SHORT_M, LONG_M = 1024, 65536  # 256 dW partials of 4 and of 256 rows
 # Tiles of 4 to 32 rows whose warps double on long runs: 16-bit rows of 256 (a warp per row),
-# 512 (2 warps per row), 768 (a padded tile) and 1024 (4 warps per row); fp32 rows of 64 (lanes
-# share a row) to 512.
+# 512 (2 warps per row), 768 (a padded tile) and 1024 (4 warps per row); fp32 rows of 64 (a warp
+# holds two rows) to 512.
 CASES = [("bf16", 256), ("bf16", 512), ("bf16", 768), ("bf16", 1024), ("fp16", 256),
          ("fp32", 64), ("fp32", 256), ("fp32", 512)]
 # Tiles that keep their warps: one 16-byte vector per thread on twice the warps (bf16 64, 4 KiB
-# tiles), warps that do not span a row yet (bf16 2048, 2 rows on 8 warps: more would split the
-# row further), rows in two pieces (bf16 5120) and single rows (fp32 4096).
+# tiles; bf16 2048, 2 rows of 8 KiB on 8 warps), rows in two pieces (bf16 5120) and single rows
+# (fp32 4096).
 KEEP = [(torch.bfloat16, 64), (torch.bfloat16, 2048), (torch.bfloat16, 5120), (torch.float32, 4096)]
+# Calls that keep their warps although the tile would double them: tiles laid out in narrower
+# vectors, where more warps would split a row (rows that are not a multiple of 16 elements without
+# a weight; an fp32 weight beside bf16 rows).
+NARROW = [("bf16", 1000, "none"), ("bf16", 250, "none"), ("fp32", 300, "none"), ("bf16", 1024, "fp32"),
+          ("bf16", 600, "fp32")]
 # The check can fail: a single-row tile (bf16 4096 on 16 warps) on 8 warps spreads each row
 # over 8 warps instead of 16.
 SINGLE_ROW = dict(dtype="bf16", n=4096)
@@ -35,13 +40,15 @@ SINGLE_ROW_WARPS = 8
 
 def _cases():
     cases = [dict(report="reductions", dtype=d, n=n, rows=m) for d, n in CASES for m in (SHORT_M, LONG_M)]
+    cases += [dict(report="reductions", dtype=d, n=n, rows=m, weight=w)
+              for d, n, w in NARROW for m in (SHORT_M, LONG_M)]
     return cases + [dict(report="reductions", rows=SHORT_M, **SINGLE_ROW),
                     dict(report="reductions", rows=SHORT_M, config={"bwd_num_warps": SINGLE_ROW_WARPS}, **SINGLE_ROW)]
 
 
 @pytest.fixture(scope="module")
 def reports():
-    return {(r["case"]["dtype"], r["case"]["n"], r["case"]["rows"], "config" in r["case"]): r
+    return {(r["case"]["dtype"], r["case"]["n"], r["case"]["rows"], "config" in r["case"], r["case"].get("weight")): r
             for r in compile_for_sm90(_cases())}
 
 
@@ -61,14 +68,14 @@ def test_every_case_was_compiled(reports):
 
 @pytest.mark.parametrize("dtype, n", CASES)
 def test_long_runs_take_more_warps_and_reduce_rows_alike(reports, dtype, n):
-    short, long = reports[(dtype, n, SHORT_M, False)], reports[(dtype, n, LONG_M, False)]
+    short, long = reports[(dtype, n, SHORT_M, False, None)], reports[(dtype, n, LONG_M, False, None)]
     assert long["num_warps"] == 2 * short["num_warps"]  # the case covers the switch
     assert len(short["reductions"]) == len(long["reductions"])
     assert [across_a_row(a) for a in short["reductions"]] == [across_a_row(b) for b in long["reductions"]]
 
 
 def test_the_check_sees_a_row_spread_over_other_warps(reports):
-    base, fewer = (reports[(SINGLE_ROW["dtype"], SINGLE_ROW["n"], SHORT_M, c)] for c in (False, True))
+    base, fewer = (reports[(SINGLE_ROW["dtype"], SINGLE_ROW["n"], SHORT_M, c, None)] for c in (False, True))
     assert fewer["num_warps"] == SINGLE_ROW_WARPS != base["num_warps"]
     assert [across_a_row(a) for a in base["reductions"]] != [across_a_row(b) for b in fewer["reductions"]]
 
@@ -77,3 +84,10 @@ def test_the_check_sees_a_row_spread_over_other_warps(reports):
 def test_other_tiles_keep_their_warps_on_long_runs(dtype, n):
     cfg = NormConfig.from_shape(n, dtype)
     assert cfg.bwd_long_run_warps == cfg.bwd_num_warps
+
+
+@pytest.mark.parametrize("dtype, n, weight", NARROW)
+def test_tiles_in_narrower_vectors_keep_their_warps_and_layouts(reports, dtype, n, weight):
+    short, long = reports[(dtype, n, SHORT_M, False, weight)], reports[(dtype, n, LONG_M, False, weight)]
+    assert long["num_warps"] == short["num_warps"]
+    assert [across_a_row(a) for a in short["reductions"]] == [across_a_row(b) for b in long["reductions"]]

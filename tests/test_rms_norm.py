@@ -212,18 +212,23 @@ def test_one_partial_on_chunked_rows_writes_dw_without_a_combine(dtype, m, monke
     assert rel_err(outs[0][0], dx_ref) <= 2 * rel_err_budget(dtype)
 
 
-# On GPU, short rows also in a batch whose programs run long enough for twice the warps.
-@pytest.mark.parametrize("dtype, n", [(torch.bfloat16, 1000), (torch.bfloat16, 20000)]
-                         + ([(torch.bfloat16, 256), (torch.float32, 512)] if ON_GPU else []))
-def test_backward_dx_is_batch_invariant(dtype, n):
+# On GPU, short rows also in a batch whose programs run long enough for twice the warps
+# (norm.bwd_num_warps), and rows where they must not take them: unaligned rows without a weight,
+# and an fp32 weight beside bf16 rows (both laid out in narrower vectors).
+@pytest.mark.parametrize("dtype, n, weight", [(torch.bfloat16, 1000, "plain"), (torch.bfloat16, 20000, "plain")]
+                         + ([(torch.bfloat16, 256, "plain"), (torch.float32, 512, "plain"),
+                             (torch.bfloat16, 1000, "none"), (torch.bfloat16, 1024, "fp32")] if ON_GPU else []))
+def test_backward_dx_is_batch_invariant(dtype, n, weight):
     """A row's dx alone (one dW partial, the tree, 4 warps on short rows) and inside a batch at
     a random position: the same bits."""
     long_runs = ON_GPU and n <= 1024
     m = 40000 if long_runs else 300 if ON_GPU else 12
-    if long_runs:
+    if long_runs and weight == "plain":
         cfg = NormConfig.from_shape(n, dtype)
-        assert bwd_num_warps(cfg, DwPlan.from_shape(m, n, dtype).rows_per_partial) > bwd_num_warps(cfg, 1)
+        alone, batch = (bwd_num_warps(cfg, DwPlan.from_shape(rows, n, dtype).rows_per_partial, True) for rows in (1, m))
+        assert batch > alone  # the case covers the switch
     x, w, _ = _inputs(m, n, dtype, "plain", seed=n + 1)
+    w = {"plain": w, "none": None, "fp32": w.float()}[weight]
     dy = torch.randn(m, n).to(dtype).to(DEVICE)
     pos = int(torch.randint(m, (1,)))
     dx_batch, dx_alone = torch.full_like(x, float("nan")), torch.full_like(x[:1], float("nan"))

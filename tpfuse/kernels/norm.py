@@ -133,12 +133,15 @@ _BWD_STACKED_WARPS = {2: 16, 4: 8}  # by element size
 
 
 # Backward programs that run through long stretches of rows (_LONG_RUN_ROWS or more per dW
-# partial: M >= 32768 at 256 partials) take twice the warps on tiles whose warps already span a
-# row, when each thread still holds two 16-byte vectors (``bwd_long_run_warps``). Triton lays a
-# tile's warps along its columns first, up to a row's 16-byte vectors / 32, and the rest along
-# its rows: there the extra warps take rows, each row is reduced in the same layout, and dx
-# keeps its bits at every M (tests/test_norm_bwd_layouts.py; scripts/tune_norm.py bwdm compares
-# them too). H200, us, 4 -> 8 warps at M=32768 and 65536 (benchmarks/NOTES.md 2026-11-25): bf16
+# partial: M of about 32768 and more at 256 partials) take twice the warps on tiles whose warps
+# already span a row, when each thread still holds two 16-byte vectors (``bwd_long_run_warps``).
+# Triton lays a tile's warps along its columns first, up to a row's vectors / 32, and the rest
+# along its rows: there the extra warps take rows, each row is reduced in the same layout, and
+# dx keeps its bits at every M (tests/test_norm_bwd_layouts.py; scripts/tune_norm.py bwdm
+# compares them too). That holds only where every access of the tile is in 16-byte vectors
+# (bwd_num_warps' whole_vectors): with unaligned rows or an fp32 weight beside 16-bit rows the
+# tile is laid out in narrower vectors, a row spans more warps, and more warps would split it.
+# H200, us, 4 -> 8 warps at M=32768 and 65536 (benchmarks/NOTES.md 2026-11-25): bf16
 # N=128 14.3 -> 13.8 and 22.1 -> 20.0, N=256 23.6 -> 22.8 and 38.9 -> 35.6, N=512 34.8 -> 35.6 and
 # 61.8 -> 60.3, N=768 54.0 -> 53.7 and 100.5 -> 98.0, N=1024 61.7 -> 60.1 and 115.7 -> 111.5; fp16
 # N=256 23.4 -> 22.8 and 38.7 -> 35.4; fp32 N=64 13.0 -> 12.5 and 20.5 -> 18.9, N=256 34.3 -> 32.3
@@ -148,9 +151,11 @@ _BWD_STACKED_WARPS = {2: 16, 4: 8}  # by element size
 # 32.2).
 _LONG_RUN_ROWS = 128
 
+
 def warps_take_rows(block_n: int, num_warps: int, esize: int) -> bool:
     """Whether a tile of ``block_n``-column rows on ``num_warps`` has warps along its rows:
-    Triton lays a blocked tile's warps along a row first, up to the row's 16-byte vectors / 32."""
+    Triton lays a blocked tile's warps along a row first, up to the row's 16-byte vectors / 32
+    (on a tile whose accesses are all 16-byte vectors)."""
     return num_warps * 32 * (16 // esize) > block_n
 
 
@@ -242,9 +247,13 @@ class NormConfig:
         )
 
 
-def bwd_num_warps(cfg: NormConfig, rows_per_partial: int) -> int:
-    """The backward kernel's warps for programs of ``rows_per_partial`` rows (DwPlan)."""
-    return cfg.bwd_long_run_warps if rows_per_partial >= _LONG_RUN_ROWS else cfg.bwd_num_warps
+def bwd_num_warps(cfg: NormConfig, rows_per_partial: int, whole_vectors: bool) -> int:
+    """The backward kernel's warps for programs of ``rows_per_partial`` rows (DwPlan).
+    whole_vectors: every access of the tile is a 16-byte vector (16-byte aligned operands, rows
+    of a multiple of TRITON_DIVISIBILITY elements, a weight and a residual gradient of the rows'
+    dtype or none); without it the long-run warps would change a row's layout."""
+    long_run = whole_vectors and rows_per_partial >= _LONG_RUN_ROWS
+    return cfg.bwd_long_run_warps if long_run else cfg.bwd_num_warps
 
 
 @triton.jit

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.common import EXACT_FP, to_f32
+from tpfuse.kernels.common import EXACT_FP, TRITON_DIVISIBILITY, to_f32
 from tpfuse.kernels.norm import NormConfig, bwd_num_warps, inv_rms, warps_take_rows
 from tpfuse.kernels.norm_bwd_chunked import _rms_norm_bwd_chunked
 from tpfuse.kernels.norm_bwd_common import _bwd_row_sums, _load_piece, _store_dx, _weighted_grad
@@ -127,8 +127,8 @@ def _bwd_rows(DY, X, W, DX, DRES, PARTIAL, DW, pid, n_rows, N, rows_per_partial,
 
 
 # Row counts are not specialised: one compiled kernel per (N, dtype, combine mode, warps) serves
-# every M (the modes and the warp counts of bwd_num_warps reduce rows in the same layouts, so
-# dx has the same bits in each).
+# every M (the modes, and the warp counts bwd_num_warps picks by M, reduce rows in the same
+# layouts, so dx has the same bits in each).
 @triton.jit(do_not_specialize=["n_rows", "rows_per_partial", "num_partials", "num_combine_programs"])
 def rms_norm_bwd_kernel(
     DY, X, W, DX, DRES, PARTIAL, GROUP_SUM, COUNTERS, DW,
@@ -209,7 +209,11 @@ def rms_norm_bwd(
             counters = _dw_counters_for(x.device)
         # A "columns" combine runs its column programs after the partials, in the same launch.
         grid = plan.num_partials + (plan.num_combine_programs if combine == COMBINE_COLUMNS else 0)
-        num_warps = bwd_num_warps(cfg, plan.rows_per_partial)
+        # The long-run warps keep each row's layout only on 16-byte vectors (bwd_num_warps).
+        tensors = [dy, x, dx] + [t for t in (weight, dresidual_out) if t is not None]
+        whole_vectors = (n % TRITON_DIVISIBILITY == 0 and all(t.dtype == x.dtype for t in tensors)
+                         and all(t.data_ptr() % 16 == 0 for t in tensors))
+        num_warps = bwd_num_warps(cfg, plan.rows_per_partial, whole_vectors)
         rms_norm_bwd_kernel[(grid,)](
             **operands, GROUP_SUM=group_sum, COUNTERS=counters,
             n_rows=n_rows, N=n, rows_per_partial=plan.rows_per_partial, num_partials=plan.num_partials,

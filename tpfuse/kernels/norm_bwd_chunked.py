@@ -41,7 +41,7 @@ def rms_norm_bwd_chunk_sums_kernel(DY, X, W, CHUNK_SUMS, n_rows, N, rows_per_par
     x, dy, _, _ = _load_piece(X, DY, rows, row_end, cols, N)
     for r in range(1, rows_per_partial + 1):  # row r - 1, with row r's loads in flight
         nx, ndy, _, _ = _load_piece(X, DY, rows + r, row_end, cols, N)
-        g = _weighted_grad(dy, W, cols, N, weight_offset, HAS_WEIGHT, "", False)
+        g = _weighted_grad(dy, W, cols, N, weight_offset, HAS_WEIGHT, "", PER_ROW=False)
         sq, gx = _bwd_row_sums(to_f32(x), g, False)  # single 8 KiB rows: see norm._BWD_TWO_REDUCTION_BLOCK_N
         out = CHUNK_SUMS + ((rows + r - 1).to(tl.int64) * NUM_CHUNKS + chunk) * 2
         tl.store(out, sq, mask=rows + r - 1 < row_end)
@@ -95,7 +95,7 @@ def rms_norm_bwd_chunks_kernel(DY, X, W, DX, DRES, ROW_STATS, PARTIAL, DW,
     for r in range(1, rows_per_partial + 1):  # row r - 1, with row r's loads in flight
         nx, ndy, noffs, nmask = _load_piece(X, DY, rows + r, row_end, cols, N)
         ninv, nc = _load_row_stats(ROW_STATS, rows + r, row_end)
-        g = _weighted_grad(dy, W, cols, N, weight_offset, HAS_WEIGHT, "", False)
+        g = _weighted_grad(dy, W, cols, N, weight_offset, HAS_WEIGHT, "", PER_ROW=False)
         dw_acc += _store_dx(to_f32(x), to_f32(dy), g, inv, c, DX, DRES, offs, mask, HAS_DRES)
         x, dy, offs, mask, inv, c = nx, ndy, noffs, nmask, ninv, nc
     if HAS_WEIGHT:

@@ -26,8 +26,8 @@ def _weighted_grad(dy, W, cols, N, weight_offset, HAS_WEIGHT: tl.constexpr, CACH
     norm.warps_take_rows) it is read per row of the tile, so that its load has the tile's
     layout. Read once as [1, W] there, its load set the layout of the whole tile: x and dy were
     converted to it through shared memory every tile, and a row's reduction crossed warps
-    (benchmarks/NOTES.md, 2026-11-25). Elsewhere the two layouts agree, and reading per row
-    only loads the weight more often (bf16 N=1024 on 4 warps, us, per row -> once: M=16 3.36 ->
+    (benchmarks/NOTES.md, 2026-11-25). Elsewhere (with a weight of the rows' dtype) the two
+    layouts agree, and reading per row only loads the weight more often (bf16 N=1024 on 4 warps, us, per row -> once: M=16 3.36 ->
     3.19, M=128 5.26 -> 4.98)."""
     g = to_f32(dy)
     if HAS_WEIGHT:
