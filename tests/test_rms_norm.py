@@ -232,8 +232,9 @@ def test_backward_dx_is_batch_invariant(dtype, n, weight):
     dy = torch.randn(m, n).to(dtype).to(DEVICE)
     pos = int(torch.randint(m, (1,)))
     dx_batch, dx_alone = torch.full_like(x, float("nan")), torch.full_like(x[:1], float("nan"))
-    rms_norm_bwd(dy, x, w, dx_batch, torch.empty_like(w), 1e-6, 0.0)
-    rms_norm_bwd(dy[pos:pos + 1].clone(), x[pos:pos + 1].clone(), w, dx_alone, torch.empty_like(w), 1e-6, 0.0)
+    dw = None if w is None else torch.empty_like(w)
+    rms_norm_bwd(dy, x, w, dx_batch, dw, 1e-6, 0.0)
+    rms_norm_bwd(dy[pos:pos + 1].clone(), x[pos:pos + 1].clone(), w, dx_alone, dw, 1e-6, 0.0)
     assert not dx_alone.isnan().any() and torch.equal(dx_batch[pos:pos + 1], dx_alone)
 
 
