@@ -323,7 +323,6 @@ def tune_wide(copy):
         del x, res, y, res_out, y2
 
 
-
 def _shapes_by_m(cases, ms):
     """(dtype name, dtype, N, Ms) per case of dtype:N,...[;M,...] (the Ms default to ms)."""
     cases, _, m_list = cases.partition(";")
@@ -405,6 +404,7 @@ def tune_fwd_by_m(copy, cases="bf16:256,bf16:512,bf16:1024,fp32:256", ms=(1024, 
                       flush=True)
                 NormConfig.from_shape = staticmethod(base_from_shape)
             del xs, ress
+
 
 if __name__ == "__main__":
     copy = copy_bandwidth_gbps()
