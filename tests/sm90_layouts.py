@@ -69,14 +69,16 @@ def _compile(kernel: JITFunction, kwargs: dict):
     return compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
 
 
-_REDUCE = re.compile(r'"tt\.reduce"\(.*?<\{axis = 1 : i32\}>.*?\}\) : \((tensor<[0-9x]+xf32, (#[\w.]+)>)\)', re.S)
+# A reduction along axis 1 (a row reduction): its operands' types (one or, for a tuple, more).
+_REDUCE_ROWS = re.compile(r'"tt\.reduce"\([^)]*\) <\{axis = 1 : i32\}> \(\{.*?\}\) : \(([^)]*)\)', re.S)
 
 
 def row_reduction_layouts(ttgir: str) -> list[str]:
-    """Operand types of every fp32 reduction along axis 1 (a row reduction), with the layout
-    alias replaced by its definition."""
+    """Types of the fp32 operands of every row reduction (each operand of a tuple reduction),
+    with the layout alias replaced by its definition."""
     aliases = dict(re.findall(r"^(#[\w.]+) = (.*)$", ttgir, re.M))
-    return [ty.replace(alias, aliases.get(alias, alias)) for ty, alias in _REDUCE.findall(ttgir)]
+    return [ty.replace(alias, aliases.get(alias, alias)) for operands in _REDUCE_ROWS.findall(ttgir)
+            for ty, alias in re.findall(r"(tensor<[0-9x]+xf32, (#[\w.]+)>)", operands)]
 
 
 def _launch_args(launch, first: bool = False) -> tuple[JITFunction, dict]:
@@ -133,18 +135,12 @@ def _norm_kernel_launch(case: dict) -> tuple[JITFunction, dict]:
         NormConfig.from_shape = staticmethod(base)
 
 
-_REDUCE_ROWS = re.compile(r'"tt\.reduce"\([^)]*\) <\{axis = 1 : i32\}> \(\{.*?\}\) : \(([^)]*)\)', re.S)
-
-
 def backward_reductions(case: dict) -> dict:
-    """The backward kernel's warps and the layout of every fp32 operand of its row reductions
-    (the joint reduction of x^2 and g*x has two), for (dtype, n, rows) as in kernel_registers."""
+    """The backward kernel's warps and row_reduction_layouts (the joint reduction of x^2 and
+    g*x has two operands), for (dtype, n, rows) as in kernel_registers."""
     kernel, kwargs = _norm_kernel_launch(dict(case, kernel="backward"))
     ttgir = _compile(kernel, kwargs).asm["ttgir"]
-    aliases = dict(re.findall(r"^(#[\w.]+) = (.*)$", ttgir, re.M))
-    layouts = [aliases.get(alias, alias) for operands in _REDUCE_ROWS.findall(ttgir)
-               for alias in re.findall(r"tensor<[0-9x]+xf32, (#[\w.]+)>", operands)]
-    return {"case": case, "num_warps": kwargs["num_warps"], "reductions": layouts}
+    return {"case": case, "num_warps": kwargs["num_warps"], "reductions": row_reduction_layouts(ttgir)}
 
 
 def kernel_registers(case: dict) -> dict:
