@@ -5,7 +5,7 @@ Not part of the library: it patches ``NormConfig.from_shape`` and the dW partial
 
 bwd: tile rows x warps x prefetch x joint reduction per N (M=32768, bf16; bwd=[dtype:]M:N,... picks), then the best
 three per N again with 512 dW partials; fwd: warps x rows per N (fwd=[dtype:]M:N,... picks), forward and add+norm; chunk: rows too long for
-registers (N=65536): forward chunk bytes x warps, backward programs x warps; dw: dW partials
+registers (N=65536): forward chunk bytes x warps, then exchange; exchange: the chunked backward's warps x registers per thread x partials (exchange=dtype:N:M,...;... picks); dw: dW partials
 x combine mode at small M (dw=dtype:M:N,... picks the shapes); fp32: warps for fp32 rows of 16384 held in registers; split: forward
 rows in two pieces vs one padded tile (NormConfig.tail_n); bwdsplit: the same for the backward
 (bwd_tail_n), with warps x prefetch x bwd_reload_weight; wide: bf16 rows of 16385-65536
@@ -168,20 +168,46 @@ def tune_chunk(copy):
     base_from_shape.cache_clear()
     NormConfig.from_shape = staticmethod(base_from_shape)
     del x, y
-    base = (norm_dw._CHUNKED_BWD_PROGRAMS, norm_bwd_chunked._CHUNKED_BWD_WARPS)
-    for dt, n, m in [(DT, 65536, 16), (DT, 65536, 1024), (DT, 65536, 16384), (torch.float32, 32768, 16384)]:
-        x = torch.randn(m, n, device="cuda", dtype=dt)
-        dy, w = torch.randn_like(x), torch.randn(n, device="cuda", dtype=dt)
-        dx, dw = torch.empty_like(x), torch.empty_like(w)
-        for programs, warps in itertools.product((256, 512, 1024), (4, 8, 16)):
-            norm_dw._CHUNKED_BWD_PROGRAMS, norm_bwd_chunked._CHUNKED_BWD_WARPS = programs, warps
-            us, ok = time_checked_bwd(x[:4096], dy[:4096], w, dx[:4096], dw)
-            if m > 4096:  # checked on the first rows, timed on all
-                us = graph_time_us(lambda i: rms_norm_bwd(dy, x, w, dx, dw, 1e-6, 0.0))
-            print(f"bwd {str(dt)[6:]} N={n} M={m} programs={programs} warps={warps} {us:.1f}us "
-                  f"{pct(3 * m * n * dt.itemsize, us, copy):.0f}%{'' if ok else ' WRONG'}", flush=True)
-        norm_dw._CHUNKED_BWD_PROGRAMS, norm_bwd_chunked._CHUNKED_BWD_WARPS = base
-        del x, dy, dx
+    tune_exchange(copy)
+
+
+EXCHANGE_CASES = "bf16:65536:1,16,1024,4096,16384;fp32:65536:1024;fp32:32768:16384;bf16:20000:32768"
+# (warps, registers per thread); today's first.
+EXCHANGE_VARIANTS = [(4, 255), (8, 128), (8, 255)]
+
+
+def tune_exchange(copy, cases=EXCHANGE_CASES):
+    """The chunked rows' backward (norm_bwd_chunked): warps x registers per thread (so programs
+    per SM) x dW partials (_CHUNKED_BWD_PROGRAMS), per dtype:N:M,...;... Every variant's dx
+    and dW are checked against torch and compared bit for bit with today's."""
+    base = norm_bwd_chunked._EXCHANGE_WARPS, norm_bwd_chunked._EXCHANGE_MAX_REGISTERS
+    base_programs = norm_dw._CHUNKED_BWD_PROGRAMS
+    for case in cases.split(";"):
+        dname, n, ms = case.split(":")
+        dt, n = DTYPES[dname], int(n)
+        for m in map(int, ms.split(",")):
+            x, dy, dx, w, dw = rotated_bwd_inputs(m, n, dt)
+            ref = None
+            for programs, variant in itertools.product((base_programs, 2 * base_programs), EXCHANGE_VARIANTS):
+                norm_bwd_chunked._EXCHANGE_WARPS, norm_bwd_chunked._EXCHANGE_MAX_REGISTERS = variant
+                norm_dw._CHUNKED_BWD_PROGRAMS = programs
+                try:
+                    us, ok = time_checked_bwd(x, dy, w, dx, dw)
+                except Exception as e:  # a grid the GPU cannot hold at once, or out of registers
+                    print(f"exchange {dname} N={n} M={m} programs={programs} {variant} failed: {e}", flush=True)
+                    continue
+                dx[0].fill_(float("nan"))
+                rms_norm_bwd(dy[0], x[0], w, dx[0], dw, 1e-6, 0.0)
+                outs = (dx[0].clone(), dw.clone())
+                ref = outs if ref is None else ref
+                same = (f" dx {'same' if torch.equal(outs[0], ref[0]) else 'DIFFERENT'}"
+                        f" dW {'same' if torch.equal(outs[1], ref[1]) else 'different'}")
+                print(f"exchange {dname} N={n} M={m} programs={programs} warps={variant[0]} regs={variant[1]} "
+                      f"{us:.1f}us {pct(3 * m * n * dt.itemsize, us, copy):.0f}%"
+                      f"{'' if ok else ' WRONG'}{same}", flush=True)
+            del x, dy, dx
+    norm_bwd_chunked._EXCHANGE_WARPS, norm_bwd_chunked._EXCHANGE_MAX_REGISTERS = base
+    norm_dw._CHUNKED_BWD_PROGRAMS = base_programs
 
 
 DW_CASES = ",".join(f"{d}:{m}:{n}" for (d, m), n in itertools.product(
@@ -411,9 +437,9 @@ if __name__ == "__main__":
         what, _, arg = what.partition("=")
         tune = {"bwd": tune_bwd, "fwd": tune_fwd, "chunk": tune_chunk, "dw": tune_dw, "fp32": tune_fp32,
                 "split": tune_split, "bwdsplit": tune_bwd_split, "wide": tune_wide, "bwdm": tune_bwd_by_m,
-                "fwdm": tune_fwd_by_m,
+                "fwdm": tune_fwd_by_m, "exchange": tune_exchange,
                 "bwdbase": lambda c, *a: tune_bwd_by_m(c, *a, base_only=True)}[what]
-        if arg and what not in ("bwd", "fwd", "bwdsplit", "dw", "bwdm", "bwdbase", "fwdm"):
+        if arg and what not in ("bwd", "fwd", "bwdsplit", "dw", "bwdm", "bwdbase", "fwdm", "exchange"):
             sys.exit(f"{what} takes no argument (only bwd=[dtype:]M:N,..., fwd=[dtype:]M:N,..., bwdsplit=dtype:N,... and "
-                     "dw=dtype:M:N,..., bwdm=/bwdbase=/fwdm=dtype:N,...[;M,...])")
+                     "dw=dtype:M:N,..., bwdm=/bwdbase=/fwdm=dtype:N,...[;M,...], exchange=dtype:N:M,...;...)")
         tune(copy, arg) if arg else tune(copy)

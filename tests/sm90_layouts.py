@@ -16,8 +16,8 @@ Usage: python tests/sm90_layouts.py '<json list of cases>'; prints one JSON obje
 {"case": ..., "tail_n": NormConfig.tail_n, "norm": [layouts], "oneshot": [layouts], "oneshot_ll": [layouts], "twoshot":
 [layouts]} (oneshot_ll: the one-shot kernel over the LL protocol), a layout being
 the reduced operand's type with its layout attribute written out. A case with "kernel":
-"backward" or "forward" reports instead that norm kernel's registers and spill bytes per
-thread from ptxas (tests/test_norm_registers.py); one with "report": "reductions", the
+"backward" (or "chunked", the same for rows over 16384) or "forward" reports instead that
+norm kernel's registers and spill bytes per thread from ptxas (tests/test_norm_registers.py); one with "report": "reductions", the
 backward kernel's warps and row-reduction layouts (tests/test_norm_bwd_layouts.py).
 """
 
@@ -30,6 +30,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import types
 
 os.environ.pop("TRITON_INTERPRET", None)
 import torch  # noqa: E402
@@ -44,6 +45,7 @@ from triton.runtime.jit import JITFunction, create_function_from_signature  # no
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tpfuse.comm.workspace import WorkspaceLayout  # noqa: E402
 from tpfuse.kernels.fused import all_reduce_norm_into  # noqa: E402
+from tpfuse.kernels import norm_bwd_chunked  # noqa: E402
 from tpfuse.kernels.norm import NormConfig, rms_norm_fwd  # noqa: E402
 from tpfuse.kernels.norm_bwd import rms_norm_bwd  # noqa: E402
 
@@ -69,15 +71,17 @@ def _compile(kernel: JITFunction, kwargs: dict):
     return compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
 
 
-# A reduction along axis 1 (a row reduction): its operands' types (one or, for a tuple, more).
-_REDUCE_ROWS = re.compile(r'"tt\.reduce"\([^)]*\) <\{axis = 1 : i32\}> \(\{.*?\}\) : \(([^)]*)\)', re.S)
+def _reductions(axis: int) -> re.Pattern:
+    """A reduction along ``axis``: its operands' types (one or, for a tuple, more)."""
+    return re.compile(r'"tt\.reduce"\([^)]*\) <\{axis = %d : i32\}> \(\{.*?\}\) : \(([^)]*)\)' % axis, re.S)
 
 
-def row_reduction_layouts(ttgir: str) -> list[str]:
+def row_reduction_layouts(ttgir: str, axis: int = 1) -> list[str]:
     """Types of the fp32 operands of every row reduction (each operand of a tuple reduction),
-    with the layout alias replaced by its definition."""
+    with the layout alias replaced by its definition; with axis=0, of every reduction along
+    axis 0 instead (of 1-D tensors, e.g. the chunked backward's sum of a row's chunk sums)."""
     aliases = dict(re.findall(r"^(#[\w.]+) = (.*)$", ttgir, re.M))
-    return [ty.replace(alias, aliases.get(alias, alias)) for operands in _REDUCE_ROWS.findall(ttgir)
+    return [ty.replace(alias, aliases.get(alias, alias)) for operands in _reductions(axis).findall(ttgir)
             for ty, alias in re.findall(r"(tensor<[0-9x]+xf32, (#[\w.]+)>)", operands)]
 
 
@@ -122,6 +126,12 @@ def _norm_kernel_launch(case: dict) -> tuple[JITFunction, dict]:
     w = {"same": torch.empty(n, dtype=dtype), "fp32": torch.empty(n), "none": None}[case.get("weight", "same")]
     dw = None if w is None else torch.empty_like(w)
     torch.cuda.is_current_stream_capturing = lambda: False  # the launcher asks, to allocate its counters
+    # The chunked backward sizes its grid from the SMs (norm_bwd_chunked._resident_programs): an
+    # H200's, or case["sms"] of them.
+    norm_bwd_chunked._resident_programs.cache_clear()
+    torch.cuda.get_device_properties = lambda device=None: types.SimpleNamespace(
+        regs_per_multiprocessor=65536, max_threads_per_multi_processor=2048,
+        multi_processor_count=case.get("sms", 132))
     config = dict(case.get("config", {}))
     if "bwd_num_warps" in config:  # long runs too
         config.setdefault("bwd_long_run_warps", config["bwd_num_warps"])
@@ -137,10 +147,12 @@ def _norm_kernel_launch(case: dict) -> tuple[JITFunction, dict]:
 
 def backward_reductions(case: dict) -> dict:
     """The backward kernel's warps and row_reduction_layouts (the joint reduction of x^2 and
-    g*x has two operands), for (dtype, n, rows) as in kernel_registers."""
+    g*x has two operands), for (dtype, n, rows) as in kernel_registers; for chunked rows also
+    the chunks per program and the reductions along axis 0 ("vector_reductions")."""
     kernel, kwargs = _norm_kernel_launch(dict(case, kernel="backward"))
     ttgir = _compile(kernel, kwargs).asm["ttgir"]
-    return {"case": case, "num_warps": kwargs["num_warps"], "reductions": row_reduction_layouts(ttgir)}
+    return {"case": case, "num_warps": kwargs["num_warps"], "reductions": row_reduction_layouts(ttgir),
+            "chunks": kwargs.get("CHUNKS"), "vector_reductions": row_reduction_layouts(ttgir, axis=0)}
 
 
 def kernel_registers(case: dict) -> dict:

@@ -36,20 +36,27 @@ NARROW = [("bf16", 1000, "none"), ("bf16", 250, "none"), ("fp32", 300, "none"), 
 # over 8 warps instead of 16.
 SINGLE_ROW = dict(dtype="bf16", n=4096)
 SINGLE_ROW_WARPS = 8
+# Chunked rows (tpfuse.kernels.norm_bwd_chunked) take one 8 KiB chunk per program, or more where
+# one-chunk programs of a row could not all be resident (here: on 4 SMs, 8 resident programs for
+# 10 to 32 chunks): each chunk and the row's chunk sums must be reduced alike in both.
+CHUNKED = [("bf16", 65536), ("fp32", 65536), ("fp16", 40000)]
+FEW_SMS = 4
 
 
 def _cases():
     cases = [dict(report="reductions", dtype=d, n=n, rows=m) for d, n in CASES for m in (SHORT_M, LONG_M)]
     cases += [dict(report="reductions", dtype=d, n=n, rows=m, weight=w)
               for d, n, w in NARROW for m in (SHORT_M, LONG_M)]
+    cases += [dict(report="reductions", dtype=d, n=n, rows=SHORT_M, **sms) for d, n in CHUNKED
+              for sms in ({}, {"sms": FEW_SMS})]
     return cases + [dict(report="reductions", rows=SHORT_M, **SINGLE_ROW),
                     dict(report="reductions", rows=SHORT_M, config={"bwd_num_warps": SINGLE_ROW_WARPS}, **SINGLE_ROW)]
 
 
 @pytest.fixture(scope="module")
 def reports():
-    return {(r["case"]["dtype"], r["case"]["n"], r["case"]["rows"], "config" in r["case"], r["case"].get("weight")): r
-            for r in compile_for_sm90(_cases())}
+    return {(r["case"]["dtype"], r["case"]["n"], r["case"]["rows"], "config" in r["case"] or "sms" in r["case"],
+             r["case"].get("weight")): r for r in compile_for_sm90(_cases())}
 
 
 def across_a_row(layout: str) -> tuple:
@@ -91,3 +98,13 @@ def test_tiles_in_narrower_vectors_keep_their_warps_and_layouts(reports, dtype, 
     short, long = reports[(dtype, n, SHORT_M, False, weight)], reports[(dtype, n, LONG_M, False, weight)]
     assert long["num_warps"] == short["num_warps"]
     assert [across_a_row(a) for a in short["reductions"]] == [across_a_row(b) for b in long["reductions"]]
+
+
+@pytest.mark.parametrize("dtype, n", CHUNKED)
+def test_chunked_rows_reduce_alike_at_any_chunks_per_program(reports, dtype, n):
+    """Per chunk (the rows of [CHUNKS, BLOCK_N] tiles) and across the row's chunk sums."""
+    one, two = reports[(dtype, n, SHORT_M, False, None)], reports[(dtype, n, SHORT_M, True, None)]
+    assert one["chunks"] == 1 and two["chunks"] > 1  # the case covers both
+    assert one["reductions"] and len(one["reductions"]) == len(two["reductions"])  # x^2 and g*x per chunk
+    assert [across_a_row(a) for a in one["reductions"]] == [across_a_row(b) for b in two["reductions"]]
+    assert one["vector_reductions"] and one["vector_reductions"] == two["vector_reductions"]

@@ -214,10 +214,12 @@ def test_one_partial_on_chunked_rows_writes_dw_without_a_combine(dtype, m, monke
 
 # On GPU, short rows also in a batch whose programs run long enough for twice the warps
 # (norm.bwd_num_warps), and rows where they must not take them: unaligned rows without a weight,
-# and an fp32 weight beside bf16 rows (both laid out in narrower vectors).
+# and an fp32 weight beside bf16 rows (both laid out in narrower vectors); chunked rows in
+# groups that take several dW partials each (norm_bwd_chunked).
 @pytest.mark.parametrize("dtype, n, weight", [(torch.bfloat16, 1000, "plain"), (torch.bfloat16, 20000, "plain")]
                          + ([(torch.bfloat16, 256, "plain"), (torch.float32, 512, "plain"),
-                             (torch.bfloat16, 1000, "none"), (torch.bfloat16, 1024, "fp32")] if ON_GPU else []))
+                             (torch.bfloat16, 1000, "none"), (torch.bfloat16, 1024, "fp32"),
+                             (torch.bfloat16, 65536, "plain"), (torch.float32, 40000, "none")] if ON_GPU else []))
 def test_backward_dx_is_batch_invariant(dtype, n, weight):
     """A row's dx alone (one dW partial, the tree, 4 warps on short rows) and inside a batch at
     a random position: the same bits."""
@@ -241,7 +243,7 @@ def test_backward_dx_is_batch_invariant(dtype, n, weight):
 # The backward's row layouts (NormConfig): rows in two pieces (bwd_tail_n) with and without
 # prefetch and with and without the weight re-read for dx (bwd_reload_weight), the re-read
 # without pieces, and tails whose last lanes are past N. (dtype, n, m, with dresidual)
-# Chunked rows (the three-launch backward): several rows per partial with a shorter last
+# Chunked rows (the exchange backward, norm_bwd_chunked): several rows per partial with a shorter last
 # partial (41 rows in 14 partials of 3), fp32 rows in 10 chunks, and a masked last chunk.
 # Rows of 2049-3072 two to a tile (an odd M: the last tile's second row masked).
 BWD_LAYOUT_CASES = [(torch.bfloat16, 5000, 5, True), (torch.float32, 2049, 3, False),

@@ -100,10 +100,11 @@ def test_torch_compile_inductor_fullgraph():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [16, 300])  # dW combined by the tree (300 rows: 75 partials) or column programs
-def test_cuda_graph_capture_and_replay(m):
-    n = 1000 if m == 300 else 4096
-    assert DwPlan.from_shape(m, n, torch.bfloat16).combine == ("tree" if m == 300 else "columns")
+# dW combined by column programs, by the tree (300 rows: 75 partials), or by the separate launch
+# after the chunked rows' backward (a cooperative launch, over words zeroed in the graph).
+@pytest.mark.parametrize("m, n, combine", [(16, 4096, "columns"), (300, 1000, "tree"), (64, 20000, "launch")])
+def test_cuda_graph_capture_and_replay(m, n, combine):
+    assert DwPlan.from_shape(m, n, torch.bfloat16).combine == combine
     x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     residual = torch.randn_like(x)
     w = torch.randn(n, device="cuda", dtype=torch.bfloat16)

@@ -13,8 +13,9 @@ their reductions' layouts.
 
 The backward, with dW reduced in a fixed order, is in the modules beside this one:
 ``norm_bwd`` (its launcher, and the kernel for rows held in registers), ``norm_bwd_chunked``
-(rows over 16384 elements, in three launches), ``norm_bwd_common`` (the per-piece math the
-two share) and ``norm_dw`` (the dW partials' plan and combine).
+(rows over 16384 elements, split across programs that exchange their chunks' sums),
+``norm_bwd_common`` (the per-piece math the two share) and ``norm_dw`` (the dW partials' plan
+and combine).
 
 Launchers write into caller-provided outputs and take 2-D contiguous, 16-byte-aligned
 operands (``tpfuse._runtime.aligned_contiguous``); allocation, validation and autograd live
@@ -35,10 +36,11 @@ from tpfuse.kernels.common import EXACT_FP, TRITON_DIVISIBILITY, round_to, to_f3
 
 # A row of up to 16384 elements is held in registers and read from memory once (fp32 rows of
 # 16384 in 8 KiB chunks instead reached 69% of copy bandwidth forward and 44% backward on H200,
-# M=32768). Longer rows are processed in chunks and read twice, the second read mostly from
-# L2: the forward (and the fused all-reduce + norm, which shares its tiles) on 32 warps in
+# M=32768). Longer rows are processed in chunks: the forward (and the fused all-reduce + norm,
+# which shares its tiles) reads them twice, the second read mostly from L2, on 32 warps in
 # chunks of 16 KiB, or of 64 KiB for rows of 128 KiB and more, whose passes carry cache
-# hints (``norm_tile``); the backward in 8 KiB chunks (tpfuse.kernels.norm_bwd_chunked).
+# hints (``norm_tile``); the backward splits a row's 8 KiB chunks across programs that hold
+# them and exchange their sums (tpfuse.kernels.norm_bwd_chunked).
 # H200, % of copy, forward / add+norm (benchmarks/NOTES.md, 2026-11-24), 8 KiB chunks without
 # hints -> this rule: bf16 N=65536 M=16384 81 / 81 -> 88 / 94, fp32 N=32768 72 / 68 -> 92 /
 # 96, fp32 N=65536 M=4096 65 / 78 -> 93 / 86; bf16 N=32768 (16 KiB chunks) 95 / 92 -> 92 /
