@@ -1,17 +1,20 @@
 """Time RMSNorm kernel variants on a GPU, to choose the values in tpfuse/kernels/norm*.py.
 Not part of the library: it patches ``NormConfig.from_shape`` and the dW partial count.
 
-    python3 scripts/tune_norm.py [bwd|fwd|chunk|dw|fp32|split|bwdsplit[=dtype:N,...] ...] > tune.txt
+    python3 scripts/tune_norm.py [MODE[=CASES] ...] > tune.txt
 
-bwd: tile rows x warps x prefetch x joint reduction per N (M=32768, bf16; bwd=[dtype:]M:N,... picks), then the best
-three per N again with 512 dW partials; fwd: warps x rows per N (fwd=[dtype:]M:N,... picks), forward and add+norm; chunk: rows too long for
-registers (N=65536): forward chunk bytes x warps, then exchange; exchange: the chunked backward's warps x registers per thread x partials (exchange=dtype:N:M,...;... picks); dw: dW partials
-x combine mode at small M (dw=dtype:M:N,... picks the shapes); fp32: warps for fp32 rows of 16384 held in registers; split: forward
-rows in two pieces vs one padded tile (NormConfig.tail_n); bwdsplit: the same for the backward
-(bwd_tail_n), with warps x prefetch x bwd_reload_weight; wide: bf16 rows of 16385-65536
-elements, forward and add+norm, chunked (read twice) vs held in registers as bf16 on 16 or
-32 warps. Every backward
-variant's dx and dW are checked against an fp32 torch computation before it is timed.
+bwd: tile rows x warps x prefetch x joint reduction per N (M=32768, bf16; bwd=[dtype:]M:N,...
+picks), then the best three per N again with 512 dW partials; fwd: warps x rows per N
+(fwd=[dtype:]M:N,... picks), forward and add+norm; chunk: rows too long for registers
+(N=65536): forward chunk bytes x warps, then exchange; exchange: the chunked backward's warps
+x registers per thread x partials (exchange=dtype:N:M,...;... picks); dw: dW partials x
+combine mode at small M (dw=dtype:M:N,... picks the shapes); fp32: warps for fp32 rows of
+16384 held in registers; split: forward rows in two pieces vs one padded tile
+(NormConfig.tail_n); bwdsplit: the same for the backward (bwd_tail_n), with warps x prefetch
+x bwd_reload_weight; wide: bf16 rows of 16385-65536 elements, forward and add+norm, chunked
+(read twice) vs held in registers as bf16 on 16 or 32 warps; bwdm, bwdbase, fwdm: per M
+(see their docstrings). Every backward variant's dx and dW are checked against an fp32 torch
+computation before it is timed.
 """
 
 import dataclasses

@@ -17,8 +17,9 @@ Usage: python tests/sm90_layouts.py '<json list of cases>'; prints one JSON obje
 [layouts]} (oneshot_ll: the one-shot kernel over the LL protocol), a layout being
 the reduced operand's type with its layout attribute written out. A case with "kernel":
 "backward" (or "chunked", the same for rows over 16384) or "forward" reports instead that
-norm kernel's registers and spill bytes per thread from ptxas (tests/test_norm_registers.py); one with "report": "reductions", the
-backward kernel's warps and row-reduction layouts (tests/test_norm_bwd_layouts.py).
+norm kernel's registers and spill bytes per thread from ptxas (tests/test_norm_registers.py);
+one with "report": "reductions", the backward kernel's warps and row-reduction layouts
+(tests/test_norm_bwd_layouts.py).
 """
 
 from __future__ import annotations
