@@ -191,9 +191,11 @@ def test_fused_plan_picks_by_size_and_keeps_groups_whole_tiles(monkeypatch):
     bf16 = torch.bfloat16
     assert FusedPlan.from_shape(4, 4096, 4, bf16, layout).algo == "oneshot"
     assert FusedPlan.from_shape(4, 4096, 4, bf16, None).algo == "split"
-    # hidden 8192: 4 vectors per thread, slower fused than split at decode, so auto splits.
-    assert FusedPlan.from_shape(1, 8192, 4, bf16, layout).algo == "split"
-    assert FusedPlan.from_shape(1, 8192, 4, bf16, layout, "oneshot").algo == "oneshot"
+    # The flag kernel's tiles: hidden 8192 bf16 holds 4 vectors per thread (fused), 5120 holds
+    # 8 (split; an explicit "oneshot" still serves it).
+    assert FusedPlan.from_shape(1, 8192, 4, bf16, layout).algo == "oneshot"
+    assert FusedPlan.from_shape(1, 5120, 4, bf16, layout).algo == "split"
+    assert FusedPlan.from_shape(1, 5120, 4, bf16, layout, "oneshot").algo == "oneshot"
     monkeypatch.setitem(plan.FUSED_TWOSHOT_MAX_BYTES, 4, 1 << 20)
     assert FusedPlan.from_shape(200, 2048, 4, bf16, layout).algo == "twoshot"  # 800 KiB > one-shot's 512 KiB
     cfg = NormConfig.from_shape(256, bf16)
@@ -213,12 +215,14 @@ def test_fused_plan_picks_by_size_and_keeps_groups_whole_tiles(monkeypatch):
     monkeypatch.setitem(plan.FUSED_TWOSHOT_MAX_BYTES, 4, 0)
     monkeypatch.setitem(plan.LL_MAX_BYTES, 4, 64 << 10)
     monkeypatch.setitem(plan.FUSED_LL_MAX_BYTES, 4, 16 << 10)
-    one = FusedPlan.from_shape(1, 8192, 4, bf16, ll_layout)  # 16 KiB: LL, 4 vectors per thread
-    pieces = ll_pieces(8192, bf16)[1]
+    one = FusedPlan.from_shape(1, 5120, 4, bf16, ll_layout)  # 10 KiB: LL, 8 vectors per thread
+    pieces = ll_pieces(5120, bf16)[1]
     assert one.algo == "oneshot" and one.ll and one.grid == min(pieces, plan.FUSED_MAX_CTAS)  # a CTA per piece
-    assert FusedPlan.from_shape(2, 8192, 4, bf16, ll_layout).algo == "split"  # 32 KiB: flags, 4 vectors
-    two = FusedPlan.from_shape(2, 8192, 4, bf16, ll_layout, "oneshot")
+    assert FusedPlan.from_shape(2, 5120, 4, bf16, ll_layout).algo == "split"  # 20 KiB: flags, 8 vectors
+    two = FusedPlan.from_shape(2, 5120, 4, bf16, ll_layout, "oneshot")
     assert two.algo == "oneshot" and not two.ll
+    flags4 = FusedPlan.from_shape(2, 8192, 4, bf16, ll_layout)  # 32 KiB: flags, 4 vectors
+    assert flags4.algo == "oneshot" and not flags4.ll
     flags = FusedPlan.from_shape(4, 4096, 4, bf16, ll_layout)  # 32 KiB: flags, 2 vectors
     assert flags.algo == "oneshot" and not flags.ll
     monkeypatch.setitem(plan.FUSED_LL_MAX_BYTES, 4, 1 << 20)  # the LL regions and LL_MAX_BYTES still bound it
@@ -227,7 +231,7 @@ def test_fused_plan_picks_by_size_and_keeps_groups_whole_tiles(monkeypatch):
     assert not FusedPlan.from_shape(8, 8192, 4, bf16, ll_layout, "oneshot").ll  # 128 KiB: above it
     monkeypatch.setitem(plan.LL_MAX_BYTES, 4, 16 << 10)
     assert FusedPlan.from_shape(1, 8192, 4, bf16, ll_layout).ll
-    assert FusedPlan.from_shape(2, 8192, 4, bf16, ll_layout).algo == "split"  # 32 KiB: flags, 4 vectors
+    assert FusedPlan.from_shape(2, 5120, 4, bf16, ll_layout).algo == "split"  # 20 KiB: flags, 8 vectors
     # Hidden sizes off the multiple of 16 take the split path (tests/test_fused_layouts.py says why).
     assert FusedPlan.from_shape(4, 1000, 4, bf16, layout).algo == "split"
     with pytest.raises(ValueError, match="multiple of 16"):

@@ -29,7 +29,7 @@ from tpfuse.bench.common import (collective_graph_us, collective_header, header_
 DECODE = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 PREFILL = [512, 1024, 2048, 4096, 8192, 16384]
 SHAPES = ([(t, 4096) for t in DECODE + PREFILL] + [(t, 2880) for t in (1, 16, 128, 2048)]
-          + [(t, 8192) for t in (1, 16, 128, 2048)])
+          + [(t, 5120) for t in (1, 16, 128, 2048)] + [(t, 8192) for t in (1, 16, 64, 128, 512, 2048)])
 METHODS = ["nccl_torch", "split", "oneshot", "twoshot", "auto"]
 EPS = 1e-6
 

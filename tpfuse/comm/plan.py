@@ -198,11 +198,13 @@ class AllReducePlan:
 # FUSED_ONESHOT_MAX_BYTES: largest message (x's bytes) "auto" sends to the fused one-shot
 #   kernel, by world size (other sizes: W=8's), and only for hidden sizes whose norm tile
 #   holds at most FUSED_ONESHOT_MAX_VECTORS 16-byte vectors per thread: a decode call is one
-#   CTA per row tile, and its per-thread work is on the critical path (measured with the
-#   flag protocol, before LL: hidden 4096 bf16, 2 vectors per thread, 1.10-1.14x faster than
-#   split for 1-32 tokens, 1.03x at 64; hidden 8192, 4 vectors per thread, 0.97x at 1 token).
-#   bf16 rows of 49152-65536 held narrow have 8 vectors per thread, so above LL_MAX_BYTES
-#   they go to split (their chunked tiles had 1 at 49152-65535; not measured either way).
+#   CTA per row tile, and its per-thread work is on the critical path. The limit was 2 when
+#   1-token calls used the flag kernel (4x H200, before LL: hidden 8192, 4 vectors per
+#   thread, 0.97x of split at 1 token); those calls now go over LL (below), and above the LL
+#   limit 4 vectors measured faster fused than split (hidden 8192 bf16, flags: 4x H200, 16
+#   tokens 10.4 vs 10.8 us; 2x H100, 16 tokens 8.2 vs 8.5, 128 tokens 14.8 vs 19.2), so the
+#   limit is 4. Tiles of 8 vectors per thread (bf16 hidden 5120-6144 and 12288-16384, bf16
+#   rows held narrow, fp32 hidden 5120-8192) stay on split above the LL limit: unmeasured.
 # FUSED_LL_MAX_BYTES: largest message the fused one-shot sends over LL, by world size (and
 #   never above LL_MAX_BYTES or the workspace's LL regions, which it uses); "auto" takes the
 #   fused one-shot for these whatever FUSED_ONESHOT_MAX_VECTORS says: that kernel spreads each
@@ -220,7 +222,7 @@ class AllReducePlan:
 #   otherwise), so 128 CTAs fit
 #   H200's 132 SMs at one CTA per SM.
 FUSED_ONESHOT_MAX_BYTES = {2: 512 * KiB, 4: 512 * KiB, 8: 128 * KiB}
-FUSED_ONESHOT_MAX_VECTORS = 2
+FUSED_ONESHOT_MAX_VECTORS = 4
 FUSED_LL_MAX_BYTES = {2: 128 * KiB, 4: 128 * KiB, 8: 64 * KiB}  # LL_MAX_BYTES's defaults
 FUSED_TWOSHOT_MAX_BYTES = {2: 0, 4: 0, 8: 0}
 FUSED_MAX_CTAS = 128 if not INTERPRETER else 4
