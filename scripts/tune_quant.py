@@ -2,9 +2,9 @@
 
     python scripts/tune_quant.py [--bytes N ...] [--configs TILE,WARPS,CTAS ...] [--out DIR]
 
-For each (QUANT_TILE, QUANT_NUM_WARPS, QUANT_MAX_CTAS), that tile on every segment, it runs `tpfuse bench allreduce --quant`'s
-GPU worker on every visible GPU at the given sizes (bits and error are checked there) and
-prints one line per config with every codec's time; the full tables go to DIR/<config>/.
+For each (tile, QUANT_NUM_WARPS, QUANT_MAX_CTAS), that tile for every codec on every segment,
+it runs `tpfuse bench allreduce --quant`'s GPU worker on every visible GPU at the given sizes
+(bits and error are checked there) and prints one line per config with every codec's time; the full tables go to DIR/<config>/.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ CONFIGS = [(2048, 8, 128), (4096, 8, 128), (2048, 16, 128), (4096, 16, 128), (81
 
 
 def _worker(rank: int, world: int, port: int, opts: dict) -> None:
-    quant_plan.QUANT_TILE, quant_plan.QUANT_NUM_WARPS, quant_plan.QUANT_MAX_CTAS = opts["config"]
+    tile, quant_plan.QUANT_NUM_WARPS, quant_plan.QUANT_MAX_CTAS = opts["config"]
+    quant_plan.QUANT_TILE = dict.fromkeys(quant_plan.QUANT_TILE, tile)
     quant_plan.QUANT_SMALL_TILE_MAX_CHUNK = 0  # every segment on the configuration's tile
     bench_quant.gpu_worker(rank, world, port, opts)
 

@@ -196,6 +196,11 @@ def test_fused_plan_picks_by_size_and_keeps_groups_whole_tiles(monkeypatch):
     assert FusedPlan.from_shape(1, 8192, 4, bf16, layout).algo == "oneshot"
     assert FusedPlan.from_shape(1, 5120, 4, bf16, layout).algo == "split"
     assert FusedPlan.from_shape(1, 5120, 4, bf16, layout, "oneshot").algo == "oneshot"
+    # ... unless the call has a row tile for every CTA (W=2: one-shot up to 8 MiB).
+    big = WorkspaceLayout(2, 8 << 20, max_blocks=128)
+    monkeypatch.setitem(plan.FUSED_ONESHOT_MAX_BYTES, 2, 8 << 20)
+    assert FusedPlan.from_shape(plan.FUSED_MAX_CTAS - 1, 5120, 2, bf16, big).algo == "split"
+    assert FusedPlan.from_shape(plan.FUSED_MAX_CTAS, 5120, 2, bf16, big).algo == "oneshot"
     monkeypatch.setitem(plan.FUSED_TWOSHOT_MAX_BYTES, 4, 1 << 20)
     assert FusedPlan.from_shape(200, 2048, 4, bf16, layout).algo == "twoshot"  # 800 KiB > one-shot's 512 KiB
     cfg = NormConfig.from_shape(256, bf16)

@@ -251,6 +251,21 @@ def test_quant_plan_segments_cover_the_message_and_fit_the_slots(world, codec):
     assert QuantPlan.for_layout(layout, torch.bfloat16, codec) == QuantPlan.for_layout(layout, torch.bfloat16, codec)
 
 
+def test_quant_plan_takes_each_codecs_tile(monkeypatch):
+    # The GPU knobs: fp8 keeps the small tile on large segments, the integer codecs take the large.
+    monkeypatch.setattr(QP, "QUANT_TILE", {"int4": 16384, "int6": 16384, "int8": 16384, "fp8": 8192})
+    monkeypatch.setattr(QP, "QUANT_SMALL_TILE", 8192)
+    monkeypatch.setattr(QP, "QUANT_SMALL_TILE_MAX_CHUNK", 1 << 16)
+    layout = WorkspaceLayout(2, 16 << 20, max_blocks=128)
+    for codec in CODECS:
+        plan = QuantPlan.for_layout(layout, torch.bfloat16, codec)
+        big = plan.segments(2 * plan.seg_chunk)[0]
+        assert big.chunk > plan.small_max_chunk and big.block == (8192 if codec == "fp8" else 16384)
+        assert plan.seg_chunk % big.block == 0
+    with pytest.raises(ValueError, match="unknown codec"):
+        QuantPlan.for_layout(layout, torch.bfloat16, "int5")
+
+
 @pytest.mark.usefixtures("built_in_knobs")
 def test_quant_thresholds_and_argument_checks(monkeypatch):
     for codec in CODECS:

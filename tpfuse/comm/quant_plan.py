@@ -56,8 +56,12 @@ MiB = 1024 * 1024
 #   there, and for world sizes without an entry, the codecs are never chosen by default.
 #   ``quant_min_bytes=`` forces a codec from any size. These are the defaults: W reads
 #   tables/w{W}.json when it exists (`tpfuse tune --write-table`, see tpfuse.comm.tables).
-# QUANT_TILE: elements per tile (a multiple of 32: a tile is TILE / 32 groups). The
-#   interpreter pays per operation, so it takes large tiles.
+# QUANT_TILE: elements per tile (a multiple of 32: a tile is TILE / 32 groups), by codec.
+#   fp8 keeps the small tile at every size: on 2x H100 (W=2, scripts/tune_quant.py, us,
+#   tiles of 8192 / 16384 on every segment, 16 warps, 128 CTAs) fp8 took 85 / 90 at 32 MiB and
+#   166 / 184 at 64 MiB while int8 took 76 / 75 and 145 / 137, int6 81 / 74 and 165 / 147,
+#   int4 58 / 54 and 112 / 106 (2026-11-25). The interpreter pays per operation, so it
+#   takes large tiles.
 # QUANT_SMALL_TILE, QUANT_SMALL_TILE_MAX_CHUNK: segments of at most this many elements per
 #   rank use the smaller tile, so that every CTA still gets several tiles (at 32 MiB, W=4,
 #   a chunk of 4 M elements is 2 tiles of 16384 per CTA; 8192 was 6-12% faster for every
@@ -71,7 +75,8 @@ QUANT_MIN_BYTES: dict[str, dict[int, int | None]] = {
     "int8": {2: 4 * MiB, 4: 4 * MiB, 8: None},
     "fp8": {2: 8 * MiB, 4: 8 * MiB, 8: None},
 }
-QUANT_TILE = 8192 if INTERPRETER else 16384
+QUANT_TILE = dict.fromkeys(QUANT_CODECS, 8192) if INTERPRETER else {"int4": 16384, "int6": 16384, "int8": 16384,
+                                                                   "fp8": 8192}
 QUANT_SMALL_TILE = 4096 if INTERPRETER else 8192
 QUANT_SMALL_TILE_MAX_CHUNK = 1 << 14 if INTERPRETER else 1 << 23
 QUANT_NUM_WARPS = 16
@@ -138,18 +143,19 @@ class QuantPlan:
         """The plan for ``codec`` on messages of ``dtype`` over workspaces of ``layout``.
         Raises ValueError when a slot cannot hold even one chunk unit."""
         # Cached per knob values too, so that changing a knob (tests, tuning) takes effect.
-        return cls._build(layout, dtype, codec, QUANT_TILE, QUANT_SMALL_TILE, QUANT_SMALL_TILE_MAX_CHUNK,
+        if codec not in QUANT_CODECS:
+            raise ValueError(f"unknown codec {codec!r}")
+        return cls._build(layout, dtype, codec, QUANT_TILE[codec], QUANT_SMALL_TILE, QUANT_SMALL_TILE_MAX_CHUNK,
                           QUANT_NUM_WARPS, QUANT_MAX_CTAS)
 
     @classmethod
     @functools.lru_cache(maxsize=None)
     def _build(cls, layout: WorkspaceLayout, dtype: torch.dtype, codec: str, block: int, small_block: int,
                small_max_chunk: int, num_warps: int, max_ctas: int) -> "QuantPlan":
-        if codec not in QUANT_CODECS:
-            raise ValueError(f"unknown codec {codec!r}")
         unit = max(QUANT_GROUP, ALIGN // dtype.itemsize)
         if block % unit or small_block % unit:
-            raise ValueError(f"QUANT_TILE={block} and QUANT_SMALL_TILE={small_block} must be multiples of {unit}")
+            raise ValueError(f"QUANT_TILE[{codec!r}]={block} and QUANT_SMALL_TILE={small_block} must be multiples of "
+                             f"{unit}")
         slot = layout.twoshot_slot_bytes
         # The most groups whose packed form fits a slot (packed_layout is monotone in groups).
         lo, hi = 0, slot
