@@ -27,9 +27,10 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 # Python reads no .pth file on PYTHONPATH: the CuTe DSL's folder is added by hand.
 scripts/join_wheels.sh && [ -d /tmp/site ] \
   && export PYTHONPATH=$PYTHONPATH:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
-# A commit passed in wins (the device copy of the tree may have no usable git history);
-# --verify prints nothing when HEAD is unborn (plain rev-parse prints "HEAD" and fails).
-export TPFUSE_COMMIT=${TPFUSE_COMMIT:-$(git rev-parse --verify -q HEAD 2>/dev/null || echo unknown)}
+# The commit under test must be passed in (TPFUSE_COMMIT=<id> scripts/device_check.sh ..., the id
+# read on the machine that sends the tree): the device copy's git history can be stale (on
+# 2026-11-25 it named the last landed commit, not the tree sent), so it is never read here.
+export TPFUSE_COMMIT=${TPFUSE_COMMIT:-unknown}
 nvidia-smi -L | tee "$OUT/gpus.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'nccl', torch.cuda.nccl.version())" | tee -a "$OUT/gpus.txt"
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")

@@ -23,13 +23,13 @@ CALLS_PER_GRAPH, REPEATS, MIN_SAMPLE_MS = 20, 5, 20.0
 
 
 def _commit() -> str:
-    """The tpfuse commit under test: TPFUSE_COMMIT when it holds a commit id (the GPU
-    machine gets a copy of the tree without git history, so scripts/device_check.sh passes
-    it in), else the git checkout that holds this package (with "+dirty" for local changes
-    under tpfuse/), else "unknown"."""
+    """The tpfuse commit under test: TPFUSE_COMMIT when set ("unknown" unless it holds a
+    commit id: the GPU machine's copy of the tree may carry a stale git history, so
+    scripts/device_check.sh sets it and never reads that history), else the git checkout that
+    holds this package (with "+dirty" for local changes under tpfuse/), else "unknown"."""
     env = os.environ.get("TPFUSE_COMMIT", "").strip()
-    if re.fullmatch(r"[0-9a-f]{7,40}(\+dirty)?", env):
-        return env
+    if env:
+        return env if re.fullmatch(r"[0-9a-f]{7,40}(\+dirty)?", env) else "unknown"
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     try:
         top = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
