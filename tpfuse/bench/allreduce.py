@@ -1,6 +1,8 @@
 """``tpfuse bench allreduce``: tpfuse all-reduce (auto, one-shot, two-shot) side by side with
-NCCL and torch symmetric memory (one_shot_all_reduce, two_shot_all_reduce_), in the same run
-and the same processes: one process per visible GPU (spawned here, or started by torchrun).
+NCCL, torch symmetric memory (one_shot_all_reduce, two_shot_all_reduce_) and, where it is
+importable, FlashInfer's all-reduce (``FlashInferAllReduce``: messages of whole 4096-element
+rows up to FLASHINFER_MAX_BYTES), in the same run and the same processes: one process per
+visible GPU (spawned here, or started by torchrun).
 
 Per message size: CUDA-graph replay latency (20 calls per graph, median of 5 timed samples,
 every rank replaying the same number of times; the slowest rank's median is reported; tpfuse
@@ -24,15 +26,17 @@ import torch.distributed as dist
 
 import tpfuse.comm  # noqa: F401  (sets the no-multicast environment before ranks are spawned)
 from tpfuse import reference
-from tpfuse.bench.common import (DTYPES, KiB, SymmMemAllReduce, collective_graph_us, collective_header, fmt_size,
-                                 header_markdown, init_rank, random_inputs, rotation, run_workers, same_bits,
-                                 write_results)
+from tpfuse.bench.common import (DTYPES, KiB, MiB, FlashInferAllReduce, SymmMemAllReduce, collective_graph_us,
+                                 collective_header, fmt_size, header_markdown, init_rank, random_inputs, rotation,
+                                 run_workers, same_bits, write_results)
 
 SIZES = [4 * KiB << i for i in range(17)]  # 4 KiB .. 256 MiB
-METHODS = ["nccl", "symm_oneshot", "symm_twoshot", "tpfuse_auto", "tpfuse_oneshot", "tpfuse_twoshot"]
+METHODS = ["nccl", "symm_oneshot", "symm_twoshot", "flashinfer", "tpfuse_auto", "tpfuse_oneshot", "tpfuse_twoshot"]
+FLASHINFER_HIDDEN, FLASHINFER_MAX_BYTES = 4096, 32 * MiB
+"""FlashInfer's kernels take [tokens, hidden] rows; its workspace is sized for this many bytes."""
 
 
-def _measure_size(nbytes, dtype, comm, symm, world, rank):
+def _measure_size(nbytes, dtype, comm, symm, flashinfer, world, rank):
     """Records for one message size: every method's bits against the reference, then its time."""
     from tpfuse.comm.plan import AllReducePlan
 
@@ -46,6 +50,10 @@ def _measure_size(nbytes, dtype, comm, symm, world, rank):
     if sym is not None:
         runs["symm_oneshot"] = (symm.oneshot, [sym])
         runs["symm_twoshot"] = (symm.twoshot, [sym])
+    rows = n // FLASHINFER_HIDDEN
+    if flashinfer is not None and n % FLASHINFER_HIDDEN == 0 and flashinfer.fits(rows, FLASHINFER_HIDDEN):
+        fi_out = torch.empty(rows, FLASHINFER_HIDDEN, dtype=dtype, device="cuda")
+        runs["flashinfer"] = (lambda x: flashinfer.all_reduce(x.view(rows, -1), fi_out).view(-1), pool)
     for algo in ("auto", "oneshot", "twoshot"):
         try:
             AllReducePlan.from_numel(n, world, dtype, comm.layout, algo)
@@ -119,6 +127,7 @@ def _gpu_worker(rank: int, world: int, port: int | None, opts: dict) -> None:
     dtype = DTYPES[opts["dtype"]]
     sizes = [s for s in SIZES if opts["min_bytes"] <= s <= opts["max_bytes"]]
     max_bytes = max(sizes)
+    flashinfer = None
     try:
         try:
             symm = SymmMemAllReduce(max_bytes, dtype)
@@ -126,10 +135,12 @@ def _gpu_worker(rank: int, world: int, port: int | None, opts: dict) -> None:
             symm = None
             if rank == 0:
                 print(f"torch symmetric memory unavailable ({type(e).__name__}: {e}); its columns stay empty")
+        fi_rows = min(max_bytes, FLASHINFER_MAX_BYTES) // (FLASHINFER_HIDDEN * dtype.itemsize)
+        flashinfer = FlashInferAllReduce.create(max(fi_rows, 1), FLASHINFER_HIDDEN, dtype)
         records = []
         with Communicator(max_bytes=max_bytes) as comm:
             for nbytes in sizes:
-                records += _measure_size(nbytes, dtype, comm, symm, world, rank)
+                records += _measure_size(nbytes, dtype, comm, symm, flashinfer, world, rank)
                 if rank == 0:
                     print(f"{fmt_size(nbytes):>8}: " + "  ".join(f"{r['method']} {r['us']:.1f}us" for r in records
                                                              if r["size_bytes"] == nbytes), flush=True)
@@ -137,6 +148,8 @@ def _gpu_worker(rank: int, world: int, port: int | None, opts: dict) -> None:
                  if r["method"].startswith("tpfuse") and not r["bitwise"]]
         if rank == 0:
             header = collective_header(world) | {"dtype": opts["dtype"], "tpfuse_max_bytes": max_bytes}
+            if flashinfer is not None:
+                header["flashinfer"] = flashinfer.version
             md = _markdown(records, header, world, opts["dtype"], max_bytes)
             print(md)
             name = f"allreduce_w{world}_{opts['dtype']}"
@@ -147,6 +160,8 @@ def _gpu_worker(rank: int, world: int, port: int | None, opts: dict) -> None:
         if wrong:
             raise RuntimeError(f"rank {rank}: tpfuse results not bitwise equal to the reference: {wrong}")
     finally:
+        if flashinfer is not None:
+            flashinfer.close()
         dist.destroy_process_group()
 
 

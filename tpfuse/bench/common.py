@@ -290,3 +290,56 @@ class SymmMemAllReduce:
 
     def twoshot(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.symm_mem.two_shot_all_reduce_(x, "sum", self.group_name)
+
+
+class FlashInferAllReduce:
+    """FlashInfer's all-reduce kernels (``flashinfer.comm.allreduce_fusion``: TensorRT-LLM's
+    one-/two-shot kernels, what vLLM's all-reduce + RMSNorm fusion pass calls) as a peer: the
+    plain all-reduce (pattern kAllReduce) and all-reduce + residual add + RMSNorm
+    (kARResidualRMSNorm), fp32 accumulation, FlashInfer's own one-/two-shot choice.
+
+    ``create`` returns None where flashinfer cannot be imported or its workspace not made
+    (the reason is printed on rank 0). The workspace is FlashInfer's "trtllm" backend, named
+    explicitly: its "auto" may pick the NVLink-multicast backend, which tpfuse never uses
+    (the "trtllm" one maps peer memory without multicast). Messages are [tokens, hidden]
+    rows whose product fits the workspace's ``max_tokens * hidden`` (``fits``). Every rank
+    calls every method (collectives)."""
+
+    def __init__(self, fc, version: str, max_tokens: int, hidden: int, dtype: torch.dtype):
+        self.fc, self.version, self.world = fc, version, dist.get_world_size()
+        self.workspace = fc.create_allreduce_fusion_workspace(
+            backend="trtllm", world_size=self.world, rank=dist.get_rank(), max_token_num=max_tokens,
+            hidden_dim=hidden, dtype=dtype)
+        self.capacity = max_tokens * hidden
+
+    @classmethod
+    def create(cls, max_tokens: int, hidden: int, dtype: torch.dtype) -> "FlashInferAllReduce | None":
+        try:
+            import flashinfer
+            import flashinfer.comm as fc
+
+            return cls(fc, flashinfer.__version__, max_tokens, hidden, dtype)
+        except Exception as e:  # noqa: BLE001  not installed, or no kernels for this machine: measure the rest
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                print(f"flashinfer unavailable ({type(e).__name__}: {e}); its column stays empty", flush=True)
+            return None
+
+    def fits(self, tokens: int, hidden: int) -> bool:
+        return tokens * hidden <= self.capacity
+
+    def all_reduce(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out ([tokens, hidden]) = the sum over ranks of x (same shape)."""
+        self.fc.allreduce_fusion(input=x, workspace=self.workspace, pattern=self.fc.AllReduceFusionPattern.kAllReduce,
+                                 output=out, fp32_acc=True)
+        return out
+
+    def add_rms_norm(self, x, residual, weight, eps, y, residual_out):
+        """residual_out = all_reduce(x) + residual, y = rms_norm(residual_out) * weight, into
+        the given [tokens, hidden] tensors."""
+        self.fc.allreduce_fusion(input=x, workspace=self.workspace,
+                                 pattern=self.fc.AllReduceFusionPattern.kARResidualRMSNorm, residual_in=residual,
+                                 residual_out=residual_out, norm_out=y, rms_gamma=weight, rms_eps=eps, fp32_acc=True)
+        return y, residual_out
+
+    def close(self) -> None:
+        self.workspace.destroy()

@@ -6,10 +6,13 @@ Per (tokens, hidden), bf16, W = every visible GPU (one process each), CUDA-graph
 - nccl_torch: NCCL all-reduce, torch add, torch.nn.functional.rms_norm (what a plain
   PyTorch model runs);
 - split: tpfuse all_reduce, then tpfuse.add_rms_norm (the unfused composition, the contract);
-- oneshot / twoshot / auto: Communicator.all_reduce_add_rms_norm(algo=...).
+- oneshot / twoshot / auto: Communicator.all_reduce_add_rms_norm(algo=...);
+- flashinfer: FlashInfer's fused all-reduce + residual + RMSNorm (``FlashInferAllReduce``),
+  where flashinfer is importable, up to FLASHINFER_MAX_ELEMENTS per call.
 
 Each tpfuse method's outputs are checked bitwise against split's in the same run, and
-split's residual_out against tpfuse.reference. Without two GPUs: two CPU ranks under Triton's
+split's residual_out against tpfuse.reference; FlashInfer's are compared too and marked,
+but bind nothing. Without two GPUs: two CPU ranks under Triton's
 interpreter check the bits on a few shapes (timings need GPUs).
 """
 
@@ -18,23 +21,27 @@ from __future__ import annotations
 import argparse
 import sys
 
+import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 import tpfuse
 from tpfuse import reference
-from tpfuse.bench.common import (collective_graph_us, collective_header, header_markdown, init_rank, layer_inputs,
-                                 rotation, run_workers, same_bits, write_results)
+from tpfuse.bench.common import (FlashInferAllReduce, collective_graph_us, collective_header, header_markdown,
+                                 init_rank, layer_inputs, rotation, run_workers, same_bits, write_results)
 
 DECODE = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 PREFILL = [512, 1024, 2048, 4096, 8192, 16384]
 SHAPES = ([(t, 4096) for t in DECODE + PREFILL] + [(t, 2880) for t in (1, 16, 128, 2048)]
           + [(t, 5120) for t in (1, 16, 128, 2048)] + [(t, 8192) for t in (1, 16, 64, 128, 512, 2048)])
-METHODS = ["nccl_torch", "split", "oneshot", "twoshot", "auto"]
+METHODS = ["nccl_torch", "split", "oneshot", "twoshot", "auto", "flashinfer"]
 EPS = 1e-6
+FLASHINFER_MAX_ELEMENTS = 4096 * 4096
+"""FlashInfer's workspace holds calls of up to this many elements (tokens x hidden; 32 MiB of
+bf16, 2048 tokens of 8192): vLLM hands it decode and small prefill batches."""
 
 
-def _methods(comm, weight):
+def _methods(comm, weight, flashinfer, tokens, hidden):
     def nccl_torch(x, residual):
         r = x.clone()
         dist.all_reduce(r)
@@ -47,16 +54,20 @@ def _methods(comm, weight):
     def fused(algo):
         return lambda x, residual: comm.all_reduce_add_rms_norm(x, residual, weight, EPS, algo=algo)
 
-    return {"nccl_torch": nccl_torch, "split": split, "oneshot": fused("oneshot"), "twoshot": fused("twoshot"),
-            "auto": fused("auto")}
+    methods = {"nccl_torch": nccl_torch, "split": split, "oneshot": fused("oneshot"), "twoshot": fused("twoshot"),
+               "auto": fused("auto")}
+    if flashinfer is not None and flashinfer.fits(tokens, hidden):
+        y, residual_out = (torch.empty(tokens, hidden, dtype=weight.dtype, device=weight.device) for _ in range(2))
+        methods["flashinfer"] = lambda x, residual: flashinfer.add_rms_norm(x, residual, weight, EPS, y, residual_out)
+    return methods
 
 
-def _measure_shape(tokens, hidden, comm, world, rank):
+def _measure_shape(tokens, hidden, comm, flashinfer, world, rank):
     from tpfuse.comm.plan import FusedPlan
 
     xs, residual, weight = layer_inputs(tokens, hidden, world, "cuda", seed=tokens * 100_003 + hidden)
     x = xs[rank]
-    methods = _methods(comm, weight)
+    methods = _methods(comm, weight, flashinfer, tokens, hidden)
     split_out = methods["split"](x, residual)
     spec_ok = same_bits(split_out[1], reference.all_reduce_add_rms_norm(xs, residual, weight, EPS)[1])
     rot = rotation(2 * x.numel() * x.element_size())
@@ -68,10 +79,21 @@ def _measure_shape(tokens, hidden, comm, world, rank):
                 FusedPlan.from_shape(tokens, hidden, world, x.dtype, comm.layout, name)
             except ValueError:
                 continue  # this algorithm does not serve the shape with this workspace
-        out = fn(x, residual)
-        bitwise = name == "nccl_torch" or (all(same_bits(a, b) for a, b in zip(out, split_out)) and spec_ok)
+        try:
+            out = fn(x, residual)
+        except Exception as e:  # noqa: BLE001  only the peer may refuse a shape (every rank alike)
+            if name != "flashinfer":
+                raise
+            if rank == 0:
+                print(f"flashinfer at {tokens} x {hidden} failed: {type(e).__name__}: {e}", flush=True)
+            continue
+        same = [same_bits(a, b) for a, b in zip(out, split_out)]
+        bitwise = name == "nccl_torch" or (all(same) and spec_ok)
         us = collective_graph_us(lambda i: fn(*pool[i]), rot)  # noqa: B023  (called right here)
         rec = dict(tokens=tokens, hidden=hidden, method=name, us=round(us, 2), bitwise=bool(bitwise))
+        if name == "flashinfer":  # which of its outputs match, and y's largest difference from split's
+            rec.update(y_bitwise=bool(same[0]), residual_out_bitwise=bool(same[1]),
+                       y_max_abs_diff=(out[0].float() - split_out[0].float()).abs().max().item())
         if name == "auto":
             rec["algo"] = FusedPlan.from_shape(tokens, hidden, world, x.dtype, comm.layout).algo
         records.append(rec)
@@ -83,18 +105,27 @@ def _markdown(records, header, world):
     shapes = sorted({(r["hidden"], r["tokens"]) for r in records})
     md = header_markdown(f"fused all-reduce + residual add + RMSNorm, {world} ranks, bf16", header)
     md += ("CUDA-graph replay, us per call. `x` marks outputs not bitwise equal to the split path "
-           "(tpfuse all_reduce, then tpfuse.add_rms_norm). Speedups are split / auto and nccl_torch / auto.\n\n")
-    md += "| hidden | tokens | " + " | ".join(METHODS) + " | auto vs split | auto vs nccl_torch |\n"
-    md += "|---" * (len(METHODS) + 4) + "|\n"
+           "(tpfuse all_reduce, then tpfuse.add_rms_norm). Speedups are split / auto, nccl_torch / auto and "
+           "flashinfer / auto.\n\n")
+    md += ("| hidden | tokens | " + " | ".join(METHODS)
+           + " | auto vs split | auto vs nccl_torch | auto vs flashinfer |\n")
+    md += "|---" * (len(METHODS) + 5) + "|\n"
     for hidden, tokens in shapes:
         cells = []
         for m in METHODS:
             r = by.get((tokens, hidden, m))
             cells.append("-" if r is None else f"{r['us']:.1f}{'' if r['bitwise'] else ' x'}"
                          + (f" [{r['algo']}]" if "algo" in r else ""))
-        auto, split, base = (by.get((tokens, hidden, m)) for m in ("auto", "split", "nccl_torch"))
+        auto, split, base, fi = (by.get((tokens, hidden, m)) for m in ("auto", "split", "nccl_torch", "flashinfer"))
         ratio = (lambda a, b: f"{b['us'] / a['us']:.2f}x" if a and b else "-")
-        md += f"| {hidden} | {tokens} | " + " | ".join(cells) + f" | {ratio(auto, split)} | {ratio(auto, base)} |\n"
+        md += (f"| {hidden} | {tokens} | " + " | ".join(cells)
+               + f" | {ratio(auto, split)} | {ratio(auto, base)} | {ratio(auto, fi)} |\n")
+    fis = [r for r in records if r["method"] == "flashinfer"]
+    if fis:
+        md += (f"\nflashinfer {header.get('flashinfer', '')} against split: residual_out bitwise equal at "
+               f"{sum(r['residual_out_bitwise'] for r in fis)} of {len(fis)} shapes, y at "
+               f"{sum(r['y_bitwise'] for r in fis)} (largest |y difference| "
+               f"{max(r['y_max_abs_diff'] for r in fis):.3g}).\n")
     return md
 
 
@@ -104,24 +135,30 @@ def _gpu_worker(rank: int, world: int, port: int | None, opts: dict) -> None:
     init_rank(rank, world, port, "nccl")
     shapes = [s for s in SHAPES if s[0] <= opts["max_tokens"]]
     max_bytes = max(t * h * 2 for t, h in shapes)
+    flashinfer = FlashInferAllReduce.create(FLASHINFER_MAX_ELEMENTS // 4096, 4096, torch.bfloat16)
     try:
         records = []
         with Communicator(max_bytes=max_bytes) as comm:
             for tokens, hidden in shapes:
-                records += _measure_shape(tokens, hidden, comm, world, rank)
+                records += _measure_shape(tokens, hidden, comm, flashinfer, world, rank)
                 if rank == 0:
                     print(f"{tokens:>6} x {hidden}: " + "  ".join(
                         f"{r['method']} {r['us']:.1f}us{'' if r['bitwise'] else '(x)'}" for r in records
                         if (r["tokens"], r["hidden"]) == (tokens, hidden)), flush=True)
-        wrong = [f"{r['tokens']}x{r['hidden']} {r['method']}" for r in records if not r["bitwise"]]
+        wrong = [f"{r['tokens']}x{r['hidden']} {r['method']}" for r in records
+                 if not r["bitwise"] and r["method"] != "flashinfer"]
         if rank == 0:
             header = collective_header(world) | {"dtype": "bf16", "tpfuse_max_bytes": max_bytes}
+            if flashinfer is not None:
+                header["flashinfer"] = flashinfer.version
             md = _markdown(records, header, world)
             print(md)
             print("wrote " + ", ".join(write_results(opts["out"], f"fused_w{world}_bf16", header, records, md)))
         if wrong:
             raise RuntimeError(f"rank {rank}: outputs not bitwise equal to the split path: {wrong}")
     finally:
+        if flashinfer is not None:
+            flashinfer.close()
         dist.destroy_process_group()
 
 
@@ -133,7 +170,7 @@ def _cpu_worker(rank: int, world: int, port: int, opts: dict) -> None:
     with Communicator(timeout_s=60) as comm:
         for tokens, hidden in [(1, 4096), (16, 1024), (64, 2880)]:
             xs, residual, weight = layer_inputs(tokens, hidden, world, "cpu", seed=tokens)
-            methods = _methods(comm, weight)
+            methods = _methods(comm, weight, None, tokens, hidden)
             split_out = methods["split"](xs[rank], residual)
             for name in ("oneshot", "twoshot", "auto"):
                 out = methods[name](xs[rank], residual)
