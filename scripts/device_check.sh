@@ -10,9 +10,9 @@
 #        the plan table $OUT/w{W}.json (never into the package: copy it into
 #        tpfuse/comm/tables/ after review). TUNE_ARGS passes arguments to it (e.g. --sizes).
 # Run from the repository root (the device tool does). Wheels missing on the machine
-# (liger-kernel, quack-kernels and its CuTe DSL) travel in .whl/ (carry it), those over a call's
-# 64 MiB as parts in .whlparts/ over several calls, and are installed to /tmp/site:
-# scripts/join_wheels.sh says how.
+# (liger-kernel, quack-kernels and its CuTe DSL) and bundles (.whl/*.tgz) travel in .whl/
+# (carry it), wheels over a call's 64 MiB as parts in .whlparts/ over several calls, and are
+# installed to /tmp/site: scripts/join_wheels.sh says how.
 set -uo pipefail
 steps=" ${*:-all} "
 for group in norm allreduce fused quant codecs; do
@@ -24,6 +24,9 @@ OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 # NVLink multicast stays off everywhere (it can take a shared host's GPUs down).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# Bundles (.whl/*.tgz, each a site/ folder: packages that are not wheels, such as FlashInfer
+# with its all-reduce module prebuilt, benchmarks/NOTES.md) unpack into /tmp/site beside them.
+for bundle in .whl/*.tgz; do [ -e "$bundle" ] && tar -xzf "$bundle" -C /tmp; done
 # Python reads no .pth file on PYTHONPATH: the CuTe DSL's folder is added by hand.
 scripts/join_wheels.sh && [ -d /tmp/site ] \
   && export PYTHONPATH=$PYTHONPATH:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
