@@ -4,7 +4,8 @@
 
 For each (tile, QUANT_NUM_WARPS, QUANT_MAX_CTAS), that tile for every codec on every segment,
 it runs `tpfuse bench allreduce --quant`'s GPU worker on every visible GPU at the given sizes
-(bits and error are checked there) and prints one line per config with every codec's time; the full tables go to DIR/<config>/.
+(bits and error are checked there) and prints one line per config with every codec's time;
+the full tables go to DIR/<config>/.
 """
 
 from __future__ import annotations

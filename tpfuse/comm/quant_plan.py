@@ -75,8 +75,8 @@ QUANT_MIN_BYTES: dict[str, dict[int, int | None]] = {
     "int8": {2: 4 * MiB, 4: 4 * MiB, 8: None},
     "fp8": {2: 8 * MiB, 4: 8 * MiB, 8: None},
 }
-QUANT_TILE = dict.fromkeys(QUANT_CODECS, 8192) if INTERPRETER else {"int4": 16384, "int6": 16384, "int8": 16384,
-                                                                   "fp8": 8192}
+QUANT_TILE = (dict.fromkeys(QUANT_CODECS, 8192) if INTERPRETER else
+              {"int4": 16384, "int6": 16384, "int8": 16384, "fp8": 8192})
 QUANT_SMALL_TILE = 4096 if INTERPRETER else 8192
 QUANT_SMALL_TILE_MAX_CHUNK = 1 << 14 if INTERPRETER else 1 << 23
 QUANT_NUM_WARPS = 16
