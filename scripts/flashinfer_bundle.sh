@@ -13,7 +13,7 @@
 set -euo pipefail
 FLASHINFER=${FLASHINFER:-0.7.2.post1} TVM_FFI=${TVM_FFI:-0.1.15.post2} CUDA=${CUDA:-13.0.88}
 work=$(mktemp -d) repo=$PWD
-trap 'rm -rf "$work"' EXIT
+trap 'echo "flashinfer_bundle: stopped; the build is kept in $work" >&2' ERR
 get() {  # get DIR SPEC...: the wheels for CPython 3.12 on x86-64 Linux, without dependencies
   local dir=$1; shift
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -45,9 +45,11 @@ for unit in trtllm_allreduce trtllm_allreduce_fusion; do
 done
 for pid in "${pids[@]}"; do wait "$pid"; done
 mkdir -p "$data/aot/trtllm_comm"
-c++ "$work"/trtllm_allreduce.o "$work"/trtllm_allreduce_fusion.o -shared -L"$cu/lib" -lcudart \
+# The runtime wheel ships libcudart.so.13 only (no unversioned link), so it is named.
+c++ "$work"/trtllm_allreduce.o "$work"/trtllm_allreduce_fusion.o -shared -L"$cu/lib" -l:libcudart.so.13 \
   -o "$data/aot/trtllm_comm/trtllm_comm.so"
 mkdir -p "$repo/.whl"
 out=$repo/.whl/flashinfer-$FLASHINFER-trtllm_comm-sm90a.tgz
 tar -czf "$out" -C "$work" site
+rm -rf "$work"
 echo "wrote $out ($(du -h "$out" | cut -f1))"
