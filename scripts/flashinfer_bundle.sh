@@ -48,6 +48,9 @@ mkdir -p "$data/aot/trtllm_comm"
 # The runtime wheel ships libcudart.so.13 only (no unversioned link), so it is named.
 c++ "$work"/trtllm_allreduce.o "$work"/trtllm_allreduce_fusion.o -shared -L"$cu/lib" -l:libcudart.so.13 \
   -o "$data/aot/trtllm_comm/trtllm_comm.so"
+# The module needs no sources to run: keep of data/csrc (258 MB) what FlashInfer's module
+# specification names, so the bundle fits a device call (64 MiB).
+find "$data/csrc" -mindepth 1 -maxdepth 1 ! -name 'trtllm_*allreduce*.cu' ! -name tvm_ffi_utils.h -exec rm -rf {} +
 mkdir -p "$repo/.whl"
 out=$repo/.whl/flashinfer-$FLASHINFER-trtllm_comm-sm90a.tgz
 tar -czf "$out" -C "$work" site
