@@ -27,6 +27,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 # Bundles (.whl/*.tgz, each a site/ folder: packages that are not wheels, such as FlashInfer
 # with its all-reduce module prebuilt, benchmarks/NOTES.md) unpack into /tmp/site beside them.
 for bundle in .whl/*.tgz; do [ -e "$bundle" ] && tar -xzf "$bundle" -C /tmp; done
+# A FlashInfer module missing from its bundle is an error, not an nvcc build inside a timed step.
+export FLASHINFER_DISABLE_JIT=1
 # Python reads no .pth file on PYTHONPATH: the CuTe DSL's folder is added by hand.
 scripts/join_wheels.sh && [ -d /tmp/site ] \
   && export PYTHONPATH=$PYTHONPATH:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages

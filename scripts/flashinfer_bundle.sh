@@ -8,11 +8,12 @@
 # allreduce_fusion call, and puts the module where FlashInfer looks before any JIT
 # (flashinfer/data/aot/trtllm_comm/trtllm_comm.so). About 15 minutes on 2 cores. The bundle
 # is a site/ folder (flashinfer, tvm_ffi for CPython 3.12) that scripts/device_check.sh
-# unpacks into /tmp/site (carry .whl); set FLASHINFER_DISABLE_JIT=1 there, so that a missing
+# unpacks into /tmp/site (carry .whl), with FLASHINFER_DISABLE_JIT=1 set so that a missing
 # module is an error rather than a compile.
-set -euo pipefail
-FLASHINFER=${FLASHINFER:-0.7.2.post1} TVM_FFI=${TVM_FFI:-0.1.15.post2} CUDA=${CUDA:-13.0.88}
-work=$(mktemp -d) repo=$PWD
+set -Eeuo pipefail
+FLASHINFER=${FLASHINFER:-0.7.2.post1} TVM_FFI=${TVM_FFI:-0.1.15.post2}
+CUDA=13.0.88  # the nvcc the module is built with; its files are under nvidia/cu13 below
+work=$(mktemp -d) repo=$(cd "$(dirname "$0")/.." && pwd)
 trap 'echo "flashinfer_bundle: stopped; the build is kept in $work" >&2' ERR
 get() {  # get DIR SPEC...: the wheels for CPython 3.12 on x86-64 Linux, without dependencies
   local dir=$1; shift
@@ -22,7 +23,7 @@ get() {  # get DIR SPEC...: the wheels for CPython 3.12 on x86-64 Linux, without
 }
 get "$work/whl" "flashinfer-python==$FLASHINFER" "apache-tvm-ffi==$TVM_FFI"
 get "$work/cuda" "nvidia-cuda-nvcc==$CUDA" "nvidia-cuda-crt==$CUDA" "nvidia-nvvm==$CUDA" \
-  "nvidia-cuda-runtime~=${CUDA%.*}.0"
+  "nvidia-cuda-runtime~=13.0.0"
 site=$work/site
 for w in "$work"/whl/*.whl; do python3 -m zipfile -e "$w" "$site"; done
 for w in "$work"/cuda/*.whl; do python3 -m zipfile -e "$w" "$work/cuda"; done
@@ -43,7 +44,7 @@ pids=()
 for unit in trtllm_allreduce trtllm_allreduce_fusion; do
   "$cu/bin/nvcc" "${flags[@]}" -c "$data/csrc/$unit.cu" -o "$work/$unit.o" & pids+=($!)
 done
-for pid in "${pids[@]}"; do wait "$pid"; done
+for pid in "${pids[@]}"; do wait "$pid" || { kill "${pids[@]}" 2>/dev/null; exit 1; }; done
 mkdir -p "$data/aot/trtllm_comm"
 # The runtime wheel ships libcudart.so.13 only (no unversioned link), so it is named.
 c++ "$work"/trtllm_allreduce.o "$work"/trtllm_allreduce_fusion.o -shared -L"$cu/lib" -l:libcudart.so.13 \

@@ -252,7 +252,8 @@ def test_quant_plan_segments_cover_the_message_and_fit_the_slots(world, codec):
 
 
 def test_quant_plan_takes_each_codecs_tile(monkeypatch):
-    # The GPU knobs: fp8 keeps the small tile on large segments, the integer codecs take the large.
+    # The GPU's values, set by hand (the interpreter's tiles are all 8192): fp8 keeps 8192 on
+    # large segments, the integer codecs take 16384.
     monkeypatch.setattr(QP, "QUANT_TILE", {"int4": 16384, "int6": 16384, "int8": 16384, "fp8": 8192})
     monkeypatch.setattr(QP, "QUANT_SMALL_TILE", 8192)
     monkeypatch.setattr(QP, "QUANT_SMALL_TILE_MAX_CHUNK", 1 << 16)

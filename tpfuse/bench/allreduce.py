@@ -160,9 +160,11 @@ def _gpu_worker(rank: int, world: int, port: int | None, opts: dict) -> None:
         if wrong:
             raise RuntimeError(f"rank {rank}: tpfuse results not bitwise equal to the reference: {wrong}")
     finally:
-        if flashinfer is not None:
-            flashinfer.close()
-        dist.destroy_process_group()
+        try:
+            if flashinfer is not None:
+                flashinfer.close()
+        finally:
+            dist.destroy_process_group()
 
 
 def _cpu_worker(rank: int, world: int, port: int, opts: dict) -> None:

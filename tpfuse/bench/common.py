@@ -298,8 +298,8 @@ class FlashInferAllReduce:
     plain all-reduce (pattern kAllReduce) and all-reduce + residual add + RMSNorm
     (kARResidualRMSNorm), fp32 accumulation, FlashInfer's own one-/two-shot choice.
 
-    ``create`` returns None where flashinfer cannot be imported or its workspace not made
-    (the reason is printed on rank 0). The workspace is FlashInfer's "trtllm" backend, named
+    ``create`` returns None where flashinfer cannot be imported or its workspace not made,
+    on any rank (that rank prints why). The workspace is FlashInfer's "trtllm" backend, named
     explicitly: its "auto" may pick the NVLink-multicast backend, which tpfuse never uses
     (the "trtllm" one maps peer memory without multicast). Messages are [tokens, hidden]
     rows whose product fits the workspace's ``max_tokens * hidden`` (``fits``). Every rank
@@ -314,15 +314,20 @@ class FlashInferAllReduce:
 
     @classmethod
     def create(cls, max_tokens: int, hidden: int, dtype: torch.dtype) -> "FlashInferAllReduce | None":
+        peer = None
         try:
             import flashinfer
             import flashinfer.comm as fc
 
-            return cls(fc, flashinfer.__version__, max_tokens, hidden, dtype)
+            peer = cls(fc, flashinfer.__version__, max_tokens, hidden, dtype)
         except Exception as e:  # noqa: BLE001  not installed, or no kernels for this machine: measure the rest
-            if not dist.is_initialized() or dist.get_rank() == 0:
-                print(f"flashinfer unavailable ({type(e).__name__}: {e}); its column stays empty", flush=True)
+            print(f"flashinfer unavailable ({type(e).__name__}: {e}); its column stays empty", flush=True)
+        # A peer that only some ranks have would leave the others' kernels polling for ever, so
+        # it is used only where every rank has one (a workspace made on one rank alone is left
+        # as it is: FlashInfer's destroy waits on every rank).
+        if dist.is_initialized() and agreed_max(float(peer is None)) > 0:
             return None
+        return peer
 
     def fits(self, tokens: int, hidden: int) -> bool:
         return tokens * hidden <= self.capacity

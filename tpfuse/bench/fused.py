@@ -81,19 +81,19 @@ def _measure_shape(tokens, hidden, comm, flashinfer, world, rank):
                 continue  # this algorithm does not serve the shape with this workspace
         try:
             out = fn(x, residual)
+            same = [same_bits(a, b) for a, b in zip(out, split_out)]
+            y_max_abs_diff = (out[0].float() - split_out[0].float()).abs().max().item()  # before replays reuse y
+            us = collective_graph_us(lambda i: fn(*pool[i]), rot)  # noqa: B023  (called right here)
         except Exception as e:  # noqa: BLE001  only the peer may refuse a shape (every rank alike)
             if name != "flashinfer":
                 raise
             if rank == 0:
                 print(f"flashinfer at {tokens} x {hidden} failed: {type(e).__name__}: {e}", flush=True)
             continue
-        same = [same_bits(a, b) for a, b in zip(out, split_out)]
         bitwise = name == "nccl_torch" or (all(same) and spec_ok)
-        us = collective_graph_us(lambda i: fn(*pool[i]), rot)  # noqa: B023  (called right here)
         rec = dict(tokens=tokens, hidden=hidden, method=name, us=round(us, 2), bitwise=bool(bitwise))
         if name == "flashinfer":  # which of its outputs match, and y's largest difference from split's
-            rec.update(y_bitwise=bool(same[0]), residual_out_bitwise=bool(same[1]),
-                       y_max_abs_diff=(out[0].float() - split_out[0].float()).abs().max().item())
+            rec.update(y_bitwise=bool(same[0]), residual_out_bitwise=bool(same[1]), y_max_abs_diff=y_max_abs_diff)
         if name == "auto":
             rec["algo"] = FusedPlan.from_shape(tokens, hidden, world, x.dtype, comm.layout).algo
         records.append(rec)
@@ -157,9 +157,11 @@ def _gpu_worker(rank: int, world: int, port: int | None, opts: dict) -> None:
         if wrong:
             raise RuntimeError(f"rank {rank}: outputs not bitwise equal to the split path: {wrong}")
     finally:
-        if flashinfer is not None:
-            flashinfer.close()
-        dist.destroy_process_group()
+        try:
+            if flashinfer is not None:
+                flashinfer.close()
+        finally:
+            dist.destroy_process_group()
 
 
 def _cpu_worker(rank: int, world: int, port: int, opts: dict) -> None:

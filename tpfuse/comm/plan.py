@@ -203,10 +203,11 @@ class AllReducePlan:
 #   thread, 0.97x of split at 1 token); those calls now go over LL (below), and above the LL
 #   limit 4 vectors measured faster fused than split (hidden 8192 bf16, flags: 4x H200, 16
 #   tokens 10.4 vs 10.8 us; 2x H100, 16 tokens 8.2 vs 8.5, 128 tokens 14.8 vs 19.2), so the
-#   limit is 4. Tiles of more vectors per thread (8: bf16 hidden 5120-6144 and 12288-16384,
-#   bf16 rows held narrow, fp32 hidden 5120-8192) go fused only once the call has a row tile
-#   for each of FUSED_MAX_CTAS CTAs (2x H100, hidden 5120 bf16, flags: 16 tokens 9.1 us
-#   fused vs 7.9 split, 128 tokens 13.0 vs 15.6).
+#   limit is 4. Tiles of more vectors per thread (bf16 hidden 4112-6144, 8208-16384 and
+#   49152-65536; fp32 4112-16384) go fused only once the call has a row tile for each of
+#   FUSED_MAX_CTAS CTAs (2x H100, hidden 5120 bf16, flags: 16 tokens 9.1 us fused vs 7.9
+#   split, 128 tokens 13.0 vs 15.6). That needs 128 rows under FUSED_ONESHOT_MAX_BYTES, which
+#   only W=2's table (8 MiB) allows at these sizes; other hidden sizes there are unmeasured.
 # FUSED_LL_MAX_BYTES: largest message the fused one-shot sends over LL, by world size (and
 #   never above LL_MAX_BYTES or the workspace's LL regions, which it uses); "auto" takes the
 #   fused one-shot for these whatever FUSED_ONESHOT_MAX_VECTORS says: that kernel spreads each
@@ -264,7 +265,7 @@ class FusedPlan:
                    algo: str = "auto") -> "FusedPlan":
         """"auto" picks one-shot up to FUSED_ONESHOT_MAX_BYTES (over LL up to FUSED_LL_MAX_BYTES;
         above it for hidden sizes with at most FUSED_ONESHOT_MAX_VECTORS vectors per thread, or
-        calls of at least FUSED_MAX_CTAS row tiles),
+        once the call has FUSED_MAX_CTAS row tiles),
         two-shot up to FUSED_TWOSHOT_MAX_BYTES, else "split" (also when the workspace cannot
         hold the message, or n is not a multiple of FUSED_HIDDEN_MULTIPLE). An explicit
         "oneshot" or "twoshot" that cannot serve the shape raises ValueError."""
@@ -292,9 +293,10 @@ class FusedPlan:
         over_ll = uses_ll(nbytes, world_size, layout) and nbytes <= for_world(FUSED_LL_MAX_BYTES, world_size)
         if algo == "auto":
             vectors_per_thread = cfg.rows * cfg.block_n * esize // 16 / (cfg.num_warps * 32)
-            light_tiles = vectors_per_thread <= FUSED_ONESHOT_MAX_VECTORS or _cdiv(n_rows, tile_rows) >= FUSED_MAX_CTAS
+            flag_kernel_pays = (vectors_per_thread <= FUSED_ONESHOT_MAX_VECTORS
+                                or _cdiv(n_rows, tile_rows) >= FUSED_MAX_CTAS)
             if (nbytes <= for_world(FUSED_ONESHOT_MAX_BYTES, world_size) and fits["oneshot"]
-                    and (over_ll or light_tiles)):
+                    and (over_ll or flag_kernel_pays)):
                 algo = "oneshot"
             elif nbytes <= for_world(FUSED_TWOSHOT_MAX_BYTES, world_size) and fits["twoshot"]:
                 algo = "twoshot"

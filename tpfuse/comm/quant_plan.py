@@ -57,14 +57,14 @@ MiB = 1024 * 1024
 #   ``quant_min_bytes=`` forces a codec from any size. These are the defaults: W reads
 #   tables/w{W}.json when it exists (`tpfuse tune --write-table`, see tpfuse.comm.tables).
 # QUANT_TILE: elements per tile (a multiple of 32: a tile is TILE / 32 groups), by codec.
-#   fp8 keeps the small tile at every size: on 2x H100 (W=2, scripts/tune_quant.py, us,
+#   fp8 keeps 8192 at every size: on 2x H100 (W=2, scripts/tune_quant.py, us,
 #   tiles of 8192 / 16384 on every segment, 16 warps, 128 CTAs) fp8 took 85 / 90 at 32 MiB and
 #   166 / 184 at 64 MiB while int8 took 76 / 75 and 145 / 137, int6 81 / 74 and 165 / 147,
 #   int4 58 / 54 and 112 / 106 (2026-11-25). The interpreter pays per operation, so it
 #   takes large tiles.
 # QUANT_SMALL_TILE, QUANT_SMALL_TILE_MAX_CHUNK: segments of at most this many elements per
 #   rank use the smaller tile, so that every CTA still gets several tiles (at 32 MiB, W=4,
-#   a chunk of 4 M elements is 2 tiles of 16384 per CTA; 8192 was 6-12% faster for every
+#   a chunk of 4 M elements is 2 integer-codec tiles of 16384 per CTA; 8192 was 6-12% faster for every
 #   codec, 16384 0-5% faster at 256 MiB; 2026-11-21, after the fp32 codecs).
 # QUANT_NUM_WARPS: warps per CTA.
 # QUANT_MAX_CTAS: CTAs per launch; every CTA must be resident at once (see
