@@ -11,7 +11,7 @@ from tpfuse.bench.common import FlashInferAllReduce
 
 def test_flashinfer_peer_is_none_where_flashinfer_cannot_be_imported(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # import flashinfer raises ImportError
-    assert FlashInferAllReduce.create(16, 4096, torch.bfloat16) is None
+    assert FlashInferAllReduce.create(torch.bfloat16) is None
     assert "flashinfer unavailable (ModuleNotFoundError" in capsys.readouterr().out
 
 

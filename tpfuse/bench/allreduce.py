@@ -1,7 +1,7 @@
 """``tpfuse bench allreduce``: tpfuse all-reduce (auto, one-shot, two-shot) side by side with
 NCCL, torch symmetric memory (one_shot_all_reduce, two_shot_all_reduce_) and, where it is
-importable, FlashInfer's all-reduce (``FlashInferAllReduce``: messages of whole 4096-element
-rows up to FLASHINFER_MAX_BYTES), in the same run and the same processes: one process per
+importable, FlashInfer's all-reduce (``FlashInferAllReduce``: messages of whole
+FLASHINFER_HIDDEN-element rows that fit its workspace), in the same run and the same processes: one process per
 visible GPU (spawned here, or started by torchrun).
 
 Per message size: CUDA-graph replay latency (20 calls per graph, median of 5 timed samples,
@@ -26,14 +26,14 @@ import torch.distributed as dist
 
 import tpfuse.comm  # noqa: F401  (sets the no-multicast environment before ranks are spawned)
 from tpfuse import reference
-from tpfuse.bench.common import (DTYPES, KiB, MiB, FlashInferAllReduce, SymmMemAllReduce, collective_graph_us,
+from tpfuse.bench.common import (DTYPES, KiB, FlashInferAllReduce, SymmMemAllReduce, collective_graph_us,
                                  collective_header, fmt_size, header_markdown, init_rank, random_inputs, rotation,
                                  run_workers, same_bits, write_results)
 
 SIZES = [4 * KiB << i for i in range(17)]  # 4 KiB .. 256 MiB
 METHODS = ["nccl", "symm_oneshot", "symm_twoshot", "flashinfer", "tpfuse_auto", "tpfuse_oneshot", "tpfuse_twoshot"]
-FLASHINFER_HIDDEN, FLASHINFER_MAX_BYTES = 4096, 32 * MiB
-"""FlashInfer's kernels take [tokens, hidden] rows; its workspace is sized for this many bytes."""
+FLASHINFER_HIDDEN = 4096
+"""FlashInfer's kernels take [tokens, hidden] rows: a message is cut into rows of this many."""
 
 
 def _measure_size(nbytes, dtype, comm, symm, flashinfer, world, rank):
@@ -51,7 +51,7 @@ def _measure_size(nbytes, dtype, comm, symm, flashinfer, world, rank):
         runs["symm_oneshot"] = (symm.oneshot, [sym])
         runs["symm_twoshot"] = (symm.twoshot, [sym])
     rows = n // FLASHINFER_HIDDEN
-    if flashinfer is not None and n % FLASHINFER_HIDDEN == 0 and flashinfer.fits(rows, FLASHINFER_HIDDEN):
+    if flashinfer is not None and n % FLASHINFER_HIDDEN == 0 and flashinfer.fits(n):
         fi_out = torch.empty(rows, FLASHINFER_HIDDEN, dtype=dtype, device="cuda")
         runs["flashinfer"] = (lambda x: flashinfer.all_reduce(x.view(rows, -1), fi_out).view(-1), pool)
     for algo in ("auto", "oneshot", "twoshot"):
@@ -135,8 +135,7 @@ def _gpu_worker(rank: int, world: int, port: int | None, opts: dict) -> None:
             symm = None
             if rank == 0:
                 print(f"torch symmetric memory unavailable ({type(e).__name__}: {e}); its columns stay empty")
-        fi_rows = min(max_bytes, FLASHINFER_MAX_BYTES) // (FLASHINFER_HIDDEN * dtype.itemsize)
-        flashinfer = FlashInferAllReduce.create(max(fi_rows, 1), FLASHINFER_HIDDEN, dtype)
+        flashinfer = FlashInferAllReduce.create(dtype)
         records = []
         with Communicator(max_bytes=max_bytes) as comm:
             for nbytes in sizes:

@@ -292,6 +292,11 @@ class SymmMemAllReduce:
         return torch.ops.symm_mem.two_shot_all_reduce_(x, "sum", self.group_name)
 
 
+FLASHINFER_MAX_BYTES = 32 * MiB
+"""The FlashInfer peer's workspace: 2048 tokens of hidden 8192 in bf16 (vLLM hands FlashInfer
+decode and small prefill batches)."""
+
+
 class FlashInferAllReduce:
     """FlashInfer's all-reduce kernels (``flashinfer.comm.allreduce_fusion``: TensorRT-LLM's
     one-/two-shot kernels, what vLLM's all-reduce + RMSNorm fusion pass calls) as a peer: the
@@ -301,25 +306,26 @@ class FlashInferAllReduce:
     ``create`` returns None where flashinfer cannot be imported or its workspace not made,
     on any rank (that rank prints why). The workspace is FlashInfer's "trtllm" backend, named
     explicitly: its "auto" may pick the NVLink-multicast backend, which tpfuse never uses
-    (the "trtllm" one maps peer memory without multicast). Messages are [tokens, hidden]
-    rows whose product fits the workspace's ``max_tokens * hidden`` (``fits``). Every rank
+    (the "trtllm" one maps peer memory without multicast). It holds FLASHINFER_MAX_BYTES;
+    FlashInfer serves any [tokens, hidden] call whose elements fit it (``fits``). Every rank
     calls every method (collectives)."""
 
-    def __init__(self, fc, version: str, max_tokens: int, hidden: int, dtype: torch.dtype):
-        self.fc, self.version, self.world = fc, version, dist.get_world_size()
+    def __init__(self, fc, version: str, dtype: torch.dtype):
+        self.fc, self.version = fc, version
+        self.capacity = FLASHINFER_MAX_BYTES // dtype.itemsize  # elements
+        hidden = 4096  # FlashInfer sizes its workspace by max_token_num * hidden_dim only
         self.workspace = fc.create_allreduce_fusion_workspace(
-            backend="trtllm", world_size=self.world, rank=dist.get_rank(), max_token_num=max_tokens,
-            hidden_dim=hidden, dtype=dtype)
-        self.capacity = max_tokens * hidden
+            backend="trtllm", world_size=dist.get_world_size(), rank=dist.get_rank(),
+            max_token_num=self.capacity // hidden, hidden_dim=hidden, dtype=dtype)
 
     @classmethod
-    def create(cls, max_tokens: int, hidden: int, dtype: torch.dtype) -> "FlashInferAllReduce | None":
+    def create(cls, dtype: torch.dtype) -> "FlashInferAllReduce | None":
         peer = None
         try:
             import flashinfer
             import flashinfer.comm as fc
 
-            peer = cls(fc, flashinfer.__version__, max_tokens, hidden, dtype)
+            peer = cls(fc, flashinfer.__version__, dtype)
         except Exception as e:  # noqa: BLE001  not installed, or no kernels for this machine: measure the rest
             print(f"flashinfer unavailable ({type(e).__name__}: {e}); its column stays empty", flush=True)
         # A peer that only some ranks have would leave the others' kernels polling for ever, so
@@ -329,8 +335,8 @@ class FlashInferAllReduce:
             return None
         return peer
 
-    def fits(self, tokens: int, hidden: int) -> bool:
-        return tokens * hidden <= self.capacity
+    def fits(self, numel: int) -> bool:
+        return numel <= self.capacity
 
     def all_reduce(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out ([tokens, hidden]) = the sum over ranks of x (same shape)."""

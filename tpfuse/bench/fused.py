@@ -8,7 +8,7 @@ Per (tokens, hidden), bf16, W = every visible GPU (one process each), CUDA-graph
 - split: tpfuse all_reduce, then tpfuse.add_rms_norm (the unfused composition, the contract);
 - oneshot / twoshot / auto: Communicator.all_reduce_add_rms_norm(algo=...);
 - flashinfer: FlashInfer's fused all-reduce + residual + RMSNorm (``FlashInferAllReduce``),
-  where flashinfer is importable, up to FLASHINFER_MAX_ELEMENTS per call.
+  where flashinfer is importable, for calls that fit its workspace.
 
 Each tpfuse method's outputs are checked bitwise against split's in the same run, and
 split's residual_out against tpfuse.reference; FlashInfer's are compared too and marked,
@@ -36,9 +36,6 @@ SHAPES = ([(t, 4096) for t in DECODE + PREFILL] + [(t, 2880) for t in (1, 16, 12
           + [(t, 5120) for t in (1, 16, 128, 2048)] + [(t, 8192) for t in (1, 16, 64, 128, 512, 2048)])
 METHODS = ["nccl_torch", "split", "oneshot", "twoshot", "auto", "flashinfer"]
 EPS = 1e-6
-FLASHINFER_MAX_ELEMENTS = 4096 * 4096
-"""FlashInfer's workspace holds calls of up to this many elements (tokens x hidden; 32 MiB of
-bf16, 2048 tokens of 8192): vLLM hands it decode and small prefill batches."""
 
 
 def _methods(comm, weight, flashinfer, tokens, hidden):
@@ -56,7 +53,7 @@ def _methods(comm, weight, flashinfer, tokens, hidden):
 
     methods = {"nccl_torch": nccl_torch, "split": split, "oneshot": fused("oneshot"), "twoshot": fused("twoshot"),
                "auto": fused("auto")}
-    if flashinfer is not None and flashinfer.fits(tokens, hidden):
+    if flashinfer is not None and flashinfer.fits(tokens * hidden):
         y, residual_out = (torch.empty(tokens, hidden, dtype=weight.dtype, device=weight.device) for _ in range(2))
         methods["flashinfer"] = lambda x, residual: flashinfer.add_rms_norm(x, residual, weight, EPS, y, residual_out)
     return methods
@@ -82,7 +79,10 @@ def _measure_shape(tokens, hidden, comm, flashinfer, world, rank):
         try:
             out = fn(x, residual)
             same = [same_bits(a, b) for a, b in zip(out, split_out)]
-            y_max_abs_diff = (out[0].float() - split_out[0].float()).abs().max().item()  # before replays reuse y
+            peer_bits = {}  # the peer's: which outputs match split's, and y's largest difference (before replays)
+            if name == "flashinfer":
+                peer_bits = dict(y_bitwise=bool(same[0]), residual_out_bitwise=bool(same[1]),
+                                 y_max_abs_diff=(out[0].float() - split_out[0].float()).abs().max().item())
             us = collective_graph_us(lambda i: fn(*pool[i]), rot)  # noqa: B023  (called right here)
         except Exception as e:  # noqa: BLE001  only the peer may refuse a shape (every rank alike)
             if name != "flashinfer":
@@ -91,9 +91,7 @@ def _measure_shape(tokens, hidden, comm, flashinfer, world, rank):
                 print(f"flashinfer at {tokens} x {hidden} failed: {type(e).__name__}: {e}", flush=True)
             continue
         bitwise = name == "nccl_torch" or (all(same) and spec_ok)
-        rec = dict(tokens=tokens, hidden=hidden, method=name, us=round(us, 2), bitwise=bool(bitwise))
-        if name == "flashinfer":  # which of its outputs match, and y's largest difference from split's
-            rec.update(y_bitwise=bool(same[0]), residual_out_bitwise=bool(same[1]), y_max_abs_diff=y_max_abs_diff)
+        rec = dict(tokens=tokens, hidden=hidden, method=name, us=round(us, 2), bitwise=bool(bitwise)) | peer_bits
         if name == "auto":
             rec["algo"] = FusedPlan.from_shape(tokens, hidden, world, x.dtype, comm.layout).algo
         records.append(rec)
@@ -135,7 +133,7 @@ def _gpu_worker(rank: int, world: int, port: int | None, opts: dict) -> None:
     init_rank(rank, world, port, "nccl")
     shapes = [s for s in SHAPES if s[0] <= opts["max_tokens"]]
     max_bytes = max(t * h * 2 for t, h in shapes)
-    flashinfer = FlashInferAllReduce.create(FLASHINFER_MAX_ELEMENTS // 4096, 4096, torch.bfloat16)
+    flashinfer = FlashInferAllReduce.create(torch.bfloat16)
     try:
         records = []
         with Communicator(max_bytes=max_bytes) as comm:
