@@ -2,13 +2,15 @@
 # One call on the GPU machine: GPU tests and benchmarks, results under $OUT.
 #   scripts/device_check.sh [STEP|GROUP ...]   (default: all)
 # Steps: test_norm bench_norm test_allreduce bench_allreduce test_fused bench_fused
-#        test_quant bench_quant test_codecs bench_codecs test_models bench_decode tune; groups: norm,
+#        test_quant bench_quant test_codecs bench_codecs test_models bench_decode tune tune_allreduce; groups: norm,
 #        allreduce, fused, quant, codecs (one GPU: the codec kernels alone), models (test_models
 #        and bench_decode), all. DECODE_ARGS passes arguments to bench_decode. A device call may run 600 s, so "all" needs the largest machines' patience:
 #        pick steps per call. BENCH_ARGS passes extra arguments to every benchmark.
 #        tune (2+ GPUs; not in "all"): `tpfuse tune` at W = every GPU, the sweep under $OUT and
 #        the plan table $OUT/w{W}.json (never into the package: copy it into
 #        tpfuse/comm/tables/ after review). TUNE_ARGS passes arguments to it (e.g. --sizes).
+#        tune_allreduce (2+ GPUs; not in "all"): scripts/tune_allreduce.py, the launch knobs'
+#        sweep, with TUNE_ALLREDUCE_ARGS (e.g. --algos oneshot --knobs '{...}').
 # Run from the repository root (the device tool does). Wheels missing on the machine
 # (liger-kernel, quack-kernels and its CuTe DSL) and bundles (.whl/*.tgz) travel in .whl/
 # (carry it), wheels over a call's 64 MiB as parts in .whlparts/ over several calls, and are
@@ -60,6 +62,7 @@ want bench_quant && multi bench_quant && run bench_quant 270 python3 -m tpfuse.c
 want test_codecs && run test_codecs 240 python3 -m pytest -q -x -m gpu tests/test_quant_gpu.py
 want bench_codecs && run bench_codecs 120 python3 scripts/bench_codecs.py --out "$OUT"
 want test_models && multi test_models && run test_models 360 python3 -m pytest -q -x -m multigpu tests/test_models_gpu.py
+want tune_allreduce && multi tune_allreduce && run tune_allreduce 420 python3 scripts/tune_allreduce.py --out "$OUT" --budget-s 360 ${TUNE_ALLREDUCE_ARGS:-}
 want tune && multi tune && run tune 540 python3 -m tpfuse.cli tune --out "$OUT" --write-table --table-dir "$OUT" --budget-s 480 ${TUNE_ARGS:-}
 # Every visible GPU is one rank: TP=2 on two GPUs, the TP=1 baseline on one.
 want bench_decode && run bench_decode 540 python3 -m tpfuse.cli bench decode --out "$OUT" --plot ${DECODE_ARGS:-}

@@ -1,4 +1,4 @@
-"""Sweep the all-reduce launch knobs of tpfuse/comm/plan.py (CTAs, tile, warps, gather, LL)
+"""Sweep the all-reduce launch knobs of tpfuse/comm/plan.py (CTAs, tile, warps, gather, protocol)
 on one GPU node, to choose their values. Not part of the library: it patches plan's module
 constants between calls.
 
@@ -20,8 +20,10 @@ already timed there is not timed again):
   gather GATHER (two-shot only): "push" (store the reduced chunk into every peer's gather
          slot, peers copy it out) or "pull" (peers load it from the owner's gather slot
          straight into their output).
-  ll     LL_MAX_BYTES (one-shot only): 0 (separate flags) or the largest size (the LL
-         protocol of tpfuse.kernels.ll at every one-shot size swept).
+  protocol  one-shot only: "flags" (separate flags), "ll" (LL words) or "lamport" (Lamport
+         words) at every one-shot size swept (tpfuse.kernels.ll; LL_MAX_BYTES and
+         LAMPORT_MAX_BYTES set accordingly), each with its own knobs (plan's "oneshot",
+         "oneshot_ll" and "oneshot_lamport" entries).
 --knobs '{"oneshot": {"warps": [16]}}' replaces knob lists, --algos and --sizes-kib narrow
 the sweep.
 
@@ -61,27 +63,34 @@ from tpfuse.bench.common import (fmt_size, init_rank, random_inputs, rotation, r
 
 KiB, MiB = 1024, 1024 * 1024
 # Most telling first, so a run stopped by --budget-s still covers the targets.
-SIZES = [8 * KiB, 32 * MiB, 256 * KiB, 2 * MiB, 128 * MiB, 32 * KiB, 1 * MiB, 8 * MiB]
-ONESHOT_SIZES = [s for s in SIZES if s <= 2 * MiB]
+SIZES = [8 * KiB, 32 * MiB, 256 * KiB, 2 * MiB, 128 * MiB, 32 * KiB, 1 * MiB, 8 * MiB, 4 * MiB, 512 * KiB]
+ONESHOT_SIZES = [s for s in SIZES if s <= 8 * MiB]
 KNOBS = {
     "oneshot": dict(ctas=[16, 32, 64, 128], tile=[8 * KiB, 16 * KiB, 32 * KiB], warps=[4, 8, 16], gather=["-"],
-                    ll=[0, 2 * MiB]),
+                    protocol=["flags", "ll", "lamport"]),
     "twoshot": dict(ctas=[32, 64, 96, 128], tile=[8 * KiB, 16 * KiB, 32 * KiB], warps=[4, 8, 16],
-                    gather=["push", "pull"], ll=["-"]),
+                    gather=["push", "pull"], protocol=["-"]),
 }
 C.REPEATS, C.MIN_SAMPLE_MS = 3, 5.0  # the bench's 5 x 20 ms per point would not fit
+ALL = 1 << 40
+"""A size threshold above every message."""
 
 
 def _configs(algo):
     k = KNOBS[algo]
-    return [dict(ctas=c, tile=t, warps=w, gather=g, ll=ll)
-            for c, t, w, g, ll in itertools.product(k["ctas"], k["tile"], k["warps"], k["gather"], k["ll"])]
+    return [dict(ctas=c, tile=t, warps=w, gather=g, protocol=pr)
+            for c, t, w, g, pr in itertools.product(k["ctas"], k["tile"], k["warps"], k["gather"], k["protocol"])]
+
+
+def _knob(algo, cfg) -> str:
+    """plan's key of the launch knobs of this configuration."""
+    return f"oneshot_{cfg['protocol']}" if cfg["protocol"] in ("ll", "lamport") else algo
 
 
 def _fmt_cfg(cfg) -> str:
     g = "" if cfg.get("gather") in (None, "-") else f" {cfg['gather']}"
-    ll = " ll" if cfg.get("ll") not in (None, "-", 0) else ""
-    return f"c{cfg['ctas']} t{cfg['tile'] // KiB}K w{cfg['warps']}{g}{ll}"
+    pr = "" if cfg.get("protocol") in (None, "-", "flags") else f" {cfg['protocol']}"
+    return f"c{cfg['ctas']} t{cfg['tile'] // KiB}K w{cfg['warps']}{g}{pr}"
 
 
 class _Knobs:
@@ -92,19 +101,21 @@ class _Knobs:
 
     def __enter__(self):
         p = self.plan
-        self.saved = (dict(p.MAX_CTAS), dict(p.TILE_BYTES), dict(p.NUM_WARPS), p.GATHER, dict(p.LL_MAX_BYTES))
-        knob = "oneshot_ll" if self.cfg["ll"] not in ("-", 0) else self.algo  # plan's keys for LL one-shot
+        self.saved = (dict(p.MAX_CTAS), dict(p.TILE_BYTES), dict(p.NUM_WARPS), p.GATHER, dict(p.LL_MAX_BYTES),
+                      dict(p.LAMPORT_MAX_BYTES))
+        knob = _knob(self.algo, self.cfg)
         p.MAX_CTAS[knob] = self.cfg["ctas"]
         p.TILE_BYTES[knob] = self.cfg["tile"]
         p.NUM_WARPS[knob] = self.cfg["warps"]
         if self.cfg["gather"] != "-":
             p.GATHER = self.cfg["gather"]
-        if self.cfg["ll"] != "-":
-            p.LL_MAX_BYTES = dict.fromkeys(p.LL_MAX_BYTES, self.cfg["ll"])
+        if self.cfg["protocol"] != "-":  # the protocol at every size (within the workspace's regions)
+            p.LL_MAX_BYTES = dict.fromkeys(p.LL_MAX_BYTES, ALL if self.cfg["protocol"] == "ll" else 0)
+            p.LAMPORT_MAX_BYTES = dict.fromkeys(p.LAMPORT_MAX_BYTES, ALL if self.cfg["protocol"] == "lamport" else 0)
 
     def __exit__(self, *exc):
         p = self.plan
-        p.MAX_CTAS, p.TILE_BYTES, p.NUM_WARPS, p.GATHER, p.LL_MAX_BYTES = self.saved
+        p.MAX_CTAS, p.TILE_BYTES, p.NUM_WARPS, p.GATHER, p.LL_MAX_BYTES, p.LAMPORT_MAX_BYTES = self.saved
 
 
 def _summary(records, world) -> str:
@@ -134,14 +145,18 @@ def _summary(records, world) -> str:
     lines.append("")
     # One setting per algorithm (the knobs do not depend on the size): the configuration whose
     # time, over the sizes the algorithm serves, is closest to the per-size best (geomean).
-    for algo, sizes in (("oneshot", [s for s in ONESHOT_SIZES if s <= 256 * KiB]),
+    for algo, sizes in (("oneshot ll", [s for s in ONESHOT_SIZES if s <= 256 * KiB]),
+                        ("oneshot lamport", [s for s in ONESHOT_SIZES if s >= 256 * KiB]),
+                        ("oneshot flags", [s for s in ONESHOT_SIZES if s >= 256 * KiB]),
                         ("twoshot", [s for s in SIZES if s >= 256 * KiB]),
                         ("twoshot (>= 8 MiB)", [s for s in SIZES if s >= 8 * MiB])):
-        name = algo.split()[0]
-        best = {s: min((r["us"] for r in by_size.get(s, []) if r["algo"] == name and r["bitwise"]), default=None)
-                for s in sizes}
+        name, _, protocol = algo.partition(" ")
+        protocol = protocol if name == "oneshot" else "-"
+        configs = [c for c in _configs(name) if c["protocol"] == protocol]
+        best = {s: min((r["us"] for r in by_size.get(s, []) if r["algo"] == name and r["bitwise"]
+                        and r["cfg"] in configs), default=None) for s in sizes}
         scores = []
-        for cfg in _configs(name):
+        for cfg in configs:
             ratios = []
             for s in sizes:
                 r = next((r for r in by_size.get(s, [])
@@ -177,19 +192,20 @@ def _worker(rank: int, world: int, port: int, opts: dict) -> None:
     t0 = time.monotonic()
     dtype = torch.bfloat16
     sizes = [s for s in SIZES if s <= opts["max_size"]]
-    defaults = {a: dict(ctas=P.MAX_CTAS[a], tile=P.TILE_BYTES[a], warps=P.NUM_WARPS[a],  # LL one-shot: see the md
-                        gather=P.GATHER if a == "twoshot" else "-",
-                        ll=P.LL_MAX_BYTES.get(world, P.LL_MAX_BYTES[8]) if a == "oneshot" else "-")
-                for a in ("oneshot", "twoshot")}
+    defaults = {k: dict(ctas=P.MAX_CTAS[k], tile=P.TILE_BYTES[k], warps=P.NUM_WARPS[k],
+                        gather=P.GATHER if k == "twoshot" else "-", protocol=pr)
+                for k, pr in (("oneshot", "flags"), ("oneshot_ll", "ll"), ("oneshot_lamport", "lamport"),
+                              ("twoshot", "-"))}
     header = run_header() | {"world_size": world, "dtype": "bf16", "knobs": KNOBS, "defaults": defaults,
                              "repeats": C.REPEATS, "min_sample_ms": C.MIN_SAMPLE_MS}
     records, stopped = [], None
     try:
-        saved_ll, P.LL_MAX_BYTES = P.LL_MAX_BYTES, dict.fromkeys(P.LL_MAX_BYTES, max(ONESHOT_SIZES, default=0))
-        try:
-            comm = Communicator(max_bytes=max(sizes))  # LL regions for every one-shot size
+        saved = P.LL_MAX_BYTES, P.LAMPORT_MAX_BYTES
+        P.LL_MAX_BYTES = P.LAMPORT_MAX_BYTES = dict.fromkeys(P.LL_MAX_BYTES, max(ONESHOT_SIZES, default=0))
+        try:  # LL and Lamport regions for every one-shot size
+            comm = Communicator(max_bytes=max(max(sizes), max(ONESHOT_SIZES, default=0) * world // 2))
         finally:
-            P.LL_MAX_BYTES = saved_ll
+            P.LL_MAX_BYTES, P.LAMPORT_MAX_BYTES = saved
         with comm:
             for nbytes in sizes:
                 n = nbytes // dtype.itemsize
@@ -200,7 +216,7 @@ def _worker(rank: int, world: int, port: int, opts: dict) -> None:
                 def put(algo, cfg, us, bitwise, extra=None):
                     rec = dict(size_bytes=nbytes, algo=algo, cfg=cfg, us=round(us, 2), bitwise=bool(bitwise),
                                busbw_gbps=round(2 * (world - 1) / world * nbytes / (us * 1e-6) / 1e9, 1),
-                               default=algo in defaults and cfg == defaults[algo])
+                               default=cfg is not None and cfg == defaults[_knob(algo, cfg)])
                     records.append(rec | (extra or {}))
 
                 nccl_pool = [p.clone() for p in pool]
@@ -216,7 +232,7 @@ def _worker(rank: int, world: int, port: int, opts: dict) -> None:
                             raise TimeoutError(stopped)
                         with _Knobs(P, algo, cfg):
                             plan = P.AllReducePlan.from_numel(n, world, dtype, comm.layout, algo)
-                            key = (plan.block, plan.grid, plan.num_warps, plan.gather, plan.ll)
+                            key = (plan.block, plan.grid, plan.num_warps, plan.gather, plan.protocol)
                             if key in seen:
                                 r = seen[key]
                                 put(algo, cfg, r["us"], r["bitwise"], dict(grid=plan.grid, same_as=r["cfg"]))
@@ -279,7 +295,7 @@ def main(argv=None) -> int:
     opts["algos"] = opts["algos"].split(",")
     sizes = SIZES if opts["sizes_kib"] is None else [int(v) * KiB for v in opts["sizes_kib"].split(",")]
     knobs = {a: k | json.loads(opts["knobs"]).get(a, {}) for a, k in KNOBS.items()}
-    opts.update(sizes=sizes, oneshot_sizes=[s for s in sizes if s <= 2 * MiB], knobs=knobs)
+    opts.update(sizes=sizes, oneshot_sizes=[s for s in sizes if s <= 8 * MiB], knobs=knobs)
     if opts["cpu_smoke"]:
         os.environ["TRITON_INTERPRET"] = "1"  # the spawned ranks run the kernels on CPU
         knobs = {a: k | dict(ctas=[1, 4], tile=[8 * KiB, 64 * KiB], warps=[4]) for a, k in knobs.items()}

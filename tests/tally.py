@@ -49,7 +49,7 @@ class PoolChecker(MismatchTally):
 
 
 def ll_regions_not_zeroed(comm) -> list[str]:
-    """Every LL word read is zeroed (tpfuse.kernels.ll): once this rank's calls are done,
+    """Every LL and Lamport word read is zeroed (tpfuse.kernels.ll): once this rank's calls are done,
     its LL regions must be all zeros. A failure message, or none."""
     if comm.device.type == "cuda":
         torch.cuda.synchronize()

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from tests.multiproc import run_ranks
 from tests.tally import ll_regions_not_zeroed
 from tpfuse import reference
-from tpfuse.comm import CommTimeoutError, Communicator
+from tpfuse.comm import CommTimeoutError, Communicator, tables
 from tpfuse.comm.plan import AllReducePlan
 from tpfuse.comm.workspace import ALIGN, WorkspaceLayout
 
@@ -82,16 +82,19 @@ def test_workspace_regions_are_disjoint_aligned_and_inside(world, max_bytes):
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
-@pytest.mark.parametrize("ll_max_bytes", [1, 4096, 300_000])
-def test_ll_regions_are_disjoint_and_hold_ll_max_bytes_as_words(world, ll_max_bytes):
-    layout = WorkspaceLayout(world, 1 << 20, max_blocks=128, ll_max_bytes=ll_max_bytes)
+@pytest.mark.parametrize("ll_max_bytes, lamport_max_bytes", [(1, 0), (4096, 0), (300_000, 0), (4096, 1 << 20)])
+def test_ll_regions_are_disjoint_and_hold_ll_and_lamport_messages(world, ll_max_bytes, lamport_max_bytes):
+    layout = WorkspaceLayout(world, 1 << 20, max_blocks=128, ll_max_bytes=ll_max_bytes,
+                             lamport_max_bytes=lamport_max_bytes)
     regions = sorted(layout.regions(), key=lambda r: r[1])
     for (n0, o0, s0), (n1, o1, _) in zip(regions, regions[1:]):
         assert o0 + s0 <= o1, f"{n0} overlaps {n1}"
     assert regions[-1][1] + regions[-1][2] == layout.total_bytes
     slots = {name: (offset, size) for name, offset, size in regions if name.startswith("ll")}
     assert len(slots) == 2 * world
-    assert all(size == layout.ll_slot_bytes >= 2 * ll_max_bytes for _, size in slots.values())  # 4 data bytes per word
+    # an LL word carries 4 data bytes in 8, a Lamport word its own bytes
+    assert all(size == layout.ll_slot_bytes >= max(2 * ll_max_bytes, lamport_max_bytes) for _, size in slots.values())
+    assert layout.ll_slot_bytes < max(2 * ll_max_bytes, lamport_max_bytes) + ALIGN
     assert slots["ll[1].slot[0]"][0] == layout.ll_offset(1) == layout.ll_offset(0) + layout.ll_bytes
     assert layout.reduced_bytes >= ll_max_bytes
 
@@ -125,12 +128,14 @@ def test_plan_picks_by_size_and_refuses_what_does_not_fit():
         AllReducePlan.from_numel(1 << 20, 4, bf16, layout, "oneshot")
     with pytest.raises(ValueError, match="algo must be"):
         AllReducePlan.from_numel(10, 4, bf16, layout, "ring")
-    # LL up to the workspace's LL capacity and LL_MAX_BYTES, separate flags above.
-    ll_layout = WorkspaceLayout(4, 1 << 20, max_blocks=128, ll_max_bytes=8192)
-    assert AllReducePlan.from_numel(4096, 4, bf16, ll_layout, "oneshot").ll
-    assert not AllReducePlan.from_numel(4097, 4, bf16, ll_layout, "oneshot").ll
-    assert not AllReducePlan.from_numel(4096, 4, bf16, layout, "oneshot").ll  # no LL regions
-    assert not AllReducePlan.from_numel(4096, 4, bf16, ll_layout, "twoshot").ll
+    # LL up to the workspace's LL capacity and LL_MAX_BYTES, Lamport words up to its Lamport
+    # capacity and LAMPORT_MAX_BYTES (256 KiB under the interpreter), separate flags above.
+    ll_layout = WorkspaceLayout(4, 1 << 20, max_blocks=128, ll_max_bytes=8192, lamport_max_bytes=65536)
+    protocol = {n: AllReducePlan.from_numel(n, 4, bf16, ll_layout, "oneshot").protocol
+                for n in (4096, 4097, 32768, 32769)}
+    assert protocol == {4096: "ll", 4097: "lamport", 32768: "lamport", 32769: "flags"}
+    assert AllReducePlan.from_numel(4096, 4, bf16, layout, "oneshot").protocol == "flags"  # no LL regions
+    assert AllReducePlan.from_numel(4096, 4, bf16, ll_layout, "twoshot").protocol == "flags"
     # The same size gives the same grid, whatever came before (nothing but the size counts).
     assert AllReducePlan.from_numel(12345, 4, bf16, layout) == AllReducePlan.from_numel(12345, 4, bf16, layout)
 
@@ -140,9 +145,10 @@ def test_plan_follows_the_knobs_in_plan_py(monkeypatch):
     from tpfuse.comm import plan as P
     layout = WorkspaceLayout(4, 16 << 20, max_blocks=128)
     bf16 = torch.bfloat16
-    monkeypatch.setattr(P, "TILE_BYTES", {"oneshot": 16384, "oneshot_ll": 1024, "twoshot": 32768})
-    monkeypatch.setattr(P, "NUM_WARPS", {"oneshot": 4, "oneshot_ll": 2, "twoshot": 16})
-    monkeypatch.setattr(P, "MAX_CTAS", {"oneshot": 8, "oneshot_ll": 6, "twoshot": 96})
+    monkeypatch.setattr(P, "TILE_BYTES", {"oneshot": 16384, "oneshot_ll": 1024, "oneshot_lamport": 16384,
+                                          "twoshot": 32768})
+    monkeypatch.setattr(P, "NUM_WARPS", {"oneshot": 4, "oneshot_ll": 2, "oneshot_lamport": 3, "twoshot": 16})
+    monkeypatch.setattr(P, "MAX_CTAS", {"oneshot": 8, "oneshot_ll": 6, "oneshot_lamport": 10, "twoshot": 96})
     monkeypatch.setattr(P, "GATHER", "pull")
     one = AllReducePlan.from_numel(1 << 20, 4, bf16, layout, "oneshot")
     assert (one.block, one.grid, one.num_warps) == (8192, 8, 4)
@@ -156,11 +162,18 @@ def test_plan_follows_the_knobs_in_plan_py(monkeypatch):
     assert AllReducePlan.from_numel((4 << 20) // 2, 2, bf16, layout).algo == "twoshot"
     ll_layout = WorkspaceLayout(4, 16 << 20, max_blocks=128, ll_max_bytes=64 << 10)
     ll = AllReducePlan.from_numel(4096, 4, bf16, ll_layout, "oneshot")
-    assert ll.ll and (ll.block, ll.grid, ll.num_warps) == (512, 6, 2)  # 8 tiles, 6 CTAs
+    assert ll.protocol == "ll" and (ll.block, ll.grid, ll.num_warps) == (512, 6, 2)  # 8 tiles, 6 CTAs
     monkeypatch.setattr(P, "LL_MAX_BYTES", {2: 1 << 20, 4: 1000, 8: 1 << 20})
-    assert not AllReducePlan.from_numel(4096, 4, bf16, ll_layout, "oneshot").ll
-    assert AllReducePlan.from_numel(500, 4, bf16, ll_layout, "oneshot").ll
-    assert P.ll_max_bytes(4, 16 << 20) == 1000 and P.ll_max_bytes(2, 1024) == 1024  # capped by one-shot's
+    assert AllReducePlan.from_numel(4096, 4, bf16, ll_layout, "oneshot").protocol == "flags"
+    assert AllReducePlan.from_numel(500, 4, bf16, ll_layout, "oneshot").protocol == "ll"
+    monkeypatch.setattr(P, "LAMPORT_MAX_BYTES", {2: 1 << 20, 4: 3 << 20, 8: 0})
+    lamport_layout = P.workspace_layout(4, 16 << 20)  # one-shot holds 8 MiB, so Lamport the knob's 3 MiB
+    # LL words to FUSED_LL_MAX_BYTES (128 KiB, for the fused kernel), more than LL_MAX_BYTES now
+    assert (lamport_layout.ll_max_bytes, lamport_layout.lamport_max_bytes) == (128 << 10, 3 << 20)
+    lamport = AllReducePlan.from_numel(1 << 20, 4, bf16, lamport_layout, "oneshot")
+    assert lamport.protocol == "lamport" and (lamport.block, lamport.grid, lamport.num_warps) == (8192, 10, 3)
+    assert AllReducePlan.from_numel((3 << 20) // 2 + 1, 4, bf16, lamport_layout, "oneshot").protocol == "flags"
+    assert P.workspace_layout(2, 1024).ll_max_bytes == P.workspace_layout(2, 1024).lamport_max_bytes == 1024
     monkeypatch.setattr(P, "GATHER", "ring")
     with pytest.raises(ValueError, match="GATHER"):
         AllReducePlan.from_numel(8 << 20, 4, bf16, layout, "twoshot")
@@ -216,20 +229,20 @@ def _every_plan_transition():
 
     world, failures, digests = dist.get_world_size(), [], []
     with Communicator(max_bytes=1 << 20, timeout_s=20) as comm:
-        states = {}  # (algo, ll, grid) -> (numel, algo argument): the smallest message per state
+        states = {}  # (algo, protocol, grid) -> (numel, algo argument): the smallest message per state
         for algo in ALGOS:
             n = 1
             while n < 300_000:
                 try:
                     p = AllReducePlan.from_numel(n, world, torch.float32, comm.layout, algo)
-                    states.setdefault((p.algo, p.ll, p.grid), (n, algo))
+                    states.setdefault((p.algo, p.protocol, p.grid), (n, algo))
                 except ValueError:  # more than an explicit algorithm can serve
                     pass
                 n = int(n * 1.25) + 1
-        if len(states) < 8:
+        if len(states) < 8 or {p for _, p, _ in states} != {"ll", "lamport", "flags"}:
             failures.append(f"only {len(states)} launch shapes found: {sorted(states)}")
         picks = list(states.values())
-        backend = states.get(("nccl", False, 0))
+        backend = states.get(("nccl", "flags", 0))
         for call, s in enumerate(_every_transition(len(picks))):
             n, algo = picks[s]
             xs = _inputs(90_000 + call, n, torch.float32, world)
@@ -274,6 +287,51 @@ def _slow_rank_mid_kernel(calls, seed):
     return failures, digests
 
 
+PROTOCOL_KNOBS = {"LL_MAX_BYTES": 64 << 10, "LAMPORT_MAX_BYTES": 256 << 10}
+"""Knobs under which one-shot takes each protocol by size (the interpreter's; on GPUs the
+measured tables' may differ): LL to 64 KiB, Lamport words to 256 KiB, flags above."""
+
+
+def _special_values(device="cpu"):
+    """NaN, Inf and signed zeros through every protocol: one-shot over LL, Lamport words and
+    flags (PROTOCOL_KNOBS), and two-shot. Lamport words cannot carry a value whose bits are all ones (a NaN) as
+    it is (tpfuse.kernels.ll), so such values are planted at every tile, on one rank and on
+    all. Where any rank has a NaN (or Inf - Inf) the result is NaN, whose payload bits are not
+    part of the contract; every other element is bitwise the reference's: an element that
+    is -0.0 on every rank sums to -0.0."""
+    world, rank, failures, digests = dist.get_world_size(), dist.get_rank(), [], []
+    with tables.applied(world, PROTOCOL_KNOBS), Communicator(max_bytes=2 << 20, timeout_s=20) as comm:
+        for d, dtype in enumerate(DTYPES):
+            bits = {torch.float32: torch.int32}.get(dtype, torch.int16)
+            cases = [(8 << 10, "oneshot", "ll"), (128 << 10, "oneshot", "lamport"), (400 << 10, "oneshot", "flags"),
+                     (8 << 10, "twoshot", "flags")]
+            for c, (nbytes, algo, protocol) in enumerate(cases):
+                n = nbytes // dtype.itemsize
+                plan = AllReducePlan.from_numel(n, world, dtype, comm.layout, algo)
+                if plan.protocol != protocol:
+                    failures.append(f"{nbytes} bytes {algo}: protocol {plan.protocol}, expected {protocol}")
+                xs = _inputs(500 + 10 * d + c, n, dtype, world)
+                g = torch.Generator().manual_seed(600 + 10 * d + c)
+                every = torch.randint(0, n, (max(8, n // 500),), generator=g)  # all ones on every rank
+                for r, x in enumerate(xs):
+                    x.view(bits)[torch.randint(0, n, (max(8, n // 500),), generator=g)] = -1  # all ones on rank r
+                    x.view(bits)[every] = -1
+                    x[:6] = torch.tensor([-0.0, -0.0 if r else 0.0, float("inf") if r else -float("inf"),
+                                          float("nan") if r == world - 1 else 1.0, 2.0, 3.0]).to(dtype)
+                    x.view(bits)[4] = -1 if r == 0 else 0
+                    x.view(bits)[5] = {torch.int32: 0x7FFFFFFF, torch.int16: 0x7FFF}[bits]  # all ones but the sign
+                out = comm.all_reduce(xs[rank].to(device), algo=algo).cpu()
+                ref = reference.all_reduce(xs)
+                nan = torch.isnan(ref)
+                if not (torch.equal(torch.isnan(out), nan) and _same_bits(out[~nan], ref[~nan])):
+                    failures.append(f"{dtype} {nbytes} bytes {algo}: NaN positions or other bits differ")
+                if not (nan[2:6].all() and not nan[:2].any() and torch.signbit(out[0]) and not torch.signbit(out[1])):
+                    failures.append(f"{dtype} {nbytes} bytes {algo}: the planted values came out wrong")
+                digests.append(_digest(torch.where(nan, torch.zeros_like(out), out)))
+        failures += ll_regions_not_zeroed(comm)
+    return failures, digests
+
+
 def _late_rank(late):
     """Rank ``late`` sleeps before every third call, so its peers wait in the kernel."""
     world, failures, digests = dist.get_world_size(), [], []
@@ -288,7 +346,8 @@ def _late_rank(late):
 
 def _missing_peer(algo, numel=100, fused=False):
     """The last rank never calls: every other rank must fail with a timeout naming it.
-    numel picks the protocol of one-shot: 100 elements go over LL, 20000 fp32 over flags.
+    numel picks the protocol of one-shot: 100 fp32 elements go over LL, 20000 over Lamport
+    words, 100000 over flags.
     fused: the call is all_reduce_add_rms_norm on two rows of numel / 2."""
     rank, world, failures = dist.get_rank(), dist.get_world_size(), []
     comm = Communicator(timeout_s=2.0)
@@ -451,6 +510,11 @@ def test_bf16_subnormals_are_summed_exactly():
     _assert_ok(run_ranks(2, _subnormals))
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_nan_inf_and_signed_zeros_through_every_protocol(world):
+    _assert_ok(run_ranks(world, _special_values))
+
+
 def test_world_size_3_is_served_too():
     _assert_ok(run_ranks(3, _sizes_dtypes_algos, [1, 1000, 40001]))
 
@@ -493,8 +557,8 @@ def test_late_rank_is_waited_for(world):
     _assert_ok(run_ranks(world, _late_rank, world - 1))
 
 
-@pytest.mark.parametrize("world, algo, numel", [(2, "oneshot", 100), (2, "oneshot", 20000), (2, "twoshot", 100),
-                                                (4, "auto", 100)])
+@pytest.mark.parametrize("world, algo, numel", [(2, "oneshot", 100), (2, "oneshot", 20000), (2, "oneshot", 100000),
+                                                (2, "twoshot", 100), (4, "auto", 100)])
 def test_missing_peer_ends_in_timeout_error_not_a_hang(world, algo, numel):
     failures = run_ranks(world, _missing_peer, algo, numel, timeout_s=60)
     assert not [f for fs in failures for f in fs], failures

@@ -15,6 +15,8 @@ import torch.distributed as dist
 
 from tests.multiproc import run_ranks
 from tests.tally import PoolChecker, ll_regions_not_zeroed
+from tests.test_allreduce import _special_values
+from tpfuse.comm import tables
 
 pytestmark = pytest.mark.multigpu
 
@@ -23,6 +25,9 @@ if NGPU < 2:
     pytest.skip("needs at least 2 CUDA GPUs", allow_module_level=True)
 
 WORLDS = sorted({2, NGPU})
+PROTOCOL_KNOBS = {"LAMPORT_MAX_BYTES": 1 << 20}
+"""One-shot over LL words to the table's LL_MAX_BYTES, Lamport words to 1 MiB, flags above,
+whatever the world size's table says (it may not use Lamport words at all)."""
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 POOL = (1 << 23) + 64  # elements per rank and dtype: the largest size at any offset below 64
 
@@ -60,7 +65,7 @@ def _sizes_dtypes_algos(sizes):
     from tpfuse.comm.plan import AllReducePlan
 
     world = dist.get_world_size()
-    with Communicator(timeout_s=30) as comm:
+    with tables.applied(world, PROTOCOL_KNOBS), Communicator(timeout_s=30) as comm:
         check = _Checker(comm, _pools(world))
         for n in sizes:
             for dtype in DTYPES:
@@ -90,7 +95,7 @@ def _stress(calls, seed):
 
     world, rank = dist.get_world_size(), dist.get_rank()
     rng = random.Random(seed)  # the same sequence on every rank
-    with Communicator(timeout_s=60) as comm:
+    with tables.applied(world, PROTOCOL_KNOBS), Communicator(timeout_s=60) as comm:
         check = _Checker(comm, _pools(world, seed))
         for call in range(calls):
             dtype = rng.choice(DTYPES)
@@ -117,8 +122,9 @@ def _graph_replays(replays):
 
     world, rank = dist.get_world_size(), dist.get_rank()
     plan = [(1, torch.float32, "auto"), (4096, torch.bfloat16, "oneshot"), (100_003, torch.float16, "twoshot"),
-            (1 << 20, torch.bfloat16, "auto"), (777, torch.bfloat16, "twoshot"), (3 << 20, torch.float32, "auto")]
-    with Communicator(timeout_s=60) as comm:
+            (1 << 20, torch.bfloat16, "auto"), (777, torch.bfloat16, "twoshot"), (3 << 20, torch.float32, "auto"),
+            (200_000, torch.bfloat16, "oneshot")]  # 400 KB: Lamport words (PROTOCOL_KNOBS)
+    with tables.applied(world, PROTOCOL_KNOBS), Communicator(timeout_s=60) as comm:
         check = _Checker(comm, _pools(world, seed=5))
         static_in = [torch.empty(n, dtype=dtype, device="cuda") for n, dtype, _ in plan]
         stream = torch.cuda.Stream()
@@ -192,6 +198,11 @@ def _no_failures(results):
 def test_gpu_bitwise_equal_to_reference_at_real_sizes(world):
     sizes = [1, 7, 8, 1000, 4097, 65536, 100_003, 1 << 20, 3_000_001, 1 << 23]
     _no_failures(run_ranks(world, _sizes_dtypes_algos, sizes, backend="nccl", timeout_s=600))
+
+
+def test_gpu_nan_inf_and_signed_zeros_through_every_protocol():
+    failures = run_ranks(NGPU, _special_values, "cuda", backend="nccl", timeout_s=300)
+    _no_failures([fs for fs, _ in failures])
 
 
 def test_gpu_stress_50000_calls_without_host_sync():

@@ -230,13 +230,11 @@ def test_fused_plan_picks_by_size_and_keeps_groups_whole_tiles(monkeypatch):
     assert flags4.algo == "oneshot" and not flags4.ll
     flags = FusedPlan.from_shape(4, 4096, 4, bf16, ll_layout)  # 32 KiB: flags, 2 vectors
     assert flags.algo == "oneshot" and not flags.ll
-    monkeypatch.setitem(plan.FUSED_LL_MAX_BYTES, 4, 1 << 20)  # the LL regions and LL_MAX_BYTES still bound it
-    monkeypatch.setitem(plan.LL_MAX_BYTES, 4, 1 << 20)
+    monkeypatch.setitem(plan.FUSED_LL_MAX_BYTES, 4, 1 << 20)  # the LL regions still bound it
     assert FusedPlan.from_shape(4, 8192, 4, bf16, ll_layout).ll  # 64 KiB: the LL regions' capacity
     assert not FusedPlan.from_shape(8, 8192, 4, bf16, ll_layout, "oneshot").ll  # 128 KiB: above it
-    monkeypatch.setitem(plan.LL_MAX_BYTES, 4, 16 << 10)
-    assert FusedPlan.from_shape(1, 8192, 4, bf16, ll_layout).ll
-    assert FusedPlan.from_shape(2, 5120, 4, bf16, ll_layout).algo == "split"  # 20 KiB: flags, 8 vectors
+    monkeypatch.setitem(plan.LL_MAX_BYTES, 4, 0)  # the all-reduce's LL limit does not
+    assert FusedPlan.from_shape(4, 8192, 4, bf16, ll_layout).ll
     # Hidden sizes off the multiple of 16 take the split path (tests/test_fused_layouts.py says why).
     assert FusedPlan.from_shape(4, 1000, 4, bf16, layout).algo == "split"
     with pytest.raises(ValueError, match="multiple of 16"):

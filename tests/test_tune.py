@@ -39,10 +39,11 @@ def _curve(fn) -> dict[int, float]:
 
 
 def test_chain_takes_each_crossover():
-    times = {"oneshot_ll": _curve(lambda s: 3 + s / 8192),  # best to 32 KiB (7 us vs 8)
-             "oneshot_flags": _curve(lambda s: 6 + s / 16384),  # best from 64 KiB (10 vs 11) to 256 KiB (22 vs 24)
+    times = {"oneshot_ll": _curve(lambda s: 3 + s / 8192),  # best to 16 KiB (5 us vs 5.4)
+             "oneshot_lamport": _curve(lambda s: 4 + s / 12000),  # best from 32 KiB (6.7 vs 7) to 64 KiB (9.5 vs 10)
+             "oneshot_flags": _curve(lambda s: 6 + s / 16384),  # best from 128 KiB (14 vs 14.9) to 256 KiB (22 vs 24)
              "twoshot": _curve(lambda s: 20 + s / 65536)}  # best from 512 KiB (28 vs 38)
-    assert tune.chain_thresholds(times, tune.ALLREDUCE_CHAIN) == (32 * KiB, 256 * KiB)
+    assert tune.chain_thresholds(times, tune.ALLREDUCE_CHAIN) == (16 * KiB, 64 * KiB, 256 * KiB)
 
 
 def test_within_three_percent_the_earlier_algorithm_keeps_the_size():
@@ -64,10 +65,14 @@ def test_ties_give_ll_the_smaller_range():
     times = {"oneshot_ll": _curve(lambda s: 8 if s <= 16 * KiB else 10.1 if s <= 64 * KiB else 12),
              "oneshot_flags": _curve(lambda s: 10),
              "twoshot": _curve(lambda s: 10.2 if s <= 256 * KiB else 9)}
-    assert tune.chain_thresholds(times, tune.ALLREDUCE_CHAIN) == (16 * KiB, 256 * KiB)
-    assert tune.derive_knobs({"allreduce": times}) == {"LL_MAX_BYTES": 16 * KiB, "ONESHOT_MAX_BYTES": 256 * KiB}
+    # Lamport words, not measured here, get no sizes of their own.
+    assert tune.chain_thresholds(times, tune.ALLREDUCE_CHAIN) == (16 * KiB, 16 * KiB, 256 * KiB)
+    assert tune.derive_knobs({"allreduce": times}) == {"LL_MAX_BYTES": 16 * KiB, "LAMPORT_MAX_BYTES": 16 * KiB,
+                                                       "ONESHOT_MAX_BYTES": 256 * KiB}
     times["oneshot_ll"] = _curve(lambda s: 10.1)  # never more than 3% ahead: no LL at all
-    assert tune.chain_thresholds(times, tune.ALLREDUCE_CHAIN) == (0, 256 * KiB)
+    assert tune.chain_thresholds(times, tune.ALLREDUCE_CHAIN) == (0, 0, 256 * KiB)
+    times["oneshot_lamport"] = _curve(lambda s: 9.9)  # within 3% of flags: flags keep the sizes
+    assert tune.chain_thresholds(times, tune.ALLREDUCE_CHAIN) == (0, 0, 256 * KiB)
 
 
 def test_one_noisy_point_does_not_move_a_crossover():
@@ -84,8 +89,7 @@ def test_thresholds_are_monotone_and_unmeasured_sizes_go_to_the_next_algorithm()
     times = {"oneshot_ll": {s: 1.0 for s in SIZES if s <= 32 * KiB},  # not swept above 32 KiB
              "oneshot_flags": _curve(lambda s: 50),
              "twoshot": _curve(lambda s: 10)}  # middle algorithm never best: no range of its own
-    ll, oneshot = tune.chain_thresholds(times, tune.ALLREDUCE_CHAIN)
-    assert (ll, oneshot) == (32 * KiB, 32 * KiB)
+    assert tune.chain_thresholds(times, tune.ALLREDUCE_CHAIN) == (32 * KiB, 32 * KiB, 32 * KiB)
 
 
 def test_derived_knobs_in_table_form():
@@ -99,10 +103,11 @@ def test_derived_knobs_in_table_form():
              "fp8": _curve(lambda s: 60 + s / 16384)}  # never faster
     knobs = tune.derive_knobs({"allreduce": allreduce, "fused": fused, "quant": quant})
     # fp8 never wins up to 1 MiB, but the sweep stopped short of tune.SIZES[-1]: no verdict.
-    assert knobs == {"LL_MAX_BYTES": 32 * KiB, "ONESHOT_MAX_BYTES": 256 * KiB,
+    assert knobs == {"LL_MAX_BYTES": 32 * KiB, "LAMPORT_MAX_BYTES": 32 * KiB, "ONESHOT_MAX_BYTES": 256 * KiB,
                      "FUSED_LL_MAX_BYTES": 8 * KiB, "FUSED_ONESHOT_MAX_BYTES": 32 * KiB, "FUSED_TWOSHOT_MAX_BYTES": 0,
                      "QUANT_MIN_BYTES": {"int4": 512 * KiB}}
-    assert tune.derive_knobs({"allreduce": allreduce}).keys() == {"LL_MAX_BYTES", "ONESHOT_MAX_BYTES"}
+    assert tune.derive_knobs({"allreduce": allreduce}).keys() == {"LL_MAX_BYTES", "LAMPORT_MAX_BYTES",
+                                                                  "ONESHOT_MAX_BYTES"}
     to_32m = {s: 60 + s / 16384 for s in tune.SIZES}
     exact = {s: 10 + s / 16384 for s in tune.SIZES}
     assert tune.derive_knobs({"quant": {"exact": exact, "fp8": to_32m}})["QUANT_MIN_BYTES"] == {"fp8": None}
@@ -113,7 +118,7 @@ def test_crossovers_outside_the_sweep_leave_the_defaults():
         "oneshot_ll": _curve(lambda s: 1), "oneshot_flags": _curve(lambda s: 5), "twoshot": _curve(lambda s: 9)}.items()}
     assert tune.derive_knobs({"allreduce": small}) == {}  # LL kept every size swept: no crossover seen
     small["oneshot_ll"][16 * KiB] = 7  # now LL ends at 8 KiB, flags keep 16 KiB (unknown beyond)
-    assert tune.derive_knobs({"allreduce": small}) == {"LL_MAX_BYTES": 8 * KiB}
+    assert tune.derive_knobs({"allreduce": small}) == {"LL_MAX_BYTES": 8 * KiB, "LAMPORT_MAX_BYTES": 8 * KiB}
     large = {m: {s: t for s, t in curve.items() if s >= 512 * KiB} for m, curve in {
         "oneshot_ll": _curve(lambda s: 9), "oneshot_flags": _curve(lambda s: 5), "twoshot": _curve(lambda s: 1)}.items()}
     assert tune.derive_knobs({"allreduce": large}) == {}  # lost from 512 KiB: may win below
@@ -151,14 +156,14 @@ def test_a_table_changes_the_plans_of_its_world_size_only(tmp_path):
     w2, w4 = WorkspaceLayout(2, MiB, 128, ll_max_bytes=64 * KiB), WorkspaceLayout(4, MiB, 128, ll_max_bytes=64 * KiB)
     before = _plan_state()
     assert AllReducePlan.from_numel(64 * KiB, 2, bf16, w2).algo == "oneshot"  # 128 KiB: the default one-shot
-    assert AllReducePlan.from_numel(4 * KiB, 2, bf16, w2).ll
+    assert AllReducePlan.from_numel(4 * KiB, 2, bf16, w2).protocol == "ll"
     assert FusedPlan.from_shape(200, 2048, 2, bf16, w2).algo == "split"
     with tables.applied(2, read[2]), tables.applied(3, read[3]):
         assert AllReducePlan.from_numel(64 * KiB, 2, bf16, w2).algo == "twoshot"
         assert AllReducePlan.from_numel(64 * KiB, 4, bf16, w4).algo == "oneshot"
-        assert not AllReducePlan.from_numel(4 * KiB, 2, bf16, w2).ll  # 8 KiB > 4 KiB: flags
-        assert AllReducePlan.from_numel(2 * KiB, 2, bf16, w2).ll
-        assert AllReducePlan.from_numel(4 * KiB, 4, bf16, w4).ll
+        assert AllReducePlan.from_numel(4 * KiB, 2, bf16, w2).protocol == "flags"  # 8 KiB > 4 KiB
+        assert AllReducePlan.from_numel(2 * KiB, 2, bf16, w2).protocol == "ll"
+        assert AllReducePlan.from_numel(4 * KiB, 4, bf16, w4).protocol == "ll"
         assert FusedPlan.from_shape(200, 2048, 2, bf16, w2).algo == "twoshot"  # 800 KiB
         assert FusedPlan.from_shape(200, 2048, 4, bf16, w4).algo == "split"
         assert default_quant_min_bytes("int4", 2) == KiB and default_quant_min_bytes("int4", 4) == 2 * MiB
@@ -270,10 +275,6 @@ def test_tune_on_two_cpu_ranks_writes_a_sweep_and_a_table_the_loader_accepts(tmp
     methods = {"allreduce": tune.ALLREDUCE_CHAIN + ("nccl",), "fused": tune.FUSED_CHAIN,
                "quant": ("exact",) + tune.CODECS}
     expected = {(name, size, m) for name, ms in methods.items() for size in (8 * KiB, 16 * KiB) for m in ms}
-    # The fused LL kernel is measured where "auto" can take it: up to the LL_MAX_BYTES that the
-    # all-reduce sweep derived (from wall clock here), or the default.
-    ll_max = knobs.get("LL_MAX_BYTES", P.for_world(P.LL_MAX_BYTES, 2))
-    expected -= {("fused", size, "oneshot_ll") for size in (8 * KiB, 16 * KiB) if size > ll_max}
     records = sweep["records"]
     assert sorted((r["sweep"], r["size_bytes"], r["method"]) for r in records) == sorted(expected)
     assert all(r["correct"] is (None if r["method"] == "nccl" else True) for r in records)  # NCCL: timed only

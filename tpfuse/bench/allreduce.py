@@ -73,8 +73,9 @@ def _measure_size(nbytes, dtype, comm, symm, flashinfer, world, rank):
             continue
         rec = dict(size_bytes=nbytes, method=method, us=round(us, 2), bitwise=bool(bitwise),
                    busbw_gbps=round(2 * (world - 1) / world * nbytes / (us * 1e-6) / 1e9, 1))
-        if method == "tpfuse_auto":
-            rec["algo"] = AllReducePlan.from_numel(n, world, dtype, comm.layout).algo
+        if method in ("tpfuse_auto", "tpfuse_oneshot"):
+            plan = AllReducePlan.from_numel(n, world, dtype, comm.layout, method.removeprefix("tpfuse_"))
+            rec["algo"] = plan.algo + (f"/{plan.protocol}" if plan.algo == "oneshot" else "")
         records.append(rec)
     return records
 

@@ -4,19 +4,18 @@ derive the plan table (``tpfuse.comm.tables``) from the measurements.
 One process per visible GPU (W = every GPU; spawned here, or started by torchrun). Per
 message size, bf16, three sweeps, in this order:
 
-- all-reduce: one-shot over LL, one-shot with flags, two-shot (and NCCL, for reference
-  only) -> LL_MAX_BYTES and ONESHOT_MAX_BYTES;
+- all-reduce: one-shot over LL words, over Lamport words, with flags, two-shot (and NCCL,
+  for reference only) -> LL_MAX_BYTES, LAMPORT_MAX_BYTES and ONESHOT_MAX_BYTES;
 - fused all-reduce + add + RMSNorm at hidden 4096 (``tpfuse bench fused``'s), tokens =
   size / 8 KiB: one-shot over LL, one-shot with flags, two-shot, split -> FUSED_LL_MAX_BYTES,
   FUSED_ONESHOT_MAX_BYTES, FUSED_TWOSHOT_MAX_BYTES;
 - quantized all-reduce: each codec against the exact path -> QUANT_MIN_BYTES.
 
-Each sweep runs under the knobs the sweeps before it derived (the fused one-shot over LL is
-timed up to the derived LL_MAX_BYTES, which bounds it, and with flags at every size; split and
-"exact" run the derived all-reduce), so it measures what "auto" will do. Timing is ``tpfuse bench``'s (CUDA-graph replay, rotated
-inputs, slowest rank's median); every timed method's output is first checked bitwise against
-tpfuse.reference (the codecs: against ``reference.quantized_all_reduce``, and their error
-against the codec's budget). A method that fails its check fails the run and no table is
+Each sweep runs under the knobs the sweeps before it derived (split and "exact" run the
+derived all-reduce), so it measures what "auto" will do. Timing is ``tpfuse bench``'s
+(CUDA-graph replay, rotated inputs, slowest rank's median); every timed method's output is
+first checked bitwise against tpfuse.reference (the codecs: against
+``reference.quantized_all_reduce``, and their error against the codec's budget). A method that fails its check fails the run and no table is
 written. Writes tune_w{W}_bf16.json / .md under --out; with --write-table also the table
 w{W}.json, into tpfuse/comm/tables/ or --table-dir. The sweep's results are also written after
 each sweep but the last, so a run killed later leaves what it measured. --budget-s, counted
@@ -54,25 +53,26 @@ LL_SWEEP_MAX = 2 * MiB
 """LL one-shot is swept up to here: its workspace regions take 4 * W bytes per message byte,
 and it sends twice the bytes, so it loses long before."""
 ONESHOT_SWEEP_MAX = 8 * MiB
-"""One-shot (flags) is swept up to here (each rank reads W whole messages)."""
+"""One-shot (Lamport words, flags) is swept up to here (each rank reads W whole messages)."""
 TOLERANCE = 0.03
-ALLREDUCE_CHAIN = ("oneshot_ll", "oneshot_flags", "twoshot")
+ALLREDUCE_CHAIN = ("oneshot_ll", "oneshot_lamport", "oneshot_flags", "twoshot")
 FUSED_CHAIN = ("oneshot_ll", "oneshot_flags", "twoshot", "split")
 CODECS = reference.QUANT_CODECS
 SWEEPS = ("allreduce", "fused", "quant")
 """In this order: each sweep runs under the knobs of the sweeps before it."""
-SMALLEST_ON_TIES = ("oneshot_ll",)
-"""Methods whose threshold breaks ties toward the smaller size: LL, in both chains. LL_MAX_BYTES
-also sizes every Communicator's workspace (its LL regions take about 4 * W bytes per byte of
-LL_MAX_BYTES), so sizes where LL is no better than flags go to flags. FUSED_LL_MAX_BYTES sizes
-nothing; the fused chain follows the same rule only so that both chains read alike (a tie is
-within run-to-run noise either way)."""
+SMALLEST_ON_TIES = ("oneshot_ll", "oneshot_lamport")
+"""Methods whose threshold breaks ties toward the smaller size: LL, in both chains, and
+Lamport words. Their thresholds also size every Communicator's workspace (its LL regions take
+about 4 * W bytes per byte of LL_MAX_BYTES or FUSED_LL_MAX_BYTES, 2 * W per byte of
+LAMPORT_MAX_BYTES), so sizes where they are no better than the next method go to it. The
+fused chain follows the same rule (a tie is within run-to-run noise either way)."""
 
 
 # ---- from timings to knobs (pure functions; timings: {method: {size_bytes: us}})
 #
 # The plans give each algorithm one range of sizes, in a fixed order (all-reduce: LL up to
-# LL_MAX_BYTES, then flags up to ONESHOT_MAX_BYTES, then two-shot), so the knobs are the
+# LL_MAX_BYTES, then Lamport words up to LAMPORT_MAX_BYTES, then flags up to
+# ONESHOT_MAX_BYTES, then two-shot), so the knobs are the
 # crossovers of a chain: nondecreasing thresholds, one per algorithm but the last. Among all
 # such thresholds (each 0 = never, or a measured size) we take the one that loses least
 # against the per-size best, where a time within TOLERANCE (3%) of the best counts as no
@@ -140,8 +140,9 @@ def derive_knobs(timings: dict[str, dict[str, dict[int, float]]]) -> dict:
     knobs = {}
     if timings.get("allreduce"):
         swept = _swept(timings["allreduce"])
-        ll, oneshot = chain_thresholds(timings["allreduce"], ALLREDUCE_CHAIN)
-        knobs |= {k: t for k, t in (("LL_MAX_BYTES", ll), ("ONESHOT_MAX_BYTES", oneshot)) if _observed(t, swept)}
+        ll, lamport, oneshot = chain_thresholds(timings["allreduce"], ALLREDUCE_CHAIN)
+        derived = (("LL_MAX_BYTES", ll), ("LAMPORT_MAX_BYTES", lamport), ("ONESHOT_MAX_BYTES", oneshot))
+        knobs |= {k: t for k, t in derived if _observed(t, swept)}
     if timings.get("fused") and _swept(timings["fused"]):
         swept = _swept(timings["fused"])
         ll, oneshot, twoshot = chain_thresholds(timings["fused"], FUSED_CHAIN)
@@ -204,10 +205,13 @@ class _Sweeper:
         rot = rotation(nbytes)
         pool = [xs[self.rank].clone() for _ in range(rot)]
         layout = self.comm.layout
-        # Whether one-shot goes over LL is LL_MAX_BYTES's choice (within the workspace's LL regions).
-        sweep_max = {"oneshot_ll": layout.ll_max_bytes, "oneshot_flags": ONESHOT_SWEEP_MAX}  # two-shot: every size
-        knobs = {"oneshot_ll": {"LL_MAX_BYTES": layout.ll_max_bytes}, "oneshot_flags": {"LL_MAX_BYTES": 0},
-                 "twoshot": {}}
+        # One-shot's protocol is LL_MAX_BYTES's and LAMPORT_MAX_BYTES's choice (within the
+        # workspace's LL regions).
+        sweep_max = {"oneshot_ll": layout.ll_max_bytes, "oneshot_lamport": layout.lamport_max_bytes,
+                     "oneshot_flags": ONESHOT_SWEEP_MAX}  # two-shot: every size
+        knobs = {"oneshot_ll": {"LL_MAX_BYTES": layout.ll_max_bytes},
+                 "oneshot_lamport": {"LL_MAX_BYTES": 0, "LAMPORT_MAX_BYTES": layout.lamport_max_bytes},
+                 "oneshot_flags": {"LL_MAX_BYTES": 0, "LAMPORT_MAX_BYTES": 0}, "twoshot": {}}
         for method in ALLREDUCE_CHAIN:
             algo = method.split("_")[0]
             if nbytes > sweep_max.get(method, nbytes):
@@ -230,7 +234,7 @@ class _Sweeper:
         expected = tpfuse.add_rms_norm(reference.all_reduce(xs), residual, weight, EPS)  # the contract's bits
         rot = rotation(2 * nbytes)
         pool = [(xs[self.rank].clone(), residual.clone()) for _ in range(rot)]
-        # One-shot goes over LL up to FUSED_LL_MAX_BYTES (within LL_MAX_BYTES, as derived above).
+        # One-shot goes over LL up to FUSED_LL_MAX_BYTES (within the workspace's LL regions).
         knobs = {"oneshot_ll": {"FUSED_LL_MAX_BYTES": nbytes}, "oneshot_flags": {"FUSED_LL_MAX_BYTES": 0}}
         for method in FUSED_CHAIN:
             algo = method.split("_")[0]
@@ -273,11 +277,13 @@ class _Sweeper:
         return out
 
 
-def _workspace_bytes(sizes: list[int], world: int) -> tuple[int, int]:
-    """(max_bytes, LL bytes) of a workspace that serves every swept size: two-shot to the
-    largest, one-shot to ONESHOT_SWEEP_MAX (its slots hold 2 * max_bytes / W), LL to LL_SWEEP_MAX."""
+def _workspace_bytes(sizes: list[int], world: int) -> tuple[int, dict]:
+    """(max_bytes, knobs sizing the LL regions) of a workspace that serves every swept size:
+    two-shot to the largest, one-shot to ONESHOT_SWEEP_MAX (its slots hold 2 * max_bytes / W),
+    LL words to LL_SWEEP_MAX, Lamport words to ONESHOT_SWEEP_MAX."""
     top = max(sizes)
-    return max(top, min(top, ONESHOT_SWEEP_MAX) * world // 2), min(top, LL_SWEEP_MAX)
+    return max(top, min(top, ONESHOT_SWEEP_MAX) * world // 2), {
+        "LL_MAX_BYTES": min(top, LL_SWEEP_MAX), "LAMPORT_MAX_BYTES": min(top, ONESHOT_SWEEP_MAX)}
 
 
 def _worker(rank: int, world: int, port: int | None, opts: dict) -> None:
@@ -286,9 +292,9 @@ def _worker(rank: int, world: int, port: int | None, opts: dict) -> None:
 
     init_rank(rank, world, port, "gloo" if INTERPRETER else "nccl")
     sizes = opts["sizes"] or (CPU_SIZES if INTERPRETER else SIZES)
-    max_bytes, ll_bytes = _workspace_bytes(sizes, world)
+    max_bytes, region_knobs = _workspace_bytes(sizes, world)
     try:
-        with tables.applied(world, {"LL_MAX_BYTES": ll_bytes}):  # sizes the workspace's LL regions
+        with tables.applied(world, region_knobs):  # sizes the workspace's LL regions
             comm = Communicator(max_bytes=max_bytes, timeout_s=60 if INTERPRETER else 30)
         if comm.layout is None:
             raise RuntimeError(f"no peer workspace, so nothing to tune: {comm.fallback_reason}")

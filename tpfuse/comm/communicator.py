@@ -14,7 +14,7 @@ from tpfuse import _runtime
 from tpfuse.comm import ops as comm_ops
 from tpfuse.comm import tables
 from tpfuse.comm.peer_memory import PeerMemory, PeerMemoryUnavailable
-from tpfuse.comm.plan import MAX_BLOCKS, AllReducePlan, FusedPlan, check_algo, check_fused_algo, ll_max_bytes
+from tpfuse.comm.plan import AllReducePlan, FusedPlan, check_algo, check_fused_algo, workspace_layout
 from tpfuse.comm.quant_plan import QuantPlan, check_quant, default_quant_min_bytes
 from tpfuse.comm.workspace import WorkspaceLayout
 from tpfuse.kernels.allreduce import OP_NAMES, all_reduce_into
@@ -55,7 +55,8 @@ class Communicator:
     ``Communicator(group=None, *, max_bytes=None, timeout_s=30.0)`` is collective: every rank
     of ``group`` (default: the world group) constructs it, with the same arguments. It
     allocates its peer workspace once (``workspace_bytes`` per rank, about 4 * max_bytes, plus
-    about 4 * world_size * ``plan.LL_MAX_BYTES`` for the LL one-shot (2 MiB at W=4);
+    2 * world_size * the larger of 2 * ``plan.LL_MAX_BYTES`` and ``plan.LAMPORT_MAX_BYTES`` for
+    the one-shot over LL and Lamport words (2 MiB at W=4, 16 MiB at W=2);
     ``max_bytes`` defaults to 16 MiB on GPUs, 1 MiB on CPU). ``close()`` releases it (local,
     after the rank's last call); the communicator is also a context manager.
 
@@ -129,8 +130,7 @@ class Communicator:
         elif self.world_size > MAX_WORLD_SIZE:
             self.fallback_reason = f"world size {self.world_size} > {MAX_WORLD_SIZE}"
         else:
-            layout = WorkspaceLayout(self.world_size, self.max_bytes, MAX_BLOCKS,
-                                     ll_max_bytes(self.world_size, self.max_bytes))
+            layout = workspace_layout(self.world_size, self.max_bytes)
             try:
                 self._peer = PeerMemory(self.group, layout.total_bytes, self.device)
                 self.layout = layout
@@ -235,7 +235,7 @@ class Communicator:
         src = _runtime.aligned_contiguous(x)
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         all_reduce_into(src, out, algo=plan.algo, grid=plan.grid, block=plan.block, num_warps=plan.num_warps,
-                        chunk=plan.chunk, gather=plan.gather, ll=plan.ll, table=self._table,
+                        chunk=plan.chunk, gather=plan.gather, protocol=plan.protocol, table=self._table,
                         table_addrs=self._peer.buffer_ptrs, status_addr=self._status.data_ptr(), rank=self.rank,
                         layout=self.layout, timeout_ns=int(self.timeout_s * 1e9))
         if _runtime.INTERPRETER:

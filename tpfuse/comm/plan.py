@@ -62,23 +62,32 @@ KiB = 1024
 #   output (remote loads, no local copy).
 # LL_MAX_BYTES: largest message one-shot sends over the LL protocol (tpfuse.kernels.ll: flags
 #   inside the data words, twice the bytes on the links, no fence and no flag round trip), by
-#   world size (other sizes: W=8's); larger one-shot messages use separate flags. It also
-#   sizes the workspace's LL regions (2 * W * 2 * LL_MAX_BYTES per rank, plus LL_MAX_BYTES
-#   for the fused kernel's reduced rows; at most the one-shot capacity). The interpreter's
+#   world size (other sizes: W=8's); larger one-shot messages use Lamport words or separate
+#   flags. With FUSED_LL_MAX_BYTES and LAMPORT_MAX_BYTES it sizes the workspace's LL regions
+#   (`workspace_layout`: 2 * W slots of the larger of twice LL's bytes and Lamport's, plus
+#   LL's bytes for the fused kernel's reduced rows). The interpreter's
 #   value keeps both protocols inside the CPU tests' sizes. 4x H200 sweep (W=4 bf16):
 #   LL with 1 KiB tiles on 4 warps (2 words per thread), up to 64 CTAs: 8 KiB 3.65 us (flags
 #   5.06), 64 KiB 5.12 (6.04), 128 KiB 6.71 (6.9), 256 KiB LL 10.6, flags 8.4. A tile of
 #   4 KiB on one CTA took 8.5 us at 8 KiB: a CTA drains its NVLink stores slowly, so LL
 #   wants many small CTAs. W=8 is not measured (its LL sends 7 peers twice the bytes).
+# LAMPORT_MAX_BYTES: largest message one-shot sends over Lamport words (tpfuse.kernels.ll: the
+#   data is its own flag; the bytes of the flag one-shot on the links, no fence and no flag
+#   round trip), by world size, for sizes above LL_MAX_BYTES; larger one-shot messages use
+#   separate flags. 0 (never) until measured at that world size (`tpfuse tune`); the
+#   interpreter's value keeps the protocol inside the CPU tests' sizes.
 ONESHOT_MAX_BYTES = {2: 512 * KiB, 4: 512 * KiB, 8: 128 * KiB}
 LL_MAX_BYTES = ({2: 128 * KiB, 4: 128 * KiB, 8: 64 * KiB} if not INTERPRETER else
                 {2: 64 * KiB, 4: 64 * KiB, 8: 64 * KiB})
+LAMPORT_MAX_BYTES = ({2: 0, 4: 0, 8: 0} if not INTERPRETER else
+                     {2: 256 * KiB, 4: 256 * KiB, 8: 128 * KiB})
 NCCL_MIN_BYTES: dict[int, int | None] = {2: None, 4: None, 8: None}
-TILE_BYTES = ({"oneshot": 8 * KiB, "oneshot_ll": 1 * KiB, "twoshot": 8 * KiB} if not INTERPRETER else
-              {"oneshot": 64 * KiB, "oneshot_ll": 64 * KiB, "twoshot": 64 * KiB})
-NUM_WARPS = {"oneshot": 16, "oneshot_ll": 4, "twoshot": 16}
-MAX_CTAS = ({"oneshot": 32, "oneshot_ll": 64, "twoshot": 128} if not INTERPRETER else
-            {"oneshot": 4, "oneshot_ll": 4, "twoshot": 4})
+TILE_BYTES = ({"oneshot": 8 * KiB, "oneshot_ll": 1 * KiB, "oneshot_lamport": 4 * KiB, "twoshot": 8 * KiB}
+              if not INTERPRETER else
+              {"oneshot": 64 * KiB, "oneshot_ll": 64 * KiB, "oneshot_lamport": 64 * KiB, "twoshot": 64 * KiB})
+NUM_WARPS = {"oneshot": 16, "oneshot_ll": 4, "oneshot_lamport": 8, "twoshot": 16}
+MAX_CTAS = ({"oneshot": 32, "oneshot_ll": 64, "oneshot_lamport": 128, "twoshot": 128} if not INTERPRETER else
+            {"oneshot": 4, "oneshot_ll": 4, "oneshot_lamport": 4, "twoshot": 4})
 GATHER = "push"
 GATHER_MODES = ("push", "pull")
 MAX_BLOCKS = 128
@@ -88,6 +97,8 @@ MAX_ELEMENTS = 2**31 - 1
 
 
 ALGOS = ("auto", "oneshot", "twoshot", "nccl")
+ONESHOT_PROTOCOLS = ("ll", "lamport", "flags")
+"""One-shot's protocols, in the order of the sizes they serve (``oneshot_protocol``)."""
 
 
 def for_world(knob: dict, world_size: int):
@@ -95,16 +106,31 @@ def for_world(knob: dict, world_size: int):
     return knob.get(world_size, knob[8])
 
 
-def ll_max_bytes(world_size: int, max_bytes: int) -> int:
-    """The LL capacity of a communicator's workspace (LL_MAX_BYTES, at most its one-shot capacity)."""
-    oneshot_capacity = WorkspaceLayout(world_size, max_bytes, 1).oneshot_slot_bytes
-    return min(for_world(LL_MAX_BYTES, world_size), oneshot_capacity)
+def workspace_layout(world_size: int, max_bytes: int) -> WorkspaceLayout:
+    """A communicator's workspace: two-shot to max_bytes, one-shot to its slots' capacity, and
+    LL regions for LL words up to the larger of LL_MAX_BYTES and FUSED_LL_MAX_BYTES and for
+    Lamport words up to LAMPORT_MAX_BYTES, as the knobs are now (each at most the one-shot
+    capacity)."""
+    oneshot_capacity = WorkspaceLayout(world_size, max_bytes, MAX_BLOCKS).oneshot_slot_bytes
+    ll = max(for_world(LL_MAX_BYTES, world_size), for_world(FUSED_LL_MAX_BYTES, world_size))
+    return WorkspaceLayout(world_size, max_bytes, MAX_BLOCKS, min(ll, oneshot_capacity),
+                           min(for_world(LAMPORT_MAX_BYTES, world_size), oneshot_capacity))
 
 
 def uses_ll(nbytes: int, world_size: int, layout: WorkspaceLayout) -> bool:
     """Whether a one-shot message of nbytes goes over LL: LL_MAX_BYTES as it is now (tuning
     scripts lower it at run time), within the LL capacity of the workspace."""
     return nbytes <= min(layout.ll_max_bytes, for_world(LL_MAX_BYTES, world_size))
+
+
+def oneshot_protocol(nbytes: int, world_size: int, layout: WorkspaceLayout) -> str:
+    """One-shot's protocol for a message of nbytes: "ll" up to LL_MAX_BYTES, "lamport" up to
+    LAMPORT_MAX_BYTES, else "flags" (each as it is now, within the workspace's capacity)."""
+    if uses_ll(nbytes, world_size, layout):
+        return "ll"
+    if nbytes <= min(layout.lamport_max_bytes, for_world(LAMPORT_MAX_BYTES, world_size)):
+        return "lamport"
+    return "flags"
 
 
 def check_algo(algo: str) -> None:
@@ -123,8 +149,8 @@ class AllReducePlan:
     algo: "oneshot", "twoshot" or "nccl" (the group's backend: NCCL on GPUs, gloo on CPU);
     reason: why "nccl" was chosen (empty otherwise); block: elements per tile; grid: CTAs;
     chunk: elements of each rank's share (two-shot; a multiple of ALIGN bytes); gather:
-    two-shot's all-gather mode (see GATHER); ll: one-shot over the LL protocol (messages up to
-    the layout's ll_max_bytes, see LL_MAX_BYTES).
+    two-shot's all-gather mode (see GATHER); protocol: one-shot's, one of ONESHOT_PROTOCOLS
+    ("flags" for every other algorithm).
     """
 
     algo: str
@@ -133,7 +159,7 @@ class AllReducePlan:
     num_warps: int = 8
     chunk: int = 0
     gather: str = "push"
-    ll: bool = False
+    protocol: str = "flags"
     reason: str = ""
 
     @classmethod
@@ -142,8 +168,8 @@ class AllReducePlan:
         """The plan for an all-reduce of ``numel`` elements of ``dtype`` over ``world_size``
         ranks whose workspaces have ``layout`` (None: no peer workspace).
 
-        ``algo="auto"`` picks one-shot up to ONESHOT_MAX_BYTES (over LL up to the layout's
-        ll_max_bytes), else two-shot, else the
+        ``algo="auto"`` picks one-shot up to ONESHOT_MAX_BYTES (its protocol by size:
+        ``oneshot_protocol``), else two-shot, else the
         backend from NCCL_MIN_BYTES on (never, by default) or when the message does not fit
         the workspace. An explicit "oneshot" or
         "twoshot" that the workspace cannot serve raises ValueError.
@@ -176,13 +202,13 @@ class AllReducePlan:
             raise ValueError(f"algo={algo!r} serves messages up to about {cap} bytes with this workspace "
                              f"(max_bytes={layout.max_bytes}); got {nbytes} bytes. Create the Communicator "
                              "with a larger max_bytes, or use algo='auto'")
-        ll = algo == "oneshot" and uses_ll(nbytes, world_size, layout)
-        knob = "oneshot_ll" if ll else algo
+        protocol = oneshot_protocol(nbytes, world_size, layout) if algo == "oneshot" else "flags"
+        knob = f"oneshot_{protocol}" if protocol != "flags" else algo
         block = TILE_BYTES[knob] // esize
         tiles = _cdiv(numel if algo == "oneshot" else chunk, block)
         grid = max(1, min(tiles, MAX_CTAS[knob], layout.max_blocks))
         if algo == "oneshot":
-            return cls(algo, block=block, grid=grid, num_warps=NUM_WARPS[knob], ll=ll)
+            return cls(algo, block=block, grid=grid, num_warps=NUM_WARPS[knob], protocol=protocol)
         if GATHER not in GATHER_MODES:
             raise ValueError(f"GATHER must be one of {GATHER_MODES}, got {GATHER!r}")
         return cls(algo, block=block, grid=grid, num_warps=NUM_WARPS[algo], chunk=chunk, gather=GATHER)
@@ -208,8 +234,8 @@ class AllReducePlan:
 #   FUSED_MAX_CTAS CTAs (2x H100, hidden 5120 bf16, flags: 16 tokens 9.1 us fused vs 7.9
 #   split, 128 tokens 13.0 vs 15.6). That needs 128 rows under FUSED_ONESHOT_MAX_BYTES, which
 #   only W=2's table (8 MiB) allows at these sizes; other hidden sizes there are unmeasured.
-# FUSED_LL_MAX_BYTES: largest message the fused one-shot sends over LL, by world size (and
-#   never above LL_MAX_BYTES or the workspace's LL regions, which it uses); "auto" takes the
+# FUSED_LL_MAX_BYTES: largest message the fused one-shot sends over LL, by world size (within
+#   the workspace's LL regions, which it sizes with LL_MAX_BYTES); "auto" takes the
 #   fused one-shot for these whatever FUSED_ONESHOT_MAX_VECTORS says: that kernel spreads each
 #   row over several CTAs (commit d9ff098, W=4: hidden 4096, 1-16 tokens, fused 5.2-8.0 us,
 #   split 5.5-8.6; hidden 8192, 1 token, 5.9 vs 6.6). Above it the flag kernel and the vectors
@@ -250,7 +276,7 @@ class FusedPlan:
     algo: "oneshot", "twoshot" or "split"; grid: CTAs; rows_per_group: rows each rank reduces
     in two-shot (rank g owns rows [g * rows_per_group, (g + 1) * rows_per_group); a multiple
     of the norm's tile rows, so no tile spans two owners); ll: one-shot over the LL protocol
-    (as ``AllReducePlan.ll``); reason: why "split" was chosen. From (n_rows, n, dtype, world
+    (as ``AllReducePlan.protocol`` "ll"); reason: why "split" was chosen. From (n_rows, n, dtype, world
     size, layout) only, like ``AllReducePlan``.
     """
 
@@ -290,7 +316,7 @@ class FusedPlan:
                 "twoshot": rows_per_group["twoshot"] * n * esize <= layout.twoshot_slot_bytes}
         if n_rows * n > MAX_ELEMENTS:
             fits = {"oneshot": False, "twoshot": False}
-        over_ll = uses_ll(nbytes, world_size, layout) and nbytes <= for_world(FUSED_LL_MAX_BYTES, world_size)
+        over_ll = nbytes <= min(layout.ll_max_bytes, for_world(FUSED_LL_MAX_BYTES, world_size))
         if algo == "auto":
             vectors_per_thread = cfg.rows * cfg.block_n * esize // 16 / (cfg.num_warps * 32)
             flag_kernel_pays = (vectors_per_thread <= FUSED_ONESHOT_MAX_VECTORS

@@ -15,8 +15,8 @@ Layout of one rank's buffer (every region starts at a multiple of ``ALIGN``)::
     flags[1]  phase-1 arrival flags (two-shot all-gather), same shape
     data[0]   message data of calls with even epoch
     data[1]   message data of calls with odd epoch
-    ll[0]     low-latency (LL) words of one-shot calls with even epoch: ``world_size``
-              slots of ``ll_slot_bytes``, slot s written only by rank s
+    ll[0]     low-latency (LL) or Lamport words of one-shot calls with even epoch:
+              ``world_size`` slots of ``ll_slot_bytes``, slot s written only by rank s
     ll[1]     the same for odd epochs
     reduced   local only: the fused one-shot LL kernel's reduced rows
     handoff   local only: that kernel's int64 arrival counters, one per row tile
@@ -29,10 +29,11 @@ algorithm ends only after every peer has started it, so no peer is ever more tha
 ahead, and two data regions rotated by call parity keep call k+1's writes off call k's data
 (section 2.3).
 
-The LL regions are used by nothing but LL one-shot calls (``tpfuse.kernels.ll``): a word
-there is 0 or carries the flag of the call that wrote it, which another use of the bytes
-would break. An LL word carries 4 bytes of data in 8, so a slot holds twice
-``ll_max_bytes``.
+The LL regions are used by nothing but the one-shot calls over LL or Lamport words
+(``tpfuse.kernels.ll``): a word there is 0 between calls, and during a call 0 or written by
+the current call, which another use of the bytes would break. An LL word carries 4 bytes of
+data in 8 and a Lamport word carries its own bytes, so a slot holds the larger of twice
+``ll_max_bytes`` and ``lamport_max_bytes``.
 """
 
 from __future__ import annotations
@@ -67,13 +68,16 @@ class WorkspaceLayout:
         max_bytes: the largest message two-shot serves; one-shot serves up to
             ``oneshot_max_bytes`` (= 2 * max_bytes / world_size, rounded down to ALIGN).
         max_blocks: the most CTAs one call may launch (flag slots per phase).
-        ll_max_bytes: the largest message the LL one-shot serves (0: no LL regions).
+        ll_max_bytes: the largest message the LL one-shot serves (0: none).
+        lamport_max_bytes: the largest message the Lamport one-shot serves (0: none). With
+            both 0 there are no LL regions.
     """
 
     world_size: int
     max_bytes: int
     max_blocks: int
     ll_max_bytes: int = 0
+    lamport_max_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.world_size < 2:
@@ -82,8 +86,9 @@ class WorkspaceLayout:
             raise ValueError(f"max_bytes must be at least {ALIGN}, got {self.max_bytes}")
         if self.max_blocks < 1:
             raise ValueError(f"max_blocks must be >= 1, got {self.max_blocks}")
-        if self.ll_max_bytes < 0:
-            raise ValueError(f"ll_max_bytes must be >= 0, got {self.ll_max_bytes}")
+        if self.ll_max_bytes < 0 or self.lamport_max_bytes < 0:
+            raise ValueError(f"ll_max_bytes and lamport_max_bytes must be >= 0, got {self.ll_max_bytes} and "
+                             f"{self.lamport_max_bytes}")
 
     @property
     def ctrl_offset(self) -> int:
@@ -131,8 +136,9 @@ class WorkspaceLayout:
 
     @property
     def ll_slot_bytes(self) -> int:
-        """Bytes of one LL slot: one rank's message of up to ll_max_bytes as LL words."""
-        return _round_up(2 * self.ll_max_bytes, ALIGN)
+        """Bytes of one LL slot: one rank's message of up to ll_max_bytes as LL words, or of
+        up to lamport_max_bytes as Lamport words."""
+        return _round_up(max(2 * self.ll_max_bytes, self.lamport_max_bytes), ALIGN)
 
     @property
     def ll_bytes(self) -> int:
@@ -178,10 +184,11 @@ class WorkspaceLayout:
             base = self.data_offset(parity)
             out += [(f"data[{parity}].scatter[{r}]", base + r * s, s) for r in range(w)]
             out += [(f"data[{parity}].gather[{r}]", base + self.gather_offset + r * s, s) for r in range(w)]
-        if self.ll_max_bytes:
+        if self.ll_slot_bytes:
             for parity in range(NUM_PARITIES):
                 base, s = self.ll_offset(parity), self.ll_slot_bytes
                 out += [(f"ll[{parity}].slot[{r}]", base + r * s, s) for r in range(w)]
+        if self.ll_max_bytes:
             out.append(("reduced", self.reduced_offset, self.reduced_bytes))
             out.append(("handoff", self.handoff_offset, self.handoff_bytes))
         return out

@@ -11,7 +11,8 @@ every poll is of local memory and every remote access is a posted store.
 - one-shot: each rank writes its input into slot ``rank`` of every rank's data region, raises
   its flag there, waits for all W flags, and sums the W local slots. One flag round trip.
   Small messages use the LL protocol instead (``tpfuse.kernels.ll``): the same slots hold
-  LL words in the LL regions, and the reader polls the words themselves.
+  LL words in the LL regions, and the reader polls the words themselves; mid-size ones
+  Lamport words there (the data as its own flag, half LL's bytes).
 - two-shot: each rank writes chunk c of its input into scatter slot ``rank`` of rank c; rank
   c sums its W scatter slots (its chunk, in rank order), rounds once, and writes the result
   straight into its own output and, in the all-gather, to the other ranks: "push" stores it
@@ -37,7 +38,7 @@ import triton
 import triton.language as tl
 
 from tpfuse.kernels.common import EXACT_FP, round_to, to_f32
-from tpfuse.kernels.ll import ll_flag, ll_pack, ll_reduce
+from tpfuse.kernels.ll import lamport_pack, ll_flag, ll_pack, ll_reduce
 from tpfuse.kernels.sync import begin_call, end_call, signal, wait
 
 # Operation codes of the status record (``sync.wait``), named for error messages.
@@ -126,25 +127,32 @@ def oneshot_all_reduce_kernel(x_ptr, out_ptr, numel, table_ptr, local, status_ad
 
 @triton.jit
 def ll_oneshot_all_reduce_kernel(x_ptr, out_ptr, numel, n_words, table_ptr, local, status_addr, rank, timeout_ns,
-                                 ll_offset, ll_bytes, slot_words, W: tl.constexpr, BLOCK: tl.constexpr):
-    """One-shot over LL words (``tpfuse.kernels.ll``); BLOCK elements per tile. n_words, the
-    message's LL words, is an argument so that Triton specialises on its divisibility and the
-    word loads and stores are vectorised (a mask derived from numel would make them scalar)."""
+                                 ll_offset, ll_bytes, slot_words, W: tl.constexpr, BLOCK: tl.constexpr,
+                                 LAMPORT: tl.constexpr):
+    """One-shot over LL words or, with LAMPORT, over Lamport words (``tpfuse.kernels.ll``);
+    BLOCK elements per tile. n_words, the message's words, is an argument so that Triton
+    specialises on its divisibility and the word loads and stores are vectorised (a mask
+    derived from numel would make LL's scalar)."""
     ELEM: tl.constexpr = x_ptr.dtype.element_ty
-    WORDS: tl.constexpr = BLOCK * ELEM.primitive_bitwidth // 32
+    WORDS: tl.constexpr = BLOCK if LAMPORT else BLOCK * ELEM.primitive_bitwidth // 32
+    WORD: tl.constexpr = (tl.uint32 if ELEM.primitive_bitwidth == 32 else tl.uint16) if LAMPORT else tl.uint64
     pid, grid, ctrl, status, epoch, region, n_tiles = _begin(local, status_addr, ll_offset, ll_bytes, numel, BLOCK)
     flag = ll_flag(epoch)
     for tile in range(pid, n_tiles, grid):
         offs = tile * BLOCK + tl.arange(0, BLOCK)
         woffs = tile * WORDS + tl.arange(0, WORDS)
-        words = ll_pack(tl.load(x_ptr + offs, mask=offs < numel), flag)
+        vals = tl.load(x_ptr + offs, mask=offs < numel)
+        if LAMPORT:
+            words = lamport_pack(vals)
+        else:
+            words = ll_pack(vals, flag)
         _push(table_ptr, region, words, rank * slot_words + woffs, woffs < n_words, rank, W, True)
-    slot0 = _typed(local, region, tl.uint64)
+    slot0 = _typed(local, region, WORD)
     for tile in range(pid, n_tiles, grid):
         offs = tile * BLOCK + tl.arange(0, BLOCK)
         woffs = tile * WORDS + tl.arange(0, WORDS)
         acc = ll_reduce(slot0, slot_words, woffs, woffs < n_words, flag, ctrl, status, epoch, rank, timeout_ns,
-                        OP_ONESHOT, W, ELEM)
+                        OP_ONESHOT, W, ELEM, LAMPORT)
         tl.store(out_ptr + offs, round_to(acc, ELEM), mask=offs < numel)
     end_call(ctrl, epoch)
 
@@ -201,7 +209,7 @@ def twoshot_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, st
 
 def all_reduce_into(x: torch.Tensor, out: torch.Tensor, *, algo: str, grid: int, block: int, num_warps: int,
                     chunk: int, table: torch.Tensor, table_addrs: list[int], status_addr: int, rank: int, layout,
-                    timeout_ns: int, gather: str = "push", ll: bool = False) -> None:
+                    timeout_ns: int, gather: str = "push", protocol: str = "flags") -> None:
     """Launch one all-reduce of contiguous, 16-byte aligned ``x`` into ``out`` (same shape
     and dtype, not aliasing x). Every rank must launch the same algo, grid, block and chunk
     (the caller derives them from the message size only) on one stream at a time.
@@ -210,20 +218,27 @@ def all_reduce_into(x: torch.Tensor, out: torch.Tensor, *, algo: str, grid: int,
     status_addr: address of the int64 status record (``sync.STATUS_WORDS``), which the device
     can write and the host read; layout: the ``WorkspaceLayout`` of the workspaces; chunk:
     elements per rank (two-shot); gather: two-shot's all-gather mode, "push" or "pull"
-    (``tpfuse.comm.plan.GATHER``); ll: one-shot over the LL protocol (the message must fit
-    ``layout.ll_max_bytes``).
+    (``tpfuse.comm.plan.GATHER``); protocol: one-shot's, "flags", "ll" or "lamport"
+    (``tpfuse.comm.plan.ONESHOT_PROTOCOLS``; the message must fit the layout's
+    ``ll_max_bytes`` or ``lamport_max_bytes``).
     """
     world = layout.world_size
-    if algo == "oneshot" and ll:
-        if x.numel() * x.element_size() > layout.ll_max_bytes:
-            raise ValueError(f"the LL one-shot serves up to {layout.ll_max_bytes} bytes with this layout, got "
-                             f"{x.numel() * x.element_size()}")
+    nbytes = x.numel() * x.element_size()
+    if algo == "oneshot" and protocol in ("ll", "lamport"):
+        lamport = protocol == "lamport"
+        capacity = layout.lamport_max_bytes if lamport else layout.ll_max_bytes
+        if nbytes > capacity:
+            raise ValueError(f"the {protocol} one-shot serves up to {capacity} bytes with this layout, got {nbytes}")
+        word_bytes = x.element_size() if lamport else 8
         ll_oneshot_all_reduce_kernel[(grid,)](
-            x_ptr=x, out_ptr=out, numel=x.numel(), n_words=-(-x.numel() * x.element_size() // 4), table_ptr=table,
+            x_ptr=x, out_ptr=out, numel=x.numel(), n_words=x.numel() if lamport else -(-nbytes // 4), table_ptr=table,
             local=table_addrs[rank], status_addr=status_addr,
             rank=rank, timeout_ns=timeout_ns, ll_offset=layout.ll_offset(0), ll_bytes=layout.ll_bytes,
-            slot_words=layout.ll_slot_bytes // 8, W=world, BLOCK=block, num_warps=num_warps, **EXACT_FP)
+            slot_words=layout.ll_slot_bytes // word_bytes, W=world, BLOCK=block, LAMPORT=lamport, num_warps=num_warps,
+            **EXACT_FP)
         return
+    if protocol != "flags":
+        raise ValueError(f"protocol must be 'flags', 'll' or 'lamport' (one-shot only), got {protocol!r} for {algo!r}")
     common = dict(x_ptr=x, out_ptr=out, numel=x.numel(), table_ptr=table, local=table_addrs[rank],
                   status_addr=status_addr, rank=rank, timeout_ns=timeout_ns,
                   flags_offset=layout.flag_offset(0), data_offset=layout.data_offset(0), data_bytes=layout.data_bytes,

@@ -24,7 +24,20 @@ a reader's region of parity p is next written in call k + 2, which no peer start
 this rank has started call k + 1, after the zeroing kernel ended.
 
 LL regions rotate by call parity, as the data regions do (a peer one call ahead writes the
-other parity), and hold nothing but LL words (``tpfuse.comm.workspace``).
+other parity), and hold nothing but LL words and Lamport words (``tpfuse.comm.workspace``).
+
+**Lamport words: the data is its own flag.** LL sends 8 bytes per 4 of data. A Lamport word
+(TensorRT-LLM's name for the scheme) is one element and nothing else: the sender stores the
+complement of the element's bits (uint16 or uint32), and a zero word means "not written yet".
+An element whose bits are all ones (a NaN) would complement to 0, so it is sent as the NaN
+with its sign bit clear: the sum is NaN either way, and NaN payload bits are not part of the
+contract (``tpfuse.reference``). Every other value arrives exactly. The reader polls the
+words until none is 0, so each element is checked on its own and a vector store that lands
+in pieces is waited out; consumed words are zeroed as above. One byte on the links per byte
+of data, where LL sends two, so Lamport serves one-shot messages up to
+``tpfuse.comm.plan.LAMPORT_MAX_BYTES``. (FlashInfer's version uses -0.0 as its sentinel
+and sends inputs' -0.0 as +0.0, changing the bits of signed zeros; complemented words cost
+no value's bits.)
 """
 
 from __future__ import annotations
@@ -68,52 +81,88 @@ def _unpack_f32(words, ELEM: tl.constexpr):
 
 
 @triton.jit
-def _poll(slot0, slot_words, woffs, wmask, flag, W: tl.constexpr, ELEM: tl.constexpr):
+def _complement(bits):
+    """~bits for uint16 or uint32 (Triton's interpreter cannot invert unsigned integers)."""
+    ONES: tl.constexpr = 0xFFFFFFFF if bits.dtype.primitive_bitwidth == 32 else 0xFFFF
+    return bits ^ tl.full(bits.shape, ONES, bits.dtype)
+
+
+@triton.jit
+def lamport_pack(vals):
+    """[BLOCK] fp32 or 16-bit elements -> [BLOCK] Lamport words (uint32 or uint16 of the
+    same width): the complement of each element's bits, never 0 (an element whose bits are
+    all ones, a NaN, is sent as the NaN with the sign bit clear, whose complement is the
+    sign bit alone)."""
+    WIDE: tl.constexpr = vals.dtype.primitive_bitwidth == 32
+    WORD: tl.constexpr = tl.uint32 if WIDE else tl.uint16
+    SIGN: tl.constexpr = 0x80000000 if WIDE else 0x8000
+    words = _complement(vals.to(WORD, bitcast=True))
+    return tl.where(words == 0, tl.full(words.shape, SIGN, WORD), words)
+
+
+@triton.jit
+def _arrived_f32(words, flag, ELEM: tl.constexpr, LAMPORT: tl.constexpr):
+    """(whether each word has arrived, its elements widened to fp32 in element order)."""
+    if LAMPORT:
+        arrived = words != 0
+        vals = to_f32(_complement(words).to(ELEM, bitcast=True))
+    else:
+        arrived = (words >> 32) == flag
+        vals = _unpack_f32(words, ELEM)
+    return arrived, vals
+
+
+@triton.jit
+def _poll(slot0, slot_words, woffs, wmask, flag, W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr):
     """One look at the W slots ``slot0 + s * slot_words`` at woffs: the fp32 sum in rank
     order of their values (``allreduce.sum_in_rank_order``'s order and roundings), and
-    whether any word there does not carry ``flag`` yet. The W loads are independent, so
-    they are in flight together."""
+    whether any word there has not arrived yet. The W loads are independent, so they are in
+    flight together."""
     words = tl.load(slot0 + woffs, mask=wmask, other=0, volatile=True)
-    late = (words >> 32) != flag
-    acc = _unpack_f32(words, ELEM)
+    arrived, acc = _arrived_f32(words, flag, ELEM, LAMPORT)
+    late = ~arrived
     for s in tl.static_range(1, W):
         words = tl.load(slot0 + s * slot_words + woffs, mask=wmask, other=0, volatile=True)
-        late = late | ((words >> 32) != flag)
-        acc += _unpack_f32(words, ELEM)
+        arrived, vals = _arrived_f32(words, flag, ELEM, LAMPORT)
+        late = late | ~arrived
+        acc += vals
     return acc, tl.max((late & wmask).to(tl.int32), 0) != 0
 
 
 @triton.jit
 def ll_reduce(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP: tl.constexpr,
-              W: tl.constexpr, ELEM: tl.constexpr):
-    """The fp32 sum in rank order of the elements in the LL words at woffs (masked by wmask)
-    of the W local slots, once every word carries ``flag``; the words are then zeroed.
+              W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr = False):
+    """The fp32 sum in rank order of the elements in the words at woffs (masked by wmask) of
+    the W local slots, once every word has arrived (LL words: carries ``flag``; with LAMPORT,
+    Lamport words: is not 0); the words are then zeroed.
 
     Gives up, as ``sync.wait`` does, after ``timeout_ns`` or when the abort word is set: it
     then records ``(OP, rank, first late peer, epoch)`` and returns whatever it saw."""
-    acc, late = _poll(slot0, slot_words, woffs, wmask, flag, W, ELEM)
+    acc, late = _poll(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT)
     if late:
         aborted = tl.load(ctrl + 2, volatile=True) != 0
         start = now_ns()
         elapsed = start - start
         while late and not aborted and elapsed < timeout_ns:
             backoff()
-            acc, late = _poll(slot0, slot_words, woffs, wmask, flag, W, ELEM)
+            acc, late = _poll(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT)
             aborted = tl.load(ctrl + 2, volatile=True) != 0
             elapsed = now_ns() - start
         if late and not aborted:
-            _record_error(ctrl, status, OP, rank, _first_late(slot0, slot_words, woffs, wmask, flag, W), epoch)
+            _record_error(ctrl, status, OP, rank, _first_late(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT),
+                          epoch)
     for s in tl.static_range(W):
-        tl.store(slot0 + s * slot_words + woffs, tl.zeros_like(woffs).to(tl.uint64), mask=wmask)
+        tl.store(slot0 + s * slot_words + woffs, tl.zeros_like(woffs).to(slot0.dtype.element_ty), mask=wmask)
     return acc
 
 
 @triton.jit
-def _first_late(slot0, slot_words, woffs, wmask, flag, W: tl.constexpr):
-    """The lowest rank whose slot still has a word without ``flag`` at woffs (W if none)."""
+def _first_late(slot0, slot_words, woffs, wmask, flag, W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr):
+    """The lowest rank whose slot still has a word at woffs that has not arrived (W if none)."""
     first = tl.full([], W, tl.int32)
     for s in tl.static_range(W):
         words = tl.load(slot0 + s * slot_words + woffs, mask=wmask, other=0, volatile=True)
-        late = tl.max((((words >> 32) != flag) & wmask).to(tl.int32), 0) != 0
+        arrived, _ = _arrived_f32(words, flag, ELEM, LAMPORT)
+        late = tl.max((~arrived & wmask).to(tl.int32), 0) != 0
         first = tl.minimum(first, tl.where(late, s, W))
     return first

@@ -9,7 +9,7 @@ without a table keep the defaults written there.
 A table file::
 
     {"world_size": 2,
-     "knobs": {"ONESHOT_MAX_BYTES": 524288, "LL_MAX_BYTES": 131072,
+     "knobs": {"ONESHOT_MAX_BYTES": 2097152, "LL_MAX_BYTES": 131072, "LAMPORT_MAX_BYTES": 1048576,
                "FUSED_ONESHOT_MAX_BYTES": 524288, "FUSED_LL_MAX_BYTES": 131072,
                "FUSED_TWOSHOT_MAX_BYTES": 0,
                "QUANT_MIN_BYTES": {"int4": 2097152, "int6": 4194304, "int8": 4194304, "fp8": null}},
@@ -22,7 +22,7 @@ Every rank must derive the same plan (DESIGN.md 2.5), so the tables come from fi
 every rank reads alike: this package's directory (the same installed files on every rank
 of the node), or ``TPFUSE_TABLE_DIR``, which every rank must then set to the same
 directory. Under Triton's interpreter the package's tables are not read: they hold GPU
-measurements, and the interpreter's knobs (LL_MAX_BYTES) are set for the CPU tests' sizes;
+measurements, and the interpreter's knobs (LL_MAX_BYTES, LAMPORT_MAX_BYTES) are set for the CPU tests' sizes;
 ``TPFUSE_TABLE_DIR`` is read there too.
 """
 
@@ -38,8 +38,8 @@ from tpfuse.reference import QUANT_CODECS
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 ENV_DIR = "TPFUSE_TABLE_DIR"
-SIZE_KNOBS = ("ONESHOT_MAX_BYTES", "LL_MAX_BYTES", "FUSED_ONESHOT_MAX_BYTES", "FUSED_LL_MAX_BYTES",
-              "FUSED_TWOSHOT_MAX_BYTES")
+SIZE_KNOBS = ("ONESHOT_MAX_BYTES", "LL_MAX_BYTES", "LAMPORT_MAX_BYTES", "FUSED_ONESHOT_MAX_BYTES",
+              "FUSED_LL_MAX_BYTES", "FUSED_TWOSHOT_MAX_BYTES")
 """Knobs of tpfuse.comm.plan: {world size: bytes}."""
 QUANT_KNOB = "QUANT_MIN_BYTES"
 """The knob of tpfuse.comm.quant_plan: {codec: {world size: bytes or None}}."""
