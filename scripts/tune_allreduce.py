@@ -16,7 +16,7 @@ already timed there is not timed again):
          (block b waits for block b of every peer).
   tile   TILE_BYTES[algo]: bytes of a tile (8 KiB = 512 16-byte vectors: one per thread at
          16 warps, two at 8).
-  warps  NUM_WARPS[algo].
+  warps  NUM_WARPS[algo] (Lamport words: at most, with a warp per 512 bytes of tile).
   gather GATHER (two-shot only): "push" (store the reduced chunk into every peer's gather
          slot, peers copy it out) or "pull" (peers load it from the owner's gather slot
          straight into their output).
@@ -105,7 +105,7 @@ class _Knobs:
                       dict(p.LAMPORT_MAX_BYTES))
         knob = _knob(self.algo, self.cfg)
         p.MAX_CTAS[knob] = self.cfg["ctas"]
-        p.TILE_BYTES[knob] = self.cfg["tile"]
+        p.TILE_BYTES[knob] = (self.cfg["tile"],) * 2 if knob == "oneshot_lamport" else self.cfg["tile"]  # a range
         p.NUM_WARPS[knob] = self.cfg["warps"]
         if self.cfg["gather"] != "-":
             p.GATHER = self.cfg["gather"]

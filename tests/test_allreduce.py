@@ -140,12 +140,24 @@ def test_plan_picks_by_size_and_refuses_what_does_not_fit():
     assert AllReducePlan.from_numel(12345, 4, bf16, layout) == AllReducePlan.from_numel(12345, 4, bf16, layout)
 
 
+def test_lamport_tiles_grow_with_the_message(monkeypatch):
+    """The 2x H100 sweep's best tile and warps at every size (tpfuse/comm/plan.py)."""
+    from tpfuse.comm import plan as P
+    monkeypatch.setitem(P.TILE_BYTES, "oneshot_lamport", (2 << 10, 16 << 10))
+    monkeypatch.setitem(P.NUM_WARPS, "oneshot_lamport", 16)
+    monkeypatch.setitem(P.MAX_CTAS, "oneshot_lamport", 128)
+    got = {kib: P.tile_and_warps("oneshot_lamport", kib << 10) for kib in (1, 8, 1024, 2048, 3000, 4096, 8192, 65536)}
+    assert got == {1: (2048, 4), 8: (2048, 4), 1024: (2048, 4), 2048: (4096, 8), 3000: (4096, 8), 4096: (8192, 16),
+                   8192: (16384, 16), 65536: (16384, 16)}
+    assert P.tile_and_warps("oneshot_ll", 8192) == (P.TILE_BYTES["oneshot_ll"], P.NUM_WARPS["oneshot_ll"])
+
+
 @pytest.mark.usefixtures("built_in_knobs")
 def test_plan_follows_the_knobs_in_plan_py(monkeypatch):
     from tpfuse.comm import plan as P
     layout = WorkspaceLayout(4, 16 << 20, max_blocks=128)
     bf16 = torch.bfloat16
-    monkeypatch.setattr(P, "TILE_BYTES", {"oneshot": 16384, "oneshot_ll": 1024, "oneshot_lamport": 16384,
+    monkeypatch.setattr(P, "TILE_BYTES", {"oneshot": 16384, "oneshot_ll": 1024, "oneshot_lamport": (16384, 16384),
                                           "twoshot": 32768})
     monkeypatch.setattr(P, "NUM_WARPS", {"oneshot": 4, "oneshot_ll": 2, "oneshot_lamport": 3, "twoshot": 16})
     monkeypatch.setattr(P, "MAX_CTAS", {"oneshot": 8, "oneshot_ll": 6, "oneshot_lamport": 10, "twoshot": 96})

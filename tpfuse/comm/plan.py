@@ -49,7 +49,17 @@ KiB = 1024
 #   vector. The "oneshot_ll" entries of TILE_BYTES, NUM_WARPS and MAX_CTAS serve one-shot
 #   over LL, whose 8-byte words carry 4 data bytes. The interpreter pays per operation, not
 #   per element, so it takes large tiles.
-# NUM_WARPS: warps per CTA, per algorithm.
+#   One-shot over Lamport words takes a range of tile sizes instead (`tile_and_warps`).
+# NUM_WARPS: warps per CTA, per algorithm (one-shot over Lamport words: at most).
+# LAMPORT_TILES_PER_CTA: one-shot over Lamport words cuts a message into tiles of
+#   nbytes / (this * MAX_CTAS) rounded down to a power of two, within its TILE_BYTES range, and
+#   takes a warp per 512 bytes of tile (one 16-byte vector per thread, up to NUM_WARPS).
+#   2x H100 sweep (scripts/tune_allreduce.py at 07762fc, W=2 bf16, 2-16 KiB tiles, 4-16
+#   warps, 32-128 CTAs; benchmarks/NOTES.md): the best tile grew with the message,
+#   2 KiB on 4 warps to 1 MiB (7.5 us), 4 KiB on 8 warps at 2 MiB (11.3), 8 KiB on 16 at 4 MiB
+#   (18.7), 16 KiB on 16 at 8 MiB (34.0), all on 128 CTAs: 4 tiles per CTA each time. This
+#   rule gives the best configuration at every size (within 2% at 32 KiB); a single tile
+#   for all sizes lost 4-16% (4 KiB on 8 warps).
 # MAX_CTAS: CTAs per call, per algorithm. Every CTA of a grid must be resident at once
 #   (block b waits for block b of every peer, see tpfuse.kernels.sync), so a grid must stay
 #   at or below the SM count (132 on H200) with one CTA per SM; MAX_BLOCKS (flag slots) caps
@@ -82,10 +92,12 @@ LL_MAX_BYTES = ({2: 128 * KiB, 4: 128 * KiB, 8: 64 * KiB} if not INTERPRETER els
 LAMPORT_MAX_BYTES = ({2: 0, 4: 0, 8: 0} if not INTERPRETER else
                      {2: 256 * KiB, 4: 256 * KiB, 8: 128 * KiB})
 NCCL_MIN_BYTES: dict[int, int | None] = {2: None, 4: None, 8: None}
-TILE_BYTES = ({"oneshot": 8 * KiB, "oneshot_ll": 1 * KiB, "oneshot_lamport": 4 * KiB, "twoshot": 8 * KiB}
+TILE_BYTES = ({"oneshot": 8 * KiB, "oneshot_ll": 1 * KiB, "oneshot_lamport": (2 * KiB, 16 * KiB), "twoshot": 8 * KiB}
               if not INTERPRETER else
-              {"oneshot": 64 * KiB, "oneshot_ll": 64 * KiB, "oneshot_lamport": 64 * KiB, "twoshot": 64 * KiB})
-NUM_WARPS = {"oneshot": 16, "oneshot_ll": 4, "oneshot_lamport": 8, "twoshot": 16}
+              {"oneshot": 64 * KiB, "oneshot_ll": 64 * KiB, "oneshot_lamport": (64 * KiB, 64 * KiB),
+               "twoshot": 64 * KiB})
+NUM_WARPS = {"oneshot": 16, "oneshot_ll": 4, "oneshot_lamport": 16, "twoshot": 16}
+LAMPORT_TILES_PER_CTA = 4
 MAX_CTAS = ({"oneshot": 32, "oneshot_ll": 64, "oneshot_lamport": 128, "twoshot": 128} if not INTERPRETER else
             {"oneshot": 4, "oneshot_ll": 4, "oneshot_lamport": 4, "twoshot": 4})
 GATHER = "push"
@@ -131,6 +143,18 @@ def oneshot_protocol(nbytes: int, world_size: int, layout: WorkspaceLayout) -> s
     if nbytes <= min(layout.lamport_max_bytes, for_world(LAMPORT_MAX_BYTES, world_size)):
         return "lamport"
     return "flags"
+
+
+def tile_and_warps(knob: str, nbytes: int) -> tuple[int, int]:
+    """(tile bytes, warps) of the launch knob ``knob`` (a key of TILE_BYTES) for a message of
+    nbytes: TILE_BYTES's and NUM_WARPS's entries, but for one-shot over Lamport words, whose
+    tile grows with the message (LAMPORT_TILES_PER_CTA)."""
+    if knob != "oneshot_lamport":
+        return TILE_BYTES[knob], NUM_WARPS[knob]
+    smallest, largest = TILE_BYTES[knob]
+    per_tile = nbytes // (LAMPORT_TILES_PER_CTA * MAX_CTAS[knob])
+    tile = min(largest, max(smallest, 1 << max(per_tile.bit_length() - 1, 0)))  # a power of two
+    return tile, max(1, min(NUM_WARPS[knob], tile // 512))  # 32 threads x 16 bytes per warp
 
 
 def check_algo(algo: str) -> None:
@@ -204,11 +228,12 @@ class AllReducePlan:
                              "with a larger max_bytes, or use algo='auto'")
         protocol = oneshot_protocol(nbytes, world_size, layout) if algo == "oneshot" else "flags"
         knob = f"oneshot_{protocol}" if protocol != "flags" else algo
-        block = TILE_BYTES[knob] // esize
+        tile_bytes, num_warps = tile_and_warps(knob, nbytes)
+        block = tile_bytes // esize
         tiles = _cdiv(numel if algo == "oneshot" else chunk, block)
         grid = max(1, min(tiles, MAX_CTAS[knob], layout.max_blocks))
         if algo == "oneshot":
-            return cls(algo, block=block, grid=grid, num_warps=NUM_WARPS[knob], protocol=protocol)
+            return cls(algo, block=block, grid=grid, num_warps=num_warps, protocol=protocol)
         if GATHER not in GATHER_MODES:
             raise ValueError(f"GATHER must be one of {GATHER_MODES}, got {GATHER!r}")
         return cls(algo, block=block, grid=grid, num_warps=NUM_WARPS[algo], chunk=chunk, gather=GATHER)
