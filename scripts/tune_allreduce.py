@@ -118,11 +118,18 @@ class _Knobs:
         p.MAX_CTAS, p.TILE_BYTES, p.NUM_WARPS, p.GATHER, p.LL_MAX_BYTES, p.LAMPORT_MAX_BYTES = self.saved
 
 
-def _summary(records, world) -> str:
+def run_line(header) -> str:
+    """The run's facts (date, commit, GPU, versions) as one line of the markdown."""
+    return ", ".join(f"{k} {header[k]}" for k in ("date", "commit", "gpu", "gpu_count", "torch", "triton", "cuda", "nccl")
+                     if k in header)
+
+
+def _summary(records, world, header) -> str:
     by_size = {}
     for r in records:
         by_size.setdefault(r["size_bytes"], []).append(r)
-    lines = [f"# tune_allreduce, {world} ranks, bf16, us per call (CUDA-graph replay; bus GB/s)", ""]
+    lines = [f"# tune_allreduce, {world} ranks, bf16, us per call (CUDA-graph replay; bus GB/s)", "",
+             run_line(header), ""]
     lines.append("| size | nccl | oneshot default | oneshot best (cfg) | twoshot default | twoshot best (cfg) | "
                  "best / nccl |")
     lines.append("|---|---|---|---|---|---|---|")
@@ -258,7 +265,7 @@ def _worker(rank: int, world: int, port: int, opts: dict) -> None:
     finally:
         if rank == 0:
             header["elapsed_s"] = round(time.monotonic() - t0, 1)
-            md = _summary(records, world) + (f"\nSTOPPED EARLY: {stopped}\n" if stopped else "")
+            md = _summary(records, world, header) + (f"\nSTOPPED EARLY: {stopped}\n" if stopped else "")
             print(md, flush=True)
             _write(opts["out"], header, records, md)
         dist.destroy_process_group()
