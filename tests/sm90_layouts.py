@@ -13,8 +13,9 @@ intercepted and compiled with Triton's own argument specialisation (alignment an
 divisibility of every argument, as on a GPU), for the H200's target.
 
 Usage: python tests/sm90_layouts.py '<json list of cases>'; prints one JSON object per case:
-{"case": ..., "tail_n": NormConfig.tail_n, "norm": [layouts], "oneshot": [layouts], "oneshot_ll": [layouts], "twoshot":
-[layouts]} (oneshot_ll: the one-shot kernel over the LL protocol), a layout being
+{"case": ..., "tail_n": NormConfig.tail_n, "norm": [layouts], "oneshot": [layouts], "oneshot_ll": [layouts],
+"oneshot_lamport": [layouts], "twoshot": [layouts]} (oneshot_ll, oneshot_lamport: the one-shot kernel over LL and
+Lamport words), a layout being
 the reduced operand's type with its layout attribute written out. A case with "kernel":
 "backward" (or "chunked", the same for rows over 16384) or "forward" reports instead that
 norm kernel's registers and spill bytes per thread from ptxas (tests/test_norm_registers.py);
@@ -104,16 +105,18 @@ def layouts_for(case: dict) -> dict:
     out = {"case": case, "tail_n": NormConfig.from_shape(n, dtype).tail_n}
     kernel, kwargs = _launch_args(lambda: rms_norm_fwd(x, weight, y, 1e-6, 0.0, res, res_out))
     out["norm"] = row_reduction_layouts(_compile(kernel, kwargs).asm["ttgir"])
-    layout = WorkspaceLayout(world, 1 << 24, 128, ll_max_bytes=1 << 24)  # offsets only: nothing is allocated
+    # offsets only: nothing is allocated
+    layout = WorkspaceLayout(world, 1 << 24, 128, ll_max_bytes=1 << 24, lamport_max_bytes=1 << 24)
     table = torch.zeros(world, dtype=torch.int64)
     addrs = [(1 << 40) + r * (1 << 30) for r in range(world)]
-    for name, algo, ll in (("oneshot", "oneshot", False), ("oneshot_ll", "oneshot", True),
-                           ("twoshot", "twoshot", False)):
-        if ll and n % 16:
-            continue  # the LL kernel needs whole-word rows (its launcher refuses)
+    for name, algo, protocol in (("oneshot", "oneshot", "flags"), ("oneshot_ll", "oneshot", "ll"),
+                                 ("oneshot_lamport", "oneshot", "lamport"), ("twoshot", "twoshot", "flags")):
+        if protocol != "flags" and n % 16:
+            continue  # the LL and Lamport kernel needs whole-word rows (its launcher refuses)
         kernel, kwargs = _launch_args(lambda: all_reduce_norm_into(  # noqa: B023  (called right here)
             x, weight, res, y, res_out, 1e-6, 0.0, algo=algo, grid=1, rows_per_group=rows, table=table,
-            table_addrs=addrs, status_addr=1 << 36, rank=1, layout=layout, timeout_ns=10**9, ll=ll))
+            table_addrs=addrs, status_addr=1 << 36, rank=1, layout=layout, timeout_ns=10**9,
+            protocol=protocol))
         out[name] = row_reduction_layouts(_compile(kernel, kwargs).asm["ttgir"])
     return out
 

@@ -222,19 +222,35 @@ def test_fused_plan_picks_by_size_and_keeps_groups_whole_tiles(monkeypatch):
     monkeypatch.setitem(plan.FUSED_LL_MAX_BYTES, 4, 16 << 10)
     one = FusedPlan.from_shape(1, 5120, 4, bf16, ll_layout)  # 10 KiB: LL, 8 vectors per thread
     pieces = ll_pieces(5120, bf16)[1]
-    assert one.algo == "oneshot" and one.ll and one.grid == min(pieces, plan.FUSED_MAX_CTAS)  # a CTA per piece
+    assert one.algo == "oneshot" and one.protocol == "ll"
+    assert one.grid == min(pieces, plan.FUSED_MAX_CTAS)  # a CTA per piece
     assert FusedPlan.from_shape(2, 5120, 4, bf16, ll_layout).algo == "split"  # 20 KiB: flags, 8 vectors
     two = FusedPlan.from_shape(2, 5120, 4, bf16, ll_layout, "oneshot")
-    assert two.algo == "oneshot" and not two.ll
+    assert two.algo == "oneshot" and two.protocol == "flags"
     flags4 = FusedPlan.from_shape(2, 8192, 4, bf16, ll_layout)  # 32 KiB: flags, 4 vectors
-    assert flags4.algo == "oneshot" and not flags4.ll
+    assert flags4.algo == "oneshot" and flags4.protocol == "flags"
     flags = FusedPlan.from_shape(4, 4096, 4, bf16, ll_layout)  # 32 KiB: flags, 2 vectors
-    assert flags.algo == "oneshot" and not flags.ll
+    assert flags.algo == "oneshot" and flags.protocol == "flags"
     monkeypatch.setitem(plan.FUSED_LL_MAX_BYTES, 4, 1 << 20)  # the LL regions still bound it
-    assert FusedPlan.from_shape(4, 8192, 4, bf16, ll_layout).ll  # 64 KiB: the LL regions' capacity
-    assert not FusedPlan.from_shape(8, 8192, 4, bf16, ll_layout, "oneshot").ll  # 128 KiB: above it
+    assert FusedPlan.from_shape(4, 8192, 4, bf16, ll_layout).protocol == "ll"  # 64 KiB: the LL regions' capacity
+    assert FusedPlan.from_shape(8, 8192, 4, bf16, ll_layout, "oneshot").protocol == "flags"  # 128 KiB: above it
     monkeypatch.setitem(plan.LL_MAX_BYTES, 4, 0)  # the all-reduce's LL limit does not
-    assert FusedPlan.from_shape(4, 8192, 4, bf16, ll_layout).ll
+    assert FusedPlan.from_shape(4, 8192, 4, bf16, ll_layout).protocol == "ll"
+    # Lamport words above FUSED_LL_MAX_BYTES, up to FUSED_LAMPORT_MAX_BYTES and the workspace's
+    # Lamport capacity; auto takes them whatever the vectors per thread, in pieces of a vector
+    # per thread.
+    lamport_layout = WorkspaceLayout(4, 1 << 20, max_blocks=128, ll_max_bytes=16 << 10, lamport_max_bytes=128 << 10)
+    monkeypatch.setitem(plan.FUSED_LL_MAX_BYTES, 4, 16 << 10)
+    monkeypatch.setitem(plan.FUSED_LAMPORT_MAX_BYTES, 4, 64 << 10)
+    lamport = FusedPlan.from_shape(4, 5120, 4, bf16, lamport_layout)  # 40 KiB, 8 vectors per thread
+    piece_words, pieces = ll_pieces(5120, bf16, "lamport")
+    assert piece_words == NormConfig.from_shape(5120, bf16).num_warps * 32 * 8  # a vector per thread
+    assert lamport.algo == "oneshot" and lamport.protocol == "lamport" and lamport.grid == min(4 * pieces, 4)
+    assert FusedPlan.from_shape(1, 8192, 4, bf16, lamport_layout).protocol == "ll"
+    assert FusedPlan.from_shape(8, 5120, 4, bf16, lamport_layout, "oneshot").protocol == "flags"  # 80 KiB
+    monkeypatch.setitem(plan.FUSED_LAMPORT_MAX_BYTES, 4, 1 << 20)  # the Lamport capacity still bounds it
+    assert FusedPlan.from_shape(16, 4096, 4, bf16, lamport_layout).protocol == "lamport"  # 128 KiB
+    assert FusedPlan.from_shape(17, 4096, 4, bf16, lamport_layout, "oneshot").protocol == "flags"
     # Hidden sizes off the multiple of 16 take the split path (tests/test_fused_layouts.py says why).
     assert FusedPlan.from_shape(4, 1000, 4, bf16, layout).algo == "split"
     with pytest.raises(ValueError, match="multiple of 16"):

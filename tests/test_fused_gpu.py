@@ -16,6 +16,7 @@ import torch.distributed as dist
 from tests.multiproc import run_ranks
 from tests.tally import MismatchTally, ll_regions_not_zeroed
 from tests.test_quant import _poisoned_empty
+from tpfuse.comm import tables
 
 pytestmark = pytest.mark.multigpu
 
@@ -27,6 +28,9 @@ WORLDS = sorted({2, NGPU})
 HIDDEN = [256, 1000, 2880, 4096, 5120, 7168, 8192, 16384, 20000]
 TOKENS = [1, 2, 3, 16, 17, 128, 513, 2048]
 ALGOS = ["oneshot", "twoshot", "auto", "split"]
+PROTOCOL_KNOBS = {"LAMPORT_MAX_BYTES": 4 << 20, "FUSED_LAMPORT_MAX_BYTES": 4 << 20}
+"""The fused one-shot over LL words to the table's FUSED_LL_MAX_BYTES, Lamport words to 4 MiB,
+flags above, whatever the world size's table says (it may not use Lamport words at all)."""
 
 
 class _Layer(MismatchTally):
@@ -79,7 +83,8 @@ class _Layer(MismatchTally):
 def _grid():
     from tpfuse.comm import Communicator
 
-    with Communicator(max_bytes=64 << 20, timeout_s=60) as comm:
+    knobs = tables.applied(dist.get_world_size(), PROTOCOL_KNOBS)
+    with knobs, Communicator(max_bytes=64 << 20, timeout_s=60) as comm:
         layer = _Layer(comm)
         seed = 0
         for hidden in HIDDEN:
@@ -98,7 +103,7 @@ def _stress(calls, seed):
     from tpfuse.comm import Communicator
 
     rng = random.Random(seed)
-    with Communicator(timeout_s=60) as comm:
+    with tables.applied(dist.get_world_size(), PROTOCOL_KNOBS), Communicator(timeout_s=60) as comm:
         layer = _Layer(comm)
         for call in range(calls):
             layer.check(rng.choice([1, 2, 7, 16, 64, 300]), rng.choice([512, 2880, 4096, 8192]),
@@ -110,8 +115,9 @@ def _graph_replays(replays):
     """A captured layer sequence of several shapes and algorithms, replayed with new data."""
     from tpfuse.comm import Communicator
 
-    plan = [(1, 4096, "oneshot"), (16, 4096, "auto"), (300, 2880, "twoshot"), (2, 8192, "auto"), (64, 4096, "split")]
-    with Communicator(timeout_s=60) as comm:
+    plan = [(1, 4096, "oneshot"), (16, 4096, "auto"), (300, 2880, "twoshot"), (2, 8192, "auto"), (64, 4096, "split"),
+            (64, 4096, "oneshot")]  # 512 KiB: Lamport words (PROTOCOL_KNOBS)
+    with tables.applied(dist.get_world_size(), PROTOCOL_KNOBS), Communicator(timeout_s=60) as comm:
         layer = _Layer(comm)
         static = [layer.inputs(t, h, torch.bfloat16, 0) for t, h, _ in plan]
 
@@ -142,7 +148,7 @@ def _sixty_layers(tokens, hidden, algo):
     import tpfuse
     from tpfuse.comm import Communicator
 
-    with Communicator(timeout_s=60) as comm:
+    with tables.applied(dist.get_world_size(), PROTOCOL_KNOBS), Communicator(timeout_s=60) as comm:
         layer = _Layer(comm)
         _, residual, weight = layer.inputs(tokens, hidden, torch.bfloat16, 12345)
         res_fused, res_split = residual.clone(), residual.clone()
@@ -172,6 +178,7 @@ def test_gpu_fused_graph_capture_replayed_with_new_data():
     _no_failures(run_ranks(NGPU, _graph_replays, 200, backend="nccl", timeout_s=600))
 
 
-@pytest.mark.parametrize("tokens, algo", [(1, "auto"), (16, "oneshot"), (16, "twoshot"), (128, "auto")])
+@pytest.mark.parametrize("tokens, algo", [(1, "auto"), (16, "oneshot"), (16, "twoshot"), (128, "auto"),
+                                         (128, "oneshot")])
 def test_gpu_sixty_layer_decode_fused_equals_split(tokens, algo):
     _no_failures(run_ranks(NGPU, _sixty_layers, tokens, 4096, algo, backend="nccl", timeout_s=600))

@@ -49,7 +49,8 @@ def test_fused_kernels_reduce_rows_in_the_norm_kernels_layout(compiled):
         # would compare nothing.
         norm = r["norm"]
         assert len(norm) == (2 if r["tail_n"] else 1), r
-        for algo in ("oneshot", "oneshot_ll", "twoshot"):  # a kernel may inline the norm more than once
+        # a kernel may inline the norm more than once
+        for algo in ("oneshot", "oneshot_ll", "oneshot_lamport", "twoshot"):
             copies = len(r[algo]) // len(norm)
             if not r[algo] or r[algo] != norm * copies:
                 wrong.append(f"{r['case']}: {algo} reduces in {r[algo]}, the norm kernel in {norm}")

@@ -7,8 +7,8 @@ message size, bf16, three sweeps, in this order:
 - all-reduce: one-shot over LL words, over Lamport words, with flags, two-shot (and NCCL,
   for reference only) -> LL_MAX_BYTES, LAMPORT_MAX_BYTES and ONESHOT_MAX_BYTES;
 - fused all-reduce + add + RMSNorm at hidden 4096 (``tpfuse bench fused``'s), tokens =
-  size / 8 KiB: one-shot over LL, one-shot with flags, two-shot, split -> FUSED_LL_MAX_BYTES,
-  FUSED_ONESHOT_MAX_BYTES, FUSED_TWOSHOT_MAX_BYTES;
+  size / 8 KiB: one-shot over LL words, over Lamport words, with flags, two-shot, split ->
+  FUSED_LL_MAX_BYTES, FUSED_LAMPORT_MAX_BYTES, FUSED_ONESHOT_MAX_BYTES, FUSED_TWOSHOT_MAX_BYTES;
 - quantized all-reduce: each codec against the exact path -> QUANT_MIN_BYTES.
 
 Each sweep runs under the knobs the sweeps before it derived (split and "exact" run the
@@ -56,7 +56,7 @@ ONESHOT_SWEEP_MAX = 8 * MiB
 """One-shot (Lamport words, flags) is swept up to here (each rank reads W whole messages)."""
 TOLERANCE = 0.03
 ALLREDUCE_CHAIN = ("oneshot_ll", "oneshot_lamport", "oneshot_flags", "twoshot")
-FUSED_CHAIN = ("oneshot_ll", "oneshot_flags", "twoshot", "split")
+FUSED_CHAIN = ("oneshot_ll", "oneshot_lamport", "oneshot_flags", "twoshot", "split")
 CODECS = reference.QUANT_CODECS
 SWEEPS = ("allreduce", "fused", "quant")
 """In this order: each sweep runs under the knobs of the sweeps before it."""
@@ -145,10 +145,11 @@ def derive_knobs(timings: dict[str, dict[str, dict[int, float]]]) -> dict:
         knobs |= {k: t for k, t in derived if _observed(t, swept)}
     if timings.get("fused") and _swept(timings["fused"]):
         swept = _swept(timings["fused"])
-        ll, oneshot, twoshot = chain_thresholds(timings["fused"], FUSED_CHAIN)
+        ll, lamport, oneshot, twoshot = chain_thresholds(timings["fused"], FUSED_CHAIN)
         twoshot = twoshot if twoshot > oneshot else 0  # the plan's "never"
-        knobs |= {k: t for k, t in (("FUSED_LL_MAX_BYTES", ll), ("FUSED_ONESHOT_MAX_BYTES", oneshot),
-                                    ("FUSED_TWOSHOT_MAX_BYTES", twoshot)) if _observed(t, swept)}
+        derived = (("FUSED_LL_MAX_BYTES", ll), ("FUSED_LAMPORT_MAX_BYTES", lamport),
+                   ("FUSED_ONESHOT_MAX_BYTES", oneshot), ("FUSED_TWOSHOT_MAX_BYTES", twoshot))
+        knobs |= {k: t for k, t in derived if _observed(t, swept)}
     if timings.get("quant"):
         q = timings["quant"]
         swept = _swept(q)
@@ -234,8 +235,11 @@ class _Sweeper:
         expected = tpfuse.add_rms_norm(reference.all_reduce(xs), residual, weight, EPS)  # the contract's bits
         rot = rotation(2 * nbytes)
         pool = [(xs[self.rank].clone(), residual.clone()) for _ in range(rot)]
-        # One-shot goes over LL up to FUSED_LL_MAX_BYTES (within the workspace's LL regions).
-        knobs = {"oneshot_ll": {"FUSED_LL_MAX_BYTES": nbytes}, "oneshot_flags": {"FUSED_LL_MAX_BYTES": 0}}
+        # One-shot's protocol is FUSED_LL_MAX_BYTES's and FUSED_LAMPORT_MAX_BYTES's choice (within
+        # the workspace's LL regions).
+        knobs = {"oneshot_ll": {"FUSED_LL_MAX_BYTES": nbytes},
+                 "oneshot_lamport": {"FUSED_LL_MAX_BYTES": 0, "FUSED_LAMPORT_MAX_BYTES": nbytes},
+                 "oneshot_flags": {"FUSED_LL_MAX_BYTES": 0, "FUSED_LAMPORT_MAX_BYTES": 0}}
         for method in FUSED_CHAIN:
             algo = method.split("_")[0]
             with tables.applied(self.world, knobs.get(method, {})):
@@ -243,8 +247,8 @@ class _Sweeper:
                     plan = FusedPlan.from_shape(tokens, HIDDEN, self.world, DTYPE, self.comm.layout, algo)
                 except ValueError:
                     continue
-                if method == "oneshot_ll" and not plan.ll:
-                    continue  # above LL's range: not measured, never chosen
+                if method.startswith("oneshot") and plan.protocol != method.removeprefix("oneshot_"):
+                    continue  # above the protocol's range (the workspace's): not measured, never chosen
                 fn = (lambda a: lambda i: self.comm.all_reduce_add_rms_norm(*pool[i], weight, EPS, algo=a))(algo)
                 self.time("fused", nbytes, method, fn, rot,
                           lambda out: (all(same_bits(a, b) for a, b in zip(out, expected)), None))

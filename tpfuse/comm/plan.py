@@ -268,6 +268,11 @@ class AllReducePlan:
 #   fused LL kernel stops paying before the all-reduce's does: W=2 (`tpfuse tune` at 4c797ca),
 #   the all-reduce over LL wins to 256 KiB (5.5 us vs flags 6.2), the fused LL kernel at 256 KiB
 #   (32 tokens) took 9.1 us against split's 7.7.
+# FUSED_LAMPORT_MAX_BYTES: largest message the fused one-shot sends over Lamport words, above
+#   FUSED_LL_MAX_BYTES, by world size (within the workspace's Lamport capacity,
+#   LAMPORT_MAX_BYTES); the same kernel as LL's, pieces of a 16-byte vector per thread. Like
+#   LL's, "auto" takes it whatever FUSED_ONESHOT_MAX_VECTORS says. 0 (never) until measured
+#   at that world size (`tpfuse tune`).
 # FUSED_TWOSHOT_MAX_BYTES: largest message "auto" sends to the fused two-shot kernel (0: never;
 #   it measured 0.91-0.98x of split from 128 to 1024 tokens).
 #   Above both, "split" (tpfuse all_reduce, then add_rms_norm: the same bits).
@@ -277,7 +282,9 @@ class AllReducePlan:
 #   H200's 132 SMs at one CTA per SM.
 FUSED_ONESHOT_MAX_BYTES = {2: 512 * KiB, 4: 512 * KiB, 8: 128 * KiB}
 FUSED_ONESHOT_MAX_VECTORS = 4
-FUSED_LL_MAX_BYTES = {2: 128 * KiB, 4: 128 * KiB, 8: 64 * KiB}  # LL_MAX_BYTES's defaults
+FUSED_LL_MAX_BYTES = ({2: 128 * KiB, 4: 128 * KiB, 8: 64 * KiB} if not INTERPRETER else  # LL_MAX_BYTES's defaults
+                      {2: 16 * KiB, 4: 16 * KiB, 8: 16 * KiB})
+FUSED_LAMPORT_MAX_BYTES = {2: 0, 4: 0, 8: 0} if not INTERPRETER else {2: 128 * KiB, 4: 128 * KiB, 8: 128 * KiB}
 FUSED_TWOSHOT_MAX_BYTES = {2: 0, 4: 0, 8: 0}
 FUSED_MAX_CTAS = 128 if not INTERPRETER else 4
 FUSED_HIDDEN_MULTIPLE = TRITON_DIVISIBILITY
@@ -300,23 +307,24 @@ class FusedPlan:
 
     algo: "oneshot", "twoshot" or "split"; grid: CTAs; rows_per_group: rows each rank reduces
     in two-shot (rank g owns rows [g * rows_per_group, (g + 1) * rows_per_group); a multiple
-    of the norm's tile rows, so no tile spans two owners); ll: one-shot over the LL protocol
-    (as ``AllReducePlan.protocol`` "ll"); reason: why "split" was chosen. From (n_rows, n, dtype, world
-    size, layout) only, like ``AllReducePlan``.
+    of the norm's tile rows, so no tile spans two owners); protocol: one-shot's, "ll",
+    "lamport" or "flags" (as ``AllReducePlan.protocol``); reason: why "split" was chosen. From
+    (n_rows, n, dtype, world size, layout) only, like ``AllReducePlan``.
     """
 
     algo: str
     grid: int = 0
     rows_per_group: int = 0
-    ll: bool = False
+    protocol: str = "flags"
     reason: str = ""
 
     @classmethod
     def from_shape(cls, n_rows: int, n: int, world_size: int, dtype: torch.dtype, layout: WorkspaceLayout | None,
                    algo: str = "auto") -> "FusedPlan":
-        """"auto" picks one-shot up to FUSED_ONESHOT_MAX_BYTES (over LL up to FUSED_LL_MAX_BYTES;
-        above it for hidden sizes with at most FUSED_ONESHOT_MAX_VECTORS vectors per thread, or
-        once the call has FUSED_MAX_CTAS row tiles),
+        """"auto" picks one-shot up to FUSED_ONESHOT_MAX_BYTES (over LL up to FUSED_LL_MAX_BYTES,
+        over Lamport words up to FUSED_LAMPORT_MAX_BYTES; above those with flags, for hidden
+        sizes with at most FUSED_ONESHOT_MAX_VECTORS vectors per thread, or once the call has
+        FUSED_MAX_CTAS row tiles),
         two-shot up to FUSED_TWOSHOT_MAX_BYTES, else "split" (also when the workspace cannot
         hold the message, or n is not a multiple of FUSED_HIDDEN_MULTIPLE). An explicit
         "oneshot" or "twoshot" that cannot serve the shape raises ValueError."""
@@ -341,13 +349,18 @@ class FusedPlan:
                 "twoshot": rows_per_group["twoshot"] * n * esize <= layout.twoshot_slot_bytes}
         if n_rows * n > MAX_ELEMENTS:
             fits = {"oneshot": False, "twoshot": False}
-        over_ll = nbytes <= min(layout.ll_max_bytes, for_world(FUSED_LL_MAX_BYTES, world_size))
+        if nbytes <= min(layout.ll_max_bytes, for_world(FUSED_LL_MAX_BYTES, world_size)):
+            protocol = "ll"
+        elif nbytes <= min(layout.lamport_max_bytes, for_world(FUSED_LAMPORT_MAX_BYTES, world_size)):
+            protocol = "lamport"
+        else:
+            protocol = "flags"
         if algo == "auto":
             vectors_per_thread = cfg.rows * cfg.block_n * esize // 16 / (cfg.num_warps * 32)
             flag_kernel_pays = (vectors_per_thread <= FUSED_ONESHOT_MAX_VECTORS
                                 or _cdiv(n_rows, tile_rows) >= FUSED_MAX_CTAS)
             if (nbytes <= for_world(FUSED_ONESHOT_MAX_BYTES, world_size) and fits["oneshot"]
-                    and (over_ll or flag_kernel_pays)):
+                    and (protocol != "flags" or flag_kernel_pays)):
                 algo = "oneshot"
             elif nbytes <= for_world(FUSED_TWOSHOT_MAX_BYTES, world_size) and fits["twoshot"]:
                 algo = "twoshot"
@@ -357,9 +370,9 @@ class FusedPlan:
             raise ValueError(f"algo={algo!r} cannot serve {n_rows} x {n} {dtype} with this workspace "
                              f"(max_bytes={layout.max_bytes}); create the Communicator with a larger max_bytes, "
                              "or use algo='auto' or 'split'")
-        ll = algo == "oneshot" and over_ll
+        protocol = protocol if algo == "oneshot" else "flags"
         work = _cdiv(rows_per_group[algo], tile_rows)  # row tiles
-        if ll:  # the LL kernel's pieces (tpfuse.kernels.fused), which any CTA may take
-            work *= ll_pieces(n, dtype)[1]
+        if protocol != "flags":  # the kernel's pieces (tpfuse.kernels.fused), which any CTA may take
+            work *= ll_pieces(n, dtype, protocol)[1]
         grid = max(1, min(work, FUSED_MAX_CTAS, layout.max_blocks))
-        return cls(algo, grid=grid, rows_per_group=rows_per_group[algo], ll=ll)
+        return cls(algo, grid=grid, rows_per_group=rows_per_group[algo], protocol=protocol)

@@ -18,7 +18,7 @@ Layout of one rank's buffer (every region starts at a multiple of ``ALIGN``)::
     ll[0]     low-latency (LL) or Lamport words of one-shot calls with even epoch:
               ``world_size`` slots of ``ll_slot_bytes``, slot s written only by rank s
     ll[1]     the same for odd epochs
-    reduced   local only: the fused one-shot LL kernel's reduced rows
+    reduced   local only: the fused one-shot LL and Lamport kernel's reduced rows
     handoff   local only: that kernel's int64 arrival counters, one per row tile
 
 Each data region (``data_bytes``) is cut into ``world_size`` one-shot slots (slot s holds
@@ -153,12 +153,13 @@ class WorkspaceLayout:
 
     @property
     def reduced_offset(self) -> int:
-        """Start of the local region where the fused LL kernel keeps its reduced rows."""
+        """Start of the local region where the fused kernel over LL or Lamport words keeps its
+        reduced rows."""
         return self.ll_offset(NUM_PARITIES - 1) + self.ll_bytes
 
     @property
     def reduced_bytes(self) -> int:
-        return _round_up(self.ll_max_bytes, ALIGN)
+        return _round_up(max(self.ll_max_bytes, self.lamport_max_bytes), ALIGN)
 
     @property
     def handoff_offset(self) -> int:
@@ -169,7 +170,8 @@ class WorkspaceLayout:
 
     @property
     def handoff_bytes(self) -> int:
-        return _round_up((self.ll_max_bytes // 1024 + 1) * FLAG_BYTES, ALIGN) if self.ll_max_bytes else 0
+        largest = max(self.ll_max_bytes, self.lamport_max_bytes)
+        return _round_up((largest // 1024 + 1) * FLAG_BYTES, ALIGN) if largest else 0
 
     @property
     def total_bytes(self) -> int:
@@ -188,7 +190,6 @@ class WorkspaceLayout:
             for parity in range(NUM_PARITIES):
                 base, s = self.ll_offset(parity), self.ll_slot_bytes
                 out += [(f"ll[{parity}].slot[{r}]", base + r * s, s) for r in range(w)]
-        if self.ll_max_bytes:
             out.append(("reduced", self.reduced_offset, self.reduced_bytes))
             out.append(("handoff", self.handoff_offset, self.handoff_bytes))
         return out

@@ -17,10 +17,11 @@ rank its own split result.
 
 - one-shot: each rank stores its rows into slot ``rank`` of every rank's data region,
   signals, waits for all W, and normalises every row from the sum of its W local slots.
-  Small messages use the LL protocol (``tpfuse.kernels.ll``) and a different split of the
-  work: row tiles are cut into pieces spread over the grid, each piece is summed into the
-  workspace's local ``reduced`` region, and the CTA that finishes a tile's last piece
-  normalises the tile from there (``ll_oneshot_all_reduce_norm_kernel``).
+  Small messages use the LL protocol (``tpfuse.kernels.ll``), mid-size ones Lamport words,
+  and a different split of the work: row tiles are cut into pieces spread over the grid,
+  each piece is summed into the workspace's local ``reduced`` region, and the CTA that
+  finishes a tile's last piece normalises the tile from there
+  (``ll_oneshot_all_reduce_norm_kernel``).
 - two-shot: rows are cut into W groups of ``rows_per_group`` (whole tiles); rank s stores
   group g into scatter slot s of rank g; rank g sums its W scatter slots, rounds once and
   stores the reduced group into gather slot g of every rank; after the gather flags every
@@ -43,7 +44,7 @@ import triton.language as tl
 
 from tpfuse.kernels.allreduce import _begin, _flag_row, _push, _typed, sum_in_rank_order
 from tpfuse.kernels.common import EXACT_FP, round_to
-from tpfuse.kernels.ll import ll_flag, ll_pack, ll_reduce
+from tpfuse.kernels.ll import lamport_pack, ll_flag, ll_pack, ll_reduce
 from tpfuse.kernels.norm import NormConfig, norm_tile
 from tpfuse.kernels.sync import end_call, signal, wait
 
@@ -110,8 +111,9 @@ def ll_oneshot_all_reduce_norm_kernel(
     table_ptr, local, status_addr, rank, timeout_ns, ll_offset, ll_bytes, slot_words, reduced_offset, handoff_offset,
     BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, WORLD: tl.constexpr, PIECE_WORDS: tl.constexpr, PIECES: tl.constexpr,
+    LAMPORT: tl.constexpr,
 ):
-    """One-shot over LL words.
+    """One-shot over LL words or, with LAMPORT, Lamport words (one element each).
 
     Each row tile (ROWS contiguous rows; N is a multiple of 16, so a tile is whole words) is
     cut into PIECES pieces of PIECE_WORDS words, spread over the whole grid, which has more
@@ -125,7 +127,8 @@ def ll_oneshot_all_reduce_norm_kernel(
     CTA of its rank, so the kernel needs no more residency than the others, and runs under
     the interpreter, which runs CTAs one after another."""
     ELEM: tl.constexpr = X.dtype.element_ty
-    PACK: tl.constexpr = 32 // ELEM.primitive_bitwidth
+    PACK: tl.constexpr = 1 if LAMPORT else 32 // ELEM.primitive_bitwidth  # elements per word
+    WORD: tl.constexpr = (tl.uint32 if ELEM.primitive_bitwidth == 32 else tl.uint16) if LAMPORT else tl.uint64
     pid, grid, ctrl, status, epoch, region, n_tiles = _begin(local, status_addr, ll_offset, ll_bytes, n_rows, ROWS)
     flag = ll_flag(epoch)
     tile_words = ROWS * N // PACK
@@ -134,14 +137,18 @@ def ll_oneshot_all_reduce_norm_kernel(
     for piece in range(pid, n_tiles * PIECES, grid):
         woffs, wmask = _piece_words(piece, tile_words, n_words, PIECE_WORDS, PIECES)
         vals = tl.reshape(tl.load(X + woffs[:, None] * PACK + packs, mask=wmask[:, None]), [PIECE_WORDS * PACK])
-        _push(table_ptr, region, ll_pack(vals, flag), rank * slot_words + woffs, wmask, rank, WORLD, True)
-    slot0 = _typed(local, region, tl.uint64)
+        if LAMPORT:
+            words = lamport_pack(vals)
+        else:
+            words = ll_pack(vals, flag)
+        _push(table_ptr, region, words, rank * slot_words + woffs, wmask, rank, WORLD, True)
+    slot0 = _typed(local, region, WORD)
     reduced = _typed(local, reduced_offset, ELEM)
     arrived = (local + handoff_offset).to(tl.pointer_type(tl.int64))
     for piece in range(pid, n_tiles * PIECES, grid):
         woffs, wmask = _piece_words(piece, tile_words, n_words, PIECE_WORDS, PIECES)
         acc = ll_reduce(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns,
-                        OP_FUSED_ONESHOT, WORLD, ELEM)
+                        OP_FUSED_ONESHOT, WORLD, ELEM, LAMPORT)
         tl.store(reduced + woffs[:, None] * PACK + packs, tl.reshape(round_to(acc, ELEM), [PIECE_WORDS, PACK]),
                  mask=wmask[:, None])
         tl.debug_barrier()  # every thread's stores of the piece precede the count (release)
@@ -204,27 +211,30 @@ def twoshot_all_reduce_norm_kernel(
     end_call(ctrl, epoch)
 
 
-def ll_pieces(n: int, dtype: torch.dtype) -> tuple[int, int]:
-    """(words per piece, pieces per row tile) of the fused LL kernel for hidden size n: one
-    word per thread of the norm's warps, so a decode row is spread over several CTAs."""
+def ll_pieces(n: int, dtype: torch.dtype, protocol: str = "ll") -> tuple[int, int]:
+    """(words per piece, pieces per row tile) of the fused kernel over LL or Lamport words
+    for hidden size n: one LL word (4 data bytes) per thread of the norm's warps, so a
+    decode row is spread over several CTAs; over Lamport words, one 16-byte vector per
+    thread, as a Lamport word is one element and carries no flag to amortise."""
     cfg = NormConfig.from_shape(n, dtype)
-    piece_words = cfg.num_warps * 32
-    return piece_words, triton.cdiv(cfg.rows * n * dtype.itemsize // 4, piece_words)
+    piece_words = cfg.num_warps * 32 * (16 // dtype.itemsize if protocol == "lamport" else 1)
+    tile_words = cfg.rows * n if protocol == "lamport" else cfg.rows * n * dtype.itemsize // 4
+    return piece_words, triton.cdiv(tile_words, piece_words)
 
 
 def all_reduce_norm_into(x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor | None,
                          y: torch.Tensor, residual_out: torch.Tensor, eps: float, weight_offset: float, *, algo: str,
                          grid: int, rows_per_group: int, table: torch.Tensor, table_addrs: list[int],
-                         status_addr: int, rank: int, layout, timeout_ns: int, ll: bool = False) -> None:
+                         status_addr: int, rank: int, layout, timeout_ns: int, protocol: str = "flags") -> None:
     """Launch one fused all-reduce + (residual add) + RMSNorm over 2-D [n_rows, N]
     contiguous, 16-byte aligned operands.
 
     x: this rank's contribution; residual: this rank's residual or None; writes y and
     residual_out (round(all_reduce(x) + residual), or all_reduce(x) without a residual).
     residual_out may alias residual (as in ``tpfuse.kernels.norm.rms_norm_fwd``). Every rank must launch the same algo, grid
-    and rows_per_group (``tpfuse.comm.plan.FusedPlan``, from the shape only); ll: one-shot
-    over the LL protocol (x must fit ``layout.ll_max_bytes``). The rest as
-    ``tpfuse.kernels.allreduce.all_reduce_into``.
+    and rows_per_group (``tpfuse.comm.plan.FusedPlan``, from the shape only); protocol:
+    one-shot's, "flags", "ll" or "lamport" (x must fit the layout's ``ll_max_bytes`` or
+    ``lamport_max_bytes``). The rest as ``tpfuse.kernels.allreduce.all_reduce_into``.
     """
     n_rows, n = x.shape
     cfg = NormConfig.from_shape(n, x.dtype)
@@ -237,17 +247,22 @@ def all_reduce_norm_into(x: torch.Tensor, weight: torch.Tensor | None, residual:
         BLOCK_N=cfg.block_n, TAIL_N=cfg.tail_n, NUM_CHUNKS=cfg.num_chunks, ROWS=cfg.rows,
         HAS_WEIGHT=weight is not None, WORLD=world,
         num_warps=cfg.num_warps, **EXACT_FP)
-    if algo == "oneshot" and ll:
+    if algo == "oneshot" and protocol in ("ll", "lamport"):
+        lamport = protocol == "lamport"
         tiles = triton.cdiv(n_rows, cfg.rows)
-        if x.numel() * x.element_size() > layout.ll_max_bytes or n % 16 or 8 * tiles > layout.handoff_bytes:
-            raise ValueError(f"the LL one-shot cannot serve {n_rows} x {n} {x.dtype} with this layout "
-                             f"(ll_max_bytes={layout.ll_max_bytes}; hidden sizes must be multiples of 16)")
-        piece_words, pieces = ll_pieces(n, x.dtype)
+        capacity = layout.lamport_max_bytes if lamport else layout.ll_max_bytes
+        if x.numel() * x.element_size() > capacity or n % 16 or 8 * tiles > layout.handoff_bytes:
+            raise ValueError(f"the {protocol} one-shot cannot serve {n_rows} x {n} {x.dtype} with this layout "
+                             f"(capacity {capacity} bytes; hidden sizes must be multiples of 16)")
+        piece_words, pieces = ll_pieces(n, x.dtype, protocol)
         ll_oneshot_all_reduce_norm_kernel[(grid,)](
-            ll_offset=layout.ll_offset(0), ll_bytes=layout.ll_bytes, slot_words=layout.ll_slot_bytes // 8,
+            ll_offset=layout.ll_offset(0), ll_bytes=layout.ll_bytes,
+            slot_words=layout.ll_slot_bytes // (x.element_size() if lamport else 8),
             reduced_offset=layout.reduced_offset, handoff_offset=layout.handoff_offset, PIECE_WORDS=piece_words,
-            PIECES=pieces, **common)
+            PIECES=pieces, LAMPORT=lamport, **common)
         return
+    if protocol != "flags":
+        raise ValueError(f"protocol must be 'flags', 'll' or 'lamport' (one-shot only), got {protocol!r} for {algo!r}")
     common.update(flags_offset=layout.flag_offset(0), data_offset=layout.data_offset(0), data_bytes=layout.data_bytes,
                   PEERS=triton.next_power_of_2(world))
     if algo == "oneshot":
