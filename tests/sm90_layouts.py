@@ -14,8 +14,8 @@ divisibility of every argument, as on a GPU), for the H200's target.
 
 Usage: python tests/sm90_layouts.py '<json list of cases>'; prints one JSON object per case:
 {"case": ..., "tail_n": NormConfig.tail_n, "norm": [layouts], "oneshot": [layouts], "oneshot_ll": [layouts],
-"oneshot_lamport": [layouts], "twoshot": [layouts]} (oneshot_ll, oneshot_lamport: the one-shot kernel over LL and
-Lamport words), a layout being
+"oneshot_lamport": [layouts], "oneshot_lamport_whole": [layouts], "twoshot": [layouts]} (oneshot_ll,
+oneshot_lamport: the one-shot kernel over LL and Lamport words; _whole: with whole row tiles), a layout being
 the reduced operand's type with its layout attribute written out. A case with "kernel":
 "backward" (or "chunked", the same for rows over 16384) or "forward" reports instead that
 norm kernel's registers and spill bytes per thread from ptxas (tests/test_norm_registers.py);
@@ -109,14 +109,16 @@ def layouts_for(case: dict) -> dict:
     layout = WorkspaceLayout(world, 1 << 24, 128, ll_max_bytes=1 << 24, lamport_max_bytes=1 << 24)
     table = torch.zeros(world, dtype=torch.int64)
     addrs = [(1 << 40) + r * (1 << 30) for r in range(world)]
-    for name, algo, protocol in (("oneshot", "oneshot", "flags"), ("oneshot_ll", "oneshot", "ll"),
-                                 ("oneshot_lamport", "oneshot", "lamport"), ("twoshot", "twoshot", "flags")):
+    for name, algo, protocol, whole in (("oneshot", "oneshot", "flags", False), ("oneshot_ll", "oneshot", "ll", False),
+                                        ("oneshot_lamport", "oneshot", "lamport", False),
+                                        ("oneshot_lamport_whole", "oneshot", "lamport", True),
+                                        ("twoshot", "twoshot", "flags", False)):
         if protocol != "flags" and n % 16:
             continue  # the LL and Lamport kernel needs whole-word rows (its launcher refuses)
         kernel, kwargs = _launch_args(lambda: all_reduce_norm_into(  # noqa: B023  (called right here)
             x, weight, res, y, res_out, 1e-6, 0.0, algo=algo, grid=1, rows_per_group=rows, table=table,
             table_addrs=addrs, status_addr=1 << 36, rank=1, layout=layout, timeout_ns=10**9,
-            protocol=protocol))
+            protocol=protocol, whole_tiles=whole))
         out[name] = row_reduction_layouts(_compile(kernel, kwargs).asm["ttgir"])
     return out
 

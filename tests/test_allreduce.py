@@ -180,8 +180,8 @@ def test_plan_follows_the_knobs_in_plan_py(monkeypatch):
     assert AllReducePlan.from_numel(500, 4, bf16, ll_layout, "oneshot").protocol == "ll"
     monkeypatch.setattr(P, "LAMPORT_MAX_BYTES", {2: 1 << 20, 4: 3 << 20, 8: 0})
     lamport_layout = P.workspace_layout(4, 16 << 20)  # one-shot holds 8 MiB, so Lamport the knob's 3 MiB
-    # LL words to FUSED_LL_MAX_BYTES (128 KiB, for the fused kernel), more than LL_MAX_BYTES now
-    assert (lamport_layout.ll_max_bytes, lamport_layout.lamport_max_bytes) == (128 << 10, 3 << 20)
+    # LL words to FUSED_LL_MAX_BYTES (for the fused kernel), more than LL_MAX_BYTES now
+    assert (lamport_layout.ll_max_bytes, lamport_layout.lamport_max_bytes) == (P.FUSED_LL_MAX_BYTES[4], 3 << 20)
     lamport = AllReducePlan.from_numel(1 << 20, 4, bf16, lamport_layout, "oneshot")
     assert lamport.protocol == "lamport" and (lamport.block, lamport.grid, lamport.num_warps) == (8192, 10, 3)
     assert AllReducePlan.from_numel((3 << 20) // 2 + 1, 4, bf16, lamport_layout, "oneshot").protocol == "flags"

@@ -248,6 +248,10 @@ def test_fused_plan_picks_by_size_and_keeps_groups_whole_tiles(monkeypatch):
     assert lamport.algo == "oneshot" and lamport.protocol == "lamport" and lamport.grid == min(4 * pieces, 4)
     assert FusedPlan.from_shape(1, 8192, 4, bf16, lamport_layout).protocol == "ll"
     assert FusedPlan.from_shape(8, 5120, 4, bf16, lamport_layout, "oneshot").protocol == "flags"  # 80 KiB
+    assert not lamport.whole_tiles  # 4 row tiles for 4 CTAs, but 5 vectors per thread: pieces
+    whole = FusedPlan.from_shape(8, 4096, 4, bf16, lamport_layout)  # 64 KiB, 2 vectors per thread
+    assert whole.protocol == "lamport" and whole.whole_tiles and whole.grid == 4  # a CTA per row
+    assert not FusedPlan.from_shape(3, 4096, 4, bf16, lamport_layout).whole_tiles  # 3 rows: spread
     monkeypatch.setitem(plan.FUSED_LAMPORT_MAX_BYTES, 4, 1 << 20)  # the Lamport capacity still bounds it
     assert FusedPlan.from_shape(16, 4096, 4, bf16, lamport_layout).protocol == "lamport"  # 128 KiB
     assert FusedPlan.from_shape(17, 4096, 4, bf16, lamport_layout, "oneshot").protocol == "flags"

@@ -23,7 +23,7 @@ import torch
 from tpfuse._runtime import INTERPRETER
 from tpfuse.comm.workspace import ALIGN, WorkspaceLayout
 from tpfuse.kernels.common import TRITON_DIVISIBILITY
-from tpfuse.kernels.fused import ll_pieces
+from tpfuse.kernels.fused import ll_pieces, whole_tiles_pay
 from tpfuse.kernels.norm import NormConfig
 
 KiB = 1024
@@ -308,14 +308,16 @@ class FusedPlan:
     algo: "oneshot", "twoshot" or "split"; grid: CTAs; rows_per_group: rows each rank reduces
     in two-shot (rank g owns rows [g * rows_per_group, (g + 1) * rows_per_group); a multiple
     of the norm's tile rows, so no tile spans two owners); protocol: one-shot's, "ll",
-    "lamport" or "flags" (as ``AllReducePlan.protocol``); reason: why "split" was chosen. From
-    (n_rows, n, dtype, world size, layout) only, like ``AllReducePlan``.
+    "lamport" or "flags" (as ``AllReducePlan.protocol``); whole_tiles: over Lamport words, a
+    CTA per whole row tile (``tpfuse.kernels.fused.whole_tiles_pay``); reason: why "split" was
+    chosen. From (n_rows, n, dtype, world size, layout) only, like ``AllReducePlan``.
     """
 
     algo: str
     grid: int = 0
     rows_per_group: int = 0
     protocol: str = "flags"
+    whole_tiles: bool = False
     reason: str = ""
 
     @classmethod
@@ -372,7 +374,8 @@ class FusedPlan:
                              "or use algo='auto' or 'split'")
         protocol = protocol if algo == "oneshot" else "flags"
         work = _cdiv(rows_per_group[algo], tile_rows)  # row tiles
+        whole_tiles = protocol == "lamport" and whole_tiles_pay(n, dtype, work, FUSED_MAX_CTAS)
         if protocol != "flags":  # the kernel's pieces (tpfuse.kernels.fused), which any CTA may take
-            work *= ll_pieces(n, dtype, protocol)[1]
+            work *= ll_pieces(n, dtype, protocol, whole_tiles)[1]
         grid = max(1, min(work, FUSED_MAX_CTAS, layout.max_blocks))
-        return cls(algo, grid=grid, rows_per_group=rows_per_group[algo], protocol=protocol)
+        return cls(algo, grid=grid, rows_per_group=rows_per_group[algo], protocol=protocol, whole_tiles=whole_tiles)

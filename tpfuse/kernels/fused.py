@@ -125,7 +125,9 @@ def ll_oneshot_all_reduce_norm_kernel(
     tile from ``reduced`` with ``norm_tile``, reading plain rows as the norm kernel does (the
     layout test compares the reductions), and resets the counter. No CTA waits for another
     CTA of its rank, so the kernel needs no more residency than the others, and runs under
-    the interpreter, which runs CTAs one after another."""
+    the interpreter, which runs CTAs one after another. With PIECES = 1 (calls with a row tile
+    for every CTA, ``ll_pieces``) a piece is a whole tile, and the CTA that sums it
+    normalises it without the count."""
     ELEM: tl.constexpr = X.dtype.element_ty
     PACK: tl.constexpr = 1 if LAMPORT else 32 // ELEM.primitive_bitwidth  # elements per word
     WORD: tl.constexpr = (tl.uint32 if ELEM.primitive_bitwidth == 32 else tl.uint16) if LAMPORT else tl.uint64
@@ -153,9 +155,12 @@ def ll_oneshot_all_reduce_norm_kernel(
                  mask=wmask[:, None])
         tl.debug_barrier()  # every thread's stores of the piece precede the count (release)
         tile = piece // PIECES
-        if tl.atomic_add(arrived + tile, 1, sem="acq_rel", scope="gpu") == PIECES - 1:
+        rows = tile * ROWS + tl.arange(0, ROWS)
+        if PIECES == 1:  # whole tiles: the CTA that summed the tile normalises it, nothing to count
+            norm_tile(reduced, rows.to(tl.int64) * N, 0, RES, W, Y, RES_OUT, rows, rows < n_rows, N, eps,
+                      weight_offset, has_residual, True, BLOCK_N, TAIL_N, NUM_CHUNKS, HAS_WEIGHT, 0)
+        elif tl.atomic_add(arrived + tile, 1, sem="acq_rel", scope="gpu") == PIECES - 1:
             tl.store(arrived + tile, 0)  # the next call counts after this kernel has ended
-            rows = tile * ROWS + tl.arange(0, ROWS)
             norm_tile(reduced, rows.to(tl.int64) * N, 0, RES, W, Y, RES_OUT, rows, rows < n_rows, N, eps,
                       weight_offset, has_residual, True, BLOCK_N, TAIL_N, NUM_CHUNKS, HAS_WEIGHT, 0)
     end_call(ctrl, epoch)
@@ -211,21 +216,37 @@ def twoshot_all_reduce_norm_kernel(
     end_call(ctrl, epoch)
 
 
-def ll_pieces(n: int, dtype: torch.dtype, protocol: str = "ll") -> tuple[int, int]:
+WHOLE_TILE_MAX_VECTORS = 4
+"""The fused kernel over Lamport words takes whole row tiles as pieces (``ll_pieces``) only
+where a tile holds at most this many 16-byte vectors per thread of the norm's warps."""
+
+
+def ll_pieces(n: int, dtype: torch.dtype, protocol: str = "ll", whole_tiles: bool = False) -> tuple[int, int]:
     """(words per piece, pieces per row tile) of the fused kernel over LL or Lamport words
     for hidden size n: one LL word (4 data bytes) per thread of the norm's warps, so a
     decode row is spread over several CTAs; over Lamport words, one 16-byte vector per
-    thread, as a Lamport word is one element and carries no flag to amortise."""
+    thread, as a Lamport word is one element and carries no flag to amortise. With
+    whole_tiles (Lamport words, ``whole_tiles_pay``), one piece per tile."""
     cfg = NormConfig.from_shape(n, dtype)
     piece_words = cfg.num_warps * 32 * (16 // dtype.itemsize if protocol == "lamport" else 1)
     tile_words = cfg.rows * n if protocol == "lamport" else cfg.rows * n * dtype.itemsize // 4
+    if whole_tiles:
+        return triton.next_power_of_2(tile_words), 1
     return piece_words, triton.cdiv(tile_words, piece_words)
+
+
+def whole_tiles_pay(n: int, dtype: torch.dtype, n_tiles: int, max_ctas: int) -> bool:
+    """Whether the fused kernel over Lamport words takes whole row tiles as pieces: where the
+    call has a row tile for each of its max_ctas CTAs, spreading tiles gains no CTAs and costs
+    a count per piece, and where a tile is at most WHOLE_TILE_MAX_VECTORS vectors per thread."""
+    return n_tiles >= max_ctas and ll_pieces(n, dtype, "lamport")[1] <= WHOLE_TILE_MAX_VECTORS
 
 
 def all_reduce_norm_into(x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor | None,
                          y: torch.Tensor, residual_out: torch.Tensor, eps: float, weight_offset: float, *, algo: str,
                          grid: int, rows_per_group: int, table: torch.Tensor, table_addrs: list[int],
-                         status_addr: int, rank: int, layout, timeout_ns: int, protocol: str = "flags") -> None:
+                         status_addr: int, rank: int, layout, timeout_ns: int, protocol: str = "flags",
+                         whole_tiles: bool = False) -> None:
     """Launch one fused all-reduce + (residual add) + RMSNorm over 2-D [n_rows, N]
     contiguous, 16-byte aligned operands.
 
@@ -234,7 +255,8 @@ def all_reduce_norm_into(x: torch.Tensor, weight: torch.Tensor | None, residual:
     residual_out may alias residual (as in ``tpfuse.kernels.norm.rms_norm_fwd``). Every rank must launch the same algo, grid
     and rows_per_group (``tpfuse.comm.plan.FusedPlan``, from the shape only); protocol:
     one-shot's, "flags", "ll" or "lamport" (x must fit the layout's ``ll_max_bytes`` or
-    ``lamport_max_bytes``). The rest as ``tpfuse.kernels.allreduce.all_reduce_into``.
+    ``lamport_max_bytes``); whole_tiles: Lamport's pieces are whole row tiles (``ll_pieces``).
+    The rest as ``tpfuse.kernels.allreduce.all_reduce_into``.
     """
     n_rows, n = x.shape
     cfg = NormConfig.from_shape(n, x.dtype)
@@ -254,7 +276,9 @@ def all_reduce_norm_into(x: torch.Tensor, weight: torch.Tensor | None, residual:
         if x.numel() * x.element_size() > capacity or n % 16 or 8 * tiles > layout.handoff_bytes:
             raise ValueError(f"the {protocol} one-shot cannot serve {n_rows} x {n} {x.dtype} with this layout "
                              f"(capacity {capacity} bytes; hidden sizes must be multiples of 16)")
-        piece_words, pieces = ll_pieces(n, x.dtype, protocol)
+        if whole_tiles and not lamport:
+            raise ValueError("whole_tiles is for the one-shot over Lamport words")
+        piece_words, pieces = ll_pieces(n, x.dtype, protocol, whole_tiles)
         ll_oneshot_all_reduce_norm_kernel[(grid,)](
             ll_offset=layout.ll_offset(0), ll_bytes=layout.ll_bytes,
             slot_words=layout.ll_slot_bytes // (x.element_size() if lamport else 8),
