@@ -237,21 +237,21 @@ def test_fused_plan_picks_by_size_and_keeps_groups_whole_tiles(monkeypatch):
     monkeypatch.setitem(plan.LL_MAX_BYTES, 4, 0)  # the all-reduce's LL limit does not
     assert FusedPlan.from_shape(4, 8192, 4, bf16, ll_layout).protocol == "ll"
     # Lamport words above FUSED_LL_MAX_BYTES, up to FUSED_LAMPORT_MAX_BYTES and the workspace's
-    # Lamport capacity; auto takes them whatever the vectors per thread, in pieces of a vector
-    # per thread.
+    # Lamport capacity, where whole row tiles or one wave of pieces pay (lamport_tiling, here
+    # for FUSED_MAX_CTAS = 4); auto takes them whatever the vectors per thread.
     lamport_layout = WorkspaceLayout(4, 1 << 20, max_blocks=128, ll_max_bytes=16 << 10, lamport_max_bytes=128 << 10)
-    monkeypatch.setitem(plan.FUSED_LL_MAX_BYTES, 4, 16 << 10)
+    monkeypatch.setitem(plan.FUSED_LL_MAX_BYTES, 4, 4 << 10)
     monkeypatch.setitem(plan.FUSED_LAMPORT_MAX_BYTES, 4, 64 << 10)
-    lamport = FusedPlan.from_shape(4, 5120, 4, bf16, lamport_layout)  # 40 KiB, 8 vectors per thread
-    piece_words, pieces = ll_pieces(5120, bf16, "lamport")
-    assert piece_words == NormConfig.from_shape(5120, bf16).num_warps * 32 * 8  # a vector per thread
-    assert lamport.algo == "oneshot" and lamport.protocol == "lamport" and lamport.grid == min(4 * pieces, 4)
-    assert FusedPlan.from_shape(1, 8192, 4, bf16, lamport_layout).protocol == "ll"
-    assert FusedPlan.from_shape(8, 5120, 4, bf16, lamport_layout, "oneshot").protocol == "flags"  # 80 KiB
-    assert not lamport.whole_tiles  # 4 row tiles for 4 CTAs, but 5 vectors per thread: pieces
-    whole = FusedPlan.from_shape(8, 4096, 4, bf16, lamport_layout)  # 64 KiB, 2 vectors per thread
-    assert whole.protocol == "lamport" and whole.whole_tiles and whole.grid == 4  # a CTA per row
-    assert not FusedPlan.from_shape(3, 4096, 4, bf16, lamport_layout).whole_tiles  # 3 rows: spread
+    assert plan.FUSED_MAX_CTAS == 4
+    piece_words, pieces = ll_pieces(4096, bf16, "lamport")
+    assert piece_words == NormConfig.from_shape(4096, bf16).num_warps * 32 * 8 and pieces == 2  # a vector per thread
+    spread = FusedPlan.from_shape(2, 4096, 4, bf16, lamport_layout)  # 16 KiB: 2 rows x 2 pieces, one wave
+    assert (spread.algo, spread.protocol, spread.whole_tiles, spread.grid) == ("oneshot", "lamport", False, 4)
+    assert FusedPlan.from_shape(3, 4096, 4, bf16, lamport_layout, "oneshot").protocol == "flags"  # 6 pieces
+    whole = FusedPlan.from_shape(8, 4096, 4, bf16, lamport_layout)  # 64 KiB: a row tile per CTA and more
+    assert (whole.protocol, whole.whole_tiles, whole.grid) == ("lamport", True, 4)
+    assert FusedPlan.from_shape(4, 5120, 4, bf16, lamport_layout).protocol == "flags"  # 5 vectors: neither pays
+    assert FusedPlan.from_shape(1, 1024, 4, bf16, lamport_layout).protocol == "ll"
     monkeypatch.setitem(plan.FUSED_LAMPORT_MAX_BYTES, 4, 1 << 20)  # the Lamport capacity still bounds it
     assert FusedPlan.from_shape(16, 4096, 4, bf16, lamport_layout).protocol == "lamport"  # 128 KiB
     assert FusedPlan.from_shape(17, 4096, 4, bf16, lamport_layout, "oneshot").protocol == "flags"

@@ -64,8 +64,13 @@ SMALLEST_ON_TIES = ("oneshot_ll", "oneshot_lamport")
 """Methods whose threshold breaks ties toward the smaller size: LL, in both chains, and
 Lamport words. Their thresholds also size every Communicator's workspace (its LL regions take
 about 4 * W bytes per byte of LL_MAX_BYTES or FUSED_LL_MAX_BYTES, 2 * W per byte of
-LAMPORT_MAX_BYTES), so sizes where they are no better than the next method go to it. The
-fused chain follows the same rule (a tie is within run-to-run noise either way)."""
+LAMPORT_MAX_BYTES), so sizes where they are no better than the next method go to it."""
+FUSED_SMALLEST_ON_TIES = FUSED_CHAIN[:-1]
+"""In the fused chain every kernel breaks ties toward the smaller size, so split keeps every
+size where no fused kernel wins by more than TOLERANCE: the sweep measures one hidden size,
+and split's cost is the all-reduce's at every hidden size while a fused kernel's follows the
+norm's tile for that hidden size (2x H100 at bb82e79: the flag kernel tied split at 4096 x
+256 tokens, 14.8 vs 14.7 us, and lost at 5120 x 128, 13.0 vs 12.2)."""
 
 
 # ---- from timings to knobs (pure functions; timings: {method: {size_bytes: us}})
@@ -80,16 +85,18 @@ fused chain follows the same rule (a tie is within run-to-run noise either way).
 # noisy point then cannot split an algorithm's range, unlike "the last size where it wins".
 # Among equally good thresholds the largest win: an algorithm keeps every size where it is
 # best or within 3% of the best (earlier in the chain is simpler: one-shot over two-shot,
-# fused over split, exact over a codec). LL is the exception (SMALLEST_ON_TIES): the smallest
-# of its equally good thresholds wins, since a larger one costs workspace, so it keeps only the
-# sizes where flags lose by more than 3%. A method not measured at a size cannot take it.
+# exact over a codec). LL and Lamport words are the exception (SMALLEST_ON_TIES): the smallest
+# of their equally good thresholds wins, since a larger one costs workspace, so they keep only
+# the sizes where the next method loses by more than 3%; and so is every fused kernel against
+# split (FUSED_SMALLEST_ON_TIES). A method not measured at a size cannot take it.
 
 
 def chain_thresholds(times: dict[str, dict[int, float]], chain: tuple[str, ...],
-                     tolerance: float = TOLERANCE) -> tuple[int, ...]:
+                     tolerance: float = TOLERANCE, smallest_on_ties: tuple[str, ...] = SMALLEST_ON_TIES
+                     ) -> tuple[int, ...]:
     """The largest size each of chain[:-1] serves (0: none), nondecreasing; chain[-1] takes
     every size above the last threshold. Ties go to the larger threshold, but for the methods
-    in SMALLEST_ON_TIES."""
+    in smallest_on_ties."""
     sizes = sorted({s for method in chain for s in times.get(method, {})})
     best = {s: min(times[m][s] for m in chain if s in times.get(m, {})) for s in sizes}
 
@@ -106,7 +113,7 @@ def chain_thresholds(times: dict[str, dict[int, float]], chain: tuple[str, ...],
 
     candidates = itertools.combinations_with_replacement([0] + sizes, len(chain) - 1)  # nondecreasing tuples
     best_thresholds = max(candidates, key=lambda ts: (-loss(ts), tuple(
-        -t if m in SMALLEST_ON_TIES else t for m, t in zip(chain, ts))))
+        -t if m in smallest_on_ties else t for m, t in zip(chain, ts))))
     if loss(best_thresholds) == float("inf"):
         raise ValueError(f"no thresholds for {chain} cover every measured size: {times}")
     return best_thresholds
@@ -145,7 +152,8 @@ def derive_knobs(timings: dict[str, dict[str, dict[int, float]]]) -> dict:
         knobs |= {k: t for k, t in derived if _observed(t, swept)}
     if timings.get("fused") and _swept(timings["fused"]):
         swept = _swept(timings["fused"])
-        ll, lamport, oneshot, twoshot = chain_thresholds(timings["fused"], FUSED_CHAIN)
+        ll, lamport, oneshot, twoshot = chain_thresholds(timings["fused"], FUSED_CHAIN,
+                                                         smallest_on_ties=FUSED_SMALLEST_ON_TIES)
         twoshot = twoshot if twoshot > oneshot else 0  # the plan's "never"
         derived = (("FUSED_LL_MAX_BYTES", ll), ("FUSED_LAMPORT_MAX_BYTES", lamport),
                    ("FUSED_ONESHOT_MAX_BYTES", oneshot), ("FUSED_TWOSHOT_MAX_BYTES", twoshot))

@@ -23,7 +23,7 @@ import torch
 from tpfuse._runtime import INTERPRETER
 from tpfuse.comm.workspace import ALIGN, WorkspaceLayout
 from tpfuse.kernels.common import TRITON_DIVISIBILITY
-from tpfuse.kernels.fused import ll_pieces, whole_tiles_pay
+from tpfuse.kernels.fused import lamport_tiling, ll_pieces
 from tpfuse.kernels.norm import NormConfig
 
 KiB = 1024
@@ -270,9 +270,10 @@ class AllReducePlan:
 #   (32 tokens) took 9.1 us against split's 7.7.
 # FUSED_LAMPORT_MAX_BYTES: largest message the fused one-shot sends over Lamport words, above
 #   FUSED_LL_MAX_BYTES, by world size (within the workspace's Lamport capacity,
-#   LAMPORT_MAX_BYTES); the same kernel as LL's, pieces of a 16-byte vector per thread. Like
-#   LL's, "auto" takes it whatever FUSED_ONESHOT_MAX_VECTORS says. 0 (never) until measured
-#   at that world size (`tpfuse tune`).
+#   LAMPORT_MAX_BYTES); the same kernel as LL's, with whole row tiles or pieces of a 16-byte
+#   vector per thread, where one of them pays (`tpfuse.kernels.fused.lamport_tiling`; else the
+#   flag kernel's rules apply). Like LL's, "auto" takes it whatever FUSED_ONESHOT_MAX_VECTORS
+#   says. 0 (never) until measured at that world size (`tpfuse tune`).
 # FUSED_TWOSHOT_MAX_BYTES: largest message "auto" sends to the fused two-shot kernel (0: never;
 #   it measured 0.91-0.98x of split from 128 to 1024 tokens).
 #   Above both, "split" (tpfuse all_reduce, then add_rms_norm: the same bits).
@@ -309,7 +310,7 @@ class FusedPlan:
     in two-shot (rank g owns rows [g * rows_per_group, (g + 1) * rows_per_group); a multiple
     of the norm's tile rows, so no tile spans two owners); protocol: one-shot's, "ll",
     "lamport" or "flags" (as ``AllReducePlan.protocol``); whole_tiles: over Lamport words, a
-    CTA per whole row tile (``tpfuse.kernels.fused.whole_tiles_pay``); reason: why "split" was
+    CTA per whole row tile (``tpfuse.kernels.fused.lamport_tiling``); reason: why "split" was
     chosen. From (n_rows, n, dtype, world size, layout) only, like ``AllReducePlan``.
     """
 
@@ -351,9 +352,11 @@ class FusedPlan:
                 "twoshot": rows_per_group["twoshot"] * n * esize <= layout.twoshot_slot_bytes}
         if n_rows * n > MAX_ELEMENTS:
             fits = {"oneshot": False, "twoshot": False}
+        tiling = lamport_tiling(n, dtype, _cdiv(n_rows, tile_rows), FUSED_MAX_CTAS)
         if nbytes <= min(layout.ll_max_bytes, for_world(FUSED_LL_MAX_BYTES, world_size)):
             protocol = "ll"
-        elif nbytes <= min(layout.lamport_max_bytes, for_world(FUSED_LAMPORT_MAX_BYTES, world_size)):
+        elif (nbytes <= min(layout.lamport_max_bytes, for_world(FUSED_LAMPORT_MAX_BYTES, world_size))
+              and tiling is not None):
             protocol = "lamport"
         else:
             protocol = "flags"
@@ -374,7 +377,7 @@ class FusedPlan:
                              "or use algo='auto' or 'split'")
         protocol = protocol if algo == "oneshot" else "flags"
         work = _cdiv(rows_per_group[algo], tile_rows)  # row tiles
-        whole_tiles = protocol == "lamport" and whole_tiles_pay(n, dtype, work, FUSED_MAX_CTAS)
+        whole_tiles = protocol == "lamport" and tiling == "whole"
         if protocol != "flags":  # the kernel's pieces (tpfuse.kernels.fused), which any CTA may take
             work *= ll_pieces(n, dtype, protocol, whole_tiles)[1]
         grid = max(1, min(work, FUSED_MAX_CTAS, layout.max_blocks))
