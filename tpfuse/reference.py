@@ -7,6 +7,11 @@ This module is the specification the kernels are tested against:
 - Ops whose bits depend on a reduction order (RMSNorm and its backward) are written here in
   float64; kernels are held to a relative error budget against them, and to bitwise
   equality with each other (fused vs unfused, row alone vs row in a batch, run vs run).
+
+"Bitwise" covers every value but the payload bits of a NaN: a result is NaN exactly where
+the reference's is, with whatever payload (GPUs write 0x7FFFFFFF, torch and numpy keep
+0x7FC00000, and the one-shot over Lamport words sends an all-ones NaN with its sign bit
+clear, ``tpfuse.kernels.ll``). Signed zeros are values: -0.0 summed with -0.0 stays -0.0.
 """
 
 from __future__ import annotations
@@ -123,9 +128,8 @@ def all_reduce_rms_norm(
 #
 # The codecs below are the bit-exact specification of ``tpfuse.quantize``/``dequantize`` and
 # of ``Communicator.all_reduce(x, quant=...)``. Every step is an integer operation or an IEEE
-# fp32 operation that is exact or rounds once, written the way the kernels write it. NaN
-# payload bits are not part of the contract (GPUs write 0x7FFFFFFF, torch and numpy keep
-# 0x7FC00000): a NaN is a NaN.
+# fp32 operation that is exact or rounds once, written the way the kernels write it (NaN
+# payloads excepted, as everywhere: the module's docstring).
 
 QUANT_CODECS = ("fp8", "int8", "int6", "int4")
 QUANT_GROUP = 32

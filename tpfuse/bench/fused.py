@@ -93,7 +93,8 @@ def _measure_shape(tokens, hidden, comm, flashinfer, world, rank):
         bitwise = name == "nccl_torch" or (all(same) and spec_ok)
         rec = dict(tokens=tokens, hidden=hidden, method=name, us=round(us, 2), bitwise=bool(bitwise)) | peer_bits
         if name == "auto":
-            rec["algo"] = FusedPlan.from_shape(tokens, hidden, world, x.dtype, comm.layout).algo
+            plan = FusedPlan.from_shape(tokens, hidden, world, x.dtype, comm.layout)
+            rec["algo"] = plan.algo + (f"/{plan.protocol}" if plan.algo == "oneshot" else "")
         records.append(rec)
     return records
 
