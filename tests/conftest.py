@@ -20,14 +20,20 @@ ON_GPU = not INTERPRETER
 
 
 def compile_for_sm90(cases: list[dict]) -> list[dict]:
-    """tests/sm90_layouts.py's report per case, run in a process of its own (it imports tpfuse
-    in GPU mode to compile for sm_90, which this process, under the interpreter, cannot)."""
+    """tests/sm90_layouts.py's report per case, in order, run in processes of their own (it
+    imports tpfuse in GPU mode to compile for sm_90, which this process, under the interpreter,
+    cannot): the cases are cut into one contiguous share per CPU core, compiled side by side."""
     script = os.path.join(os.path.dirname(__file__), "sm90_layouts.py")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, script, json.dumps(cases)], capture_output=True, text=True, env=env,
-                          timeout=1800)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads(line) for line in proc.stdout.splitlines()]
+    share = -(-len(cases) // max(1, min(len(cases), os.cpu_count() or 1)))
+    procs = [subprocess.Popen([sys.executable, script, json.dumps(cases[i:i + share])], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for i in range(0, len(cases), share)]
+    reports = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=1800)
+        assert proc.returncode == 0, err[-4000:]
+        reports += [json.loads(line) for line in out.splitlines()]
+    return reports
 
 
 @pytest.fixture
