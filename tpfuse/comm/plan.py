@@ -75,7 +75,7 @@ KiB = 1024
 #   world size (other sizes: W=8's); larger one-shot messages use Lamport words or separate
 #   flags. With FUSED_LL_MAX_BYTES and LAMPORT_MAX_BYTES it sizes the workspace's LL regions
 #   (`workspace_layout`: 2 * W slots of the larger of twice LL's bytes and Lamport's, plus
-#   LL's bytes for the fused kernel's reduced rows). The interpreter's
+#   the larger of the two for the fused kernel's reduced rows). The interpreter's
 #   value keeps both protocols inside the CPU tests' sizes. 4x H200 sweep (W=4 bf16):
 #   LL with 1 KiB tiles on 4 warps (2 words per thread), up to 64 CTAs: 8 KiB 3.65 us (flags
 #   5.06), 64 KiB 5.12 (6.04), 128 KiB 6.71 (6.9), 256 KiB LL 10.6, flags 8.4. A tile of
@@ -109,8 +109,6 @@ MAX_ELEMENTS = 2**31 - 1
 
 
 ALGOS = ("auto", "oneshot", "twoshot", "nccl")
-ONESHOT_PROTOCOLS = ("ll", "lamport", "flags")
-"""One-shot's protocols, in the order of the sizes they serve (``oneshot_protocol``)."""
 
 
 def for_world(knob: dict, world_size: int):
@@ -173,8 +171,8 @@ class AllReducePlan:
     algo: "oneshot", "twoshot" or "nccl" (the group's backend: NCCL on GPUs, gloo on CPU);
     reason: why "nccl" was chosen (empty otherwise); block: elements per tile; grid: CTAs;
     chunk: elements of each rank's share (two-shot; a multiple of ALIGN bytes); gather:
-    two-shot's all-gather mode (see GATHER); protocol: one-shot's, one of ONESHOT_PROTOCOLS
-    ("flags" for every other algorithm).
+    two-shot's all-gather mode (see GATHER); protocol: one-shot's, "ll", "lamport" or "flags"
+    (``oneshot_protocol``; "flags" for every other algorithm).
     """
 
     algo: str

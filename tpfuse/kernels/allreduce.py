@@ -219,7 +219,7 @@ def all_reduce_into(x: torch.Tensor, out: torch.Tensor, *, algo: str, grid: int,
     can write and the host read; layout: the ``WorkspaceLayout`` of the workspaces; chunk:
     elements per rank (two-shot); gather: two-shot's all-gather mode, "push" or "pull"
     (``tpfuse.comm.plan.GATHER``); protocol: one-shot's, "flags", "ll" or "lamport"
-    (``tpfuse.comm.plan.ONESHOT_PROTOCOLS``; the message must fit the layout's
+    (``tpfuse.comm.plan.oneshot_protocol``; the message must fit the layout's
     ``ll_max_bytes`` or ``lamport_max_bytes``).
     """
     world = layout.world_size

@@ -125,9 +125,9 @@ def ll_oneshot_all_reduce_norm_kernel(
     tile from ``reduced`` with ``norm_tile``, reading plain rows as the norm kernel does (the
     layout test compares the reductions), and resets the counter. No CTA waits for another
     CTA of its rank, so the kernel needs no more residency than the others, and runs under
-    the interpreter, which runs CTAs one after another. With PIECES = 1 (calls with a row tile
-    for every CTA, ``ll_pieces``) a piece is a whole tile, and the CTA that sums it
-    normalises it without the count."""
+    the interpreter, which runs CTAs one after another. With PIECES = 1 (small tiles, or whole
+    tiles over Lamport words once the call has a row tile per CTA, ``lamport_tiling``) a piece
+    is a whole tile, and the CTA that sums it normalises it without the count."""
     ELEM: tl.constexpr = X.dtype.element_ty
     PACK: tl.constexpr = 1 if LAMPORT else 32 // ELEM.primitive_bitwidth  # elements per word
     WORD: tl.constexpr = (tl.uint32 if ELEM.primitive_bitwidth == 32 else tl.uint16) if LAMPORT else tl.uint64
