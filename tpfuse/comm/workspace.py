@@ -8,8 +8,8 @@ so a larger call after a smaller one can never land on a slot that a slow peer s
 
 Layout of one rank's buffer (every region starts at a multiple of ``ALIGN``)::
 
-    ctrl      local words: [0] epoch of the last call that started, [1] blocks of the
-              current call that started, [2] abort word (non-zero once any wait timed out)
+    ctrl      local words: [0] epoch of the last finished call, [1] blocks finished in
+              the current call, [2] abort word (non-zero once any wait timed out)
     flags[0]  phase-0 arrival flags: int64 word (block b, source rank s) at
               flags[0] + (b * world_size + s) * 8, written only by rank s's block b
     flags[1]  phase-1 arrival flags (two-shot all-gather), same shape

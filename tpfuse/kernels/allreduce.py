@@ -39,7 +39,7 @@ import triton.language as tl
 
 from tpfuse.kernels.common import EXACT_FP, round_to, to_f32
 from tpfuse.kernels.ll import lamport_pack, ll_flag, ll_pack, ll_reduce
-from tpfuse.kernels.sync import begin_call, signal, wait
+from tpfuse.kernels.sync import begin_call, end_call, signal, wait
 
 # Operation codes of the status record (``sync.wait``), named for error messages.
 OP_ONESHOT = tl.constexpr(1)
@@ -122,6 +122,7 @@ def oneshot_all_reduce_kernel(x_ptr, out_ptr, numel, table_ptr, local, status_ad
             mask = offs < numel
             acc = sum_in_rank_order(slot0, slot_elems, offs, mask, W)
             tl.store(out_ptr + offs, round_to(acc, ELEM), mask=mask)
+    end_call(ctrl, epoch)
 
 
 @triton.jit
@@ -153,6 +154,7 @@ def ll_oneshot_all_reduce_kernel(x_ptr, out_ptr, numel, n_words, table_ptr, loca
         acc = ll_reduce(slot0, slot_words, woffs, woffs < n_words, flag, ctrl, status, epoch, rank, timeout_ns,
                         OP_ONESHOT, W, ELEM, LAMPORT)
         tl.store(out_ptr + offs, round_to(acc, ELEM), mask=offs < numel)
+    end_call(ctrl, epoch)
 
 
 @triton.jit
@@ -202,6 +204,7 @@ def twoshot_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, st
                         src = _typed(local, data + gather_offset, ELEM) + c * slot_elems
                     vals = tl.load(src + offs, mask=mask, cache_modifier=".cg")
                     tl.store(out_ptr + c * chunk + offs, vals, mask=mask)
+    end_call(ctrl, epoch)
 
 
 def all_reduce_into(x: torch.Tensor, out: torch.Tensor, *, algo: str, grid: int, block: int, num_warps: int,

@@ -46,7 +46,7 @@ from tpfuse.kernels.allreduce import _begin, _flag_row, _push, _typed, sum_in_ra
 from tpfuse.kernels.common import EXACT_FP, round_to
 from tpfuse.kernels.ll import lamport_pack, ll_flag, ll_pack, ll_reduce
 from tpfuse.kernels.norm import NormConfig, norm_tile
-from tpfuse.kernels.sync import signal, wait
+from tpfuse.kernels.sync import end_call, signal, wait
 
 # Operation codes of the status record; their names are in allreduce.OP_NAMES.
 OP_FUSED_ONESHOT = tl.constexpr(4)
@@ -94,6 +94,7 @@ def oneshot_all_reduce_norm_kernel(
             rows = tile * ROWS + tl.arange(0, ROWS)
             norm_tile(slot0, rows.to(tl.int64) * N, slot_elems, RES, W, Y, RES_OUT, rows, rows < n_rows, N, eps,
                       weight_offset, has_residual, True, BLOCK_N, TAIL_N, NUM_CHUNKS, HAS_WEIGHT, WORLD)
+    end_call(ctrl, epoch)
 
 
 @triton.jit
@@ -162,6 +163,7 @@ def ll_oneshot_all_reduce_norm_kernel(
             tl.store(arrived + tile, 0)  # the next call counts after this kernel has ended
             norm_tile(reduced, rows.to(tl.int64) * N, 0, RES, W, Y, RES_OUT, rows, rows < n_rows, N, eps,
                       weight_offset, has_residual, True, BLOCK_N, TAIL_N, NUM_CHUNKS, HAS_WEIGHT, 0)
+    end_call(ctrl, epoch)
 
 
 @triton.jit(do_not_specialize=_UNSPECIALISED)
@@ -211,6 +213,7 @@ def twoshot_all_reduce_norm_kernel(
                 norm_tile(gather0 + g * slot_elems, local_rows.to(tl.int64) * N, 0, RES, W, Y, RES_OUT, rows,
                           (local_rows < rows_per_group) & (rows < n_rows), N, eps, weight_offset, has_residual, True,
                           BLOCK_N, TAIL_N, NUM_CHUNKS, HAS_WEIGHT, 1)
+    end_call(ctrl, epoch)
 
 
 WHOLE_TILE_MAX_VECTORS = 4

@@ -12,8 +12,8 @@ the exact two-shot kernel (``allreduce.py``), with packed groups in place of raw
 3. after the W gather flags, every rank decodes the other W-1 gather slots into its output.
 
 So every rank decodes the same codes and scales for every group, and holds the same bits:
-``tpfuse.reference.quantized_all_reduce``. Slots, flags, epochs (``sync.begin_call``),
-the parity rotation of data regions and the bounded waits are the exact
+``tpfuse.reference.quantized_all_reduce``. Slots, flags, epochs (``sync.begin_call`` /
+``end_call``), the parity rotation of data regions and the bounded waits are the exact
 two-shot's; the packed planes sit at fixed offsets inside each slot (the plan's, from the
 segment capacity, never from the message size). Only pushes: a rank reads its own
 workspace, and every remote access is a posted store.
@@ -33,7 +33,7 @@ from tpfuse.kernels.allreduce import _begin, _flag_row
 from tpfuse.kernels.codecs import (CODEC_IDS, decode_groups, encode_groups, hardware_e4m3, load_groups, load_packed,
                                    store_packed)
 from tpfuse.kernels.common import EXACT_FP, round_to
-from tpfuse.kernels.sync import signal, wait
+from tpfuse.kernels.sync import end_call, signal, wait
 
 # Operation codes of the status record (names in allreduce.OP_NAMES).
 OP_QUANT_SCATTER = tl.constexpr(10)
@@ -93,6 +93,7 @@ def quant_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, stat
                                                gidx * 32 < limit, CODEC)
                     y = decode_groups(codes, scale, CODEC, HW_E4M3)
                     tl.store(out_ptr + c * chunk + offs, round_to(y, ELEM), mask=offs < limit)
+    end_call(ctrl, epoch)
 
 
 def quant_all_reduce_into(x: torch.Tensor, out: torch.Tensor, *, codec: str, chunk: int, grid: int, block: int,

@@ -3,13 +3,12 @@
 Every collective kernel in tpfuse synchronises with these functions and nothing else.
 
 **Epochs.** A rank's workspace starts with control words (see ``tpfuse.comm.workspace``):
-``ctrl[0]`` holds the epoch of the last call that started. Every block of a call reads it at
-its start (``begin_call``) and works with ``epoch = ctrl[0] + 1``, then counts itself in
-``ctrl[1]``; the last block to count stores the new epoch there and then. The epoch therefore
-lives in device memory and is advanced by the kernel itself: a CUDA graph that captured a
-call holds no epoch value, and every replay, interleaved with eager calls in any pattern, runs
-with the next epoch (DESIGN.md 2.2). All ranks make the same sequence of calls, so all agree
-on it.
+``ctrl[0]`` holds the epoch of the last finished call. Every block of a call reads it at
+its start (``begin_call``) and works with ``epoch = ctrl[0] + 1``; the last block to finish
+(counted by ``ctrl[1]``) stores the new epoch (``end_call``). The epoch therefore lives in
+device memory and is advanced by the kernel itself: a CUDA graph that captured a call holds
+no epoch value, and every replay, interleaved with eager calls in any pattern, runs with the
+next epoch (DESIGN.md 2.2). All ranks make the same sequence of calls, so all agree on it.
 
 **Flags.** Flag words are int64 and have exactly one writer: block b of rank s writes its
 slot (b, s) in the flag region of the phase on each destination rank, storing the call's
@@ -101,26 +100,30 @@ else:
 
 @triton.jit
 def begin_call(ctrl_ptr):
-    """The epoch of the call this block belongs to (ctrl_ptr: int64* to the control words),
-    counting this block as started; the last block of the grid to count publishes the epoch.
+    """The epoch of the call this block belongs to (ctrl_ptr: int64* to the control words).
 
-    The load bypasses L1: ``ctrl[0]`` was written by a block of the previous call, which may
-    have run on another SM. A CTA barrier puts every thread's load before the block's acq_rel
-    count, so the last count, and the store after it, follow every block's load; the next
-    call (the next kernel on the stream) sees the store. Counting at the start rather than at
-    the end keeps the count's round trip to L2, and the release it implies (which waits for
-    the block's earlier stores), off the end of the call. A grid of one block has nothing to
-    count: it stores the epoch after the barrier."""
-    epoch = tl.load(ctrl_ptr, volatile=True) + 1
-    tl.debug_barrier()
+    The load bypasses L1: ``ctrl[0]`` was written by the previous call's last block, which
+    may have run on another SM."""
+    return tl.load(ctrl_ptr, volatile=True) + 1
+
+
+@triton.jit
+def end_call(ctrl_ptr, epoch):
+    """Count this block as finished; the last block of the grid publishes ``epoch``.
+
+    Every block read the epoch before its acq_rel increment, so the last block's store
+    cannot overtake any block's read. The next call (the next kernel on the stream) sees
+    both stores. A grid of one block has nothing to count: it stores the epoch without the
+    atomic's round trip to L2. Both paths assume what every kernel here does: a CTA barrier
+    between ``begin_call`` and ``end_call`` (in ``signal``, ``wait`` or an LL poll), so no
+    thread's store of the new epoch can precede another thread's read of the old one."""
     if tl.num_programs(0) == 1:
         tl.store(ctrl_ptr, epoch)
     else:
-        started = tl.atomic_add(ctrl_ptr + 1, 1, sem="acq_rel", scope="gpu")
-        if started == tl.num_programs(0) - 1:
+        finished = tl.atomic_add(ctrl_ptr + 1, 1, sem="acq_rel", scope="gpu")
+        if finished == tl.num_programs(0) - 1:
             tl.store(ctrl_ptr + 1, 0)
             tl.store(ctrl_ptr, epoch)
-    return epoch
 
 
 @triton.jit
