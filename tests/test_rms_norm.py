@@ -97,8 +97,9 @@ def test_batch_invariance(n, dtype):
     yb, rb = tpfuse.add_rms_norm(x, residual, w)
     ya, ra = tpfuse.add_rms_norm(x[pos : pos + 1].clone(), residual[pos : pos + 1].clone(), w)
     assert torch.equal(yb[pos : pos + 1], ya) and torch.equal(rb[pos : pos + 1], ra)
-    # Row counts divisible by 16 (Triton specialises such integers unless told not to).
-    m16 = 1024 if (ON_GPU or n <= 2880) else 32
+    # Row counts divisible by 16 (Triton specialises such integers unless told not to; the
+    # interpreter specialises nothing, so a short batch serves there).
+    m16 = 1024 if ON_GPU else 32
     x16 = torch.randn(m16, n).to(dtype).to(DEVICE)
     x16[pos % m16] = x[pos]
     assert torch.equal(tpfuse.rms_norm(x16, w)[pos % m16 : pos % m16 + 1], y_alone)
@@ -110,7 +111,9 @@ def test_backward_is_deterministic(n):
     x, w, _ = _inputs(m, n, torch.bfloat16, "plain", seed=7)
     dy = torch.randn(m, n).to(torch.bfloat16).to(DEVICE)
     results = []
-    for _ in range(10):
+    # Under the interpreter CTAs run one after another in a fixed order, so repeats can only
+    # show state a call leaves behind (the dW combine's counters): two calls show it.
+    for _ in range(10 if ON_GPU else 2):
         xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
         tpfuse.rms_norm(xg, wg).backward(dy)
         results.append((xg.grad, wg.grad))
