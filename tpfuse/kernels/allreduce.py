@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from tpfuse.kernels.common import EXACT_FP, round_to, to_f32
-from tpfuse.kernels.ll import lamport_pack, ll_flag, ll_pack, ll_reduce
+from tpfuse.kernels.ll import lamport_pack, lamport_word, ll_flag, ll_pack, ll_reduce
 from tpfuse.kernels.sync import begin_call, end_call, signal, wait
 
 # Operation codes of the status record (``sync.wait``), named for error messages.
@@ -135,7 +135,7 @@ def ll_oneshot_all_reduce_kernel(x_ptr, out_ptr, numel, n_words, table_ptr, loca
     derived from numel would make LL's scalar)."""
     ELEM: tl.constexpr = x_ptr.dtype.element_ty
     WORDS: tl.constexpr = BLOCK if LAMPORT else BLOCK * ELEM.primitive_bitwidth // 32
-    WORD: tl.constexpr = (tl.uint32 if ELEM.primitive_bitwidth == 32 else tl.uint16) if LAMPORT else tl.uint64
+    WORD: tl.constexpr = lamport_word(ELEM) if LAMPORT else tl.uint64
     pid, grid, ctrl, status, epoch, region, n_tiles = _begin(local, status_addr, ll_offset, ll_bytes, numel, BLOCK)
     flag = ll_flag(epoch)
     for tile in range(pid, n_tiles, grid):

@@ -44,7 +44,7 @@ import triton.language as tl
 
 from tpfuse.kernels.allreduce import _begin, _flag_row, _push, _typed, sum_in_rank_order
 from tpfuse.kernels.common import EXACT_FP, round_to
-from tpfuse.kernels.ll import lamport_pack, ll_flag, ll_pack, ll_reduce
+from tpfuse.kernels.ll import lamport_pack, lamport_word, ll_flag, ll_pack, ll_reduce
 from tpfuse.kernels.norm import NormConfig, norm_tile
 from tpfuse.kernels.sync import end_call, signal, wait
 
@@ -130,7 +130,7 @@ def ll_oneshot_all_reduce_norm_kernel(
     is a whole tile, and the CTA that sums it normalises it without the count."""
     ELEM: tl.constexpr = X.dtype.element_ty
     PACK: tl.constexpr = 1 if LAMPORT else 32 // ELEM.primitive_bitwidth  # elements per word
-    WORD: tl.constexpr = (tl.uint32 if ELEM.primitive_bitwidth == 32 else tl.uint16) if LAMPORT else tl.uint64
+    WORD: tl.constexpr = lamport_word(ELEM) if LAMPORT else tl.uint64
     pid, grid, ctrl, status, epoch, region, n_tiles = _begin(local, status_addr, ll_offset, ll_bytes, n_rows, ROWS)
     flag = ll_flag(epoch)
     tile_words = ROWS * N // PACK

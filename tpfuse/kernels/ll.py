@@ -80,6 +80,12 @@ def _unpack_f32(words, ELEM: tl.constexpr):
     return vals
 
 
+@triton.constexpr_function
+def lamport_word(elem):
+    """The Lamport word type of elements of dtype ``elem``: the unsigned integer of its width."""
+    return tl.uint32 if elem.primitive_bitwidth == 32 else tl.uint16
+
+
 @triton.jit
 def _complement(bits):
     """~bits for uint16 or uint32 (Triton's interpreter cannot invert unsigned integers)."""
@@ -93,9 +99,8 @@ def lamport_pack(vals):
     same width): the complement of each element's bits, never 0 (an element whose bits are
     all ones, a NaN, is sent as the NaN with the sign bit clear, whose complement is the
     sign bit alone)."""
-    WIDE: tl.constexpr = vals.dtype.primitive_bitwidth == 32
-    WORD: tl.constexpr = tl.uint32 if WIDE else tl.uint16
-    SIGN: tl.constexpr = 0x80000000 if WIDE else 0x8000
+    WORD: tl.constexpr = lamport_word(vals.dtype)
+    SIGN: tl.constexpr = 0x80000000 if WORD.primitive_bitwidth == 32 else 0x8000
     words = _complement(vals.to(WORD, bitcast=True))
     return tl.where(words == 0, tl.full(words.shape, SIGN, WORD), words)
 
