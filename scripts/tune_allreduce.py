@@ -58,8 +58,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import tpfuse.comm  # noqa: E402,F401  (sets the no-multicast environment before ranks are spawned)
 from tpfuse import reference  # noqa: E402
 from tpfuse.bench import common as C  # noqa: E402
-from tpfuse.bench.common import (fmt_size, init_rank, random_inputs, rotation, run_header, same_bits,  # noqa: E402
-                                 spawn_ranks)
+from tpfuse.bench.common import (fmt_size, header_markdown, init_rank, random_inputs, rotation,  # noqa: E402
+                                 run_header, same_bits, spawn_ranks)
 
 KiB, MiB = 1024, 1024 * 1024
 # Most telling first, so a run stopped by --budget-s still covers the targets.
@@ -118,18 +118,12 @@ class _Knobs:
         p.MAX_CTAS, p.TILE_BYTES, p.NUM_WARPS, p.GATHER, p.LL_MAX_BYTES, p.LAMPORT_MAX_BYTES = self.saved
 
 
-def run_line(header) -> str:
-    """The run's facts (date, commit, GPU, versions) as one line of the markdown."""
-    return ", ".join(f"{k} {header[k]}" for k in ("date", "commit", "gpu", "gpu_count", "torch", "triton", "cuda", "nccl")
-                     if k in header)
-
-
 def _summary(records, world, header) -> str:
     by_size = {}
     for r in records:
         by_size.setdefault(r["size_bytes"], []).append(r)
-    lines = [f"# tune_allreduce, {world} ranks, bf16, us per call (CUDA-graph replay; bus GB/s)", "",
-             run_line(header), ""]
+    lines = header_markdown(f"tune_allreduce, {world} ranks, bf16, us per call (CUDA-graph replay; bus GB/s)",
+                            header).split("\n")[:-1]
     lines.append("| size | nccl | oneshot default | oneshot best (cfg) | twoshot default | twoshot best (cfg) | "
                  "best / nccl |")
     lines.append("|---|---|---|---|---|---|---|")
