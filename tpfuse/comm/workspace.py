@@ -13,17 +13,13 @@ Layout of one rank's buffer (every region starts at a multiple of ``ALIGN``)::
     flags[0]  phase-0 arrival flags: int64 word (block b, source rank s) at
               flags[0] + (b * world_size + s) * 8, written only by rank s's block b
     flags[1]  phase-1 arrival flags (two-shot all-gather), same shape
+    data[0]   message data of calls with even epoch
+    data[1]   message data of calls with odd epoch
     ll[0]     low-latency (LL) or Lamport words of one-shot calls with even epoch:
               ``world_size`` slots of ``ll_slot_bytes``, slot s written only by rank s
     ll[1]     the same for odd epochs
     reduced   local only: the fused one-shot LL and Lamport kernel's reduced rows
     handoff   local only: that kernel's int64 arrival counters, one per row tile
-    data[0]   message data of calls with even epoch
-    data[1]   message data of calls with odd epoch
-
-The small messages' regions (ctrl, flags, LL) come first, at offsets that do not grow with
-``max_bytes``: behind 1 GiB of data regions (max_bytes 256 MiB) the same LL one-shot took
-0.2-0.3 us more per call than behind 128 KiB (2x H200, 4-16 KiB; benchmarks/NOTES.md).
 
 Each data region (``data_bytes``) is cut into ``world_size`` one-shot slots (slot s holds
 rank s's whole input), or, for two-shot, into ``world_size`` scatter slots (slot s holds
@@ -136,7 +132,7 @@ class WorkspaceLayout:
         """Start of the data region of calls whose epoch has this parity."""
         if not 0 <= parity < NUM_PARITIES:
             raise ValueError(f"parity must be 0 or 1, got {parity}")
-        return self.handoff_offset + self.handoff_bytes + parity * self.data_bytes
+        return self.flag_offset(NUM_PHASES - 1) + self.flag_region_bytes + parity * self.data_bytes
 
     @property
     def ll_slot_bytes(self) -> int:
@@ -153,7 +149,7 @@ class WorkspaceLayout:
         """Start of the LL region of calls whose epoch has this parity."""
         if not 0 <= parity < NUM_PARITIES:
             raise ValueError(f"parity must be 0 or 1, got {parity}")
-        return self.flag_offset(NUM_PHASES - 1) + self.flag_region_bytes + parity * self.ll_bytes
+        return self.data_offset(NUM_PARITIES - 1) + self.data_bytes + parity * self.ll_bytes
 
     @property
     def reduced_offset(self) -> int:
@@ -179,22 +175,21 @@ class WorkspaceLayout:
 
     @property
     def total_bytes(self) -> int:
-        return self.data_offset(NUM_PARITIES - 1) + self.data_bytes
+        return self.handoff_offset + self.handoff_bytes
 
     def regions(self) -> list[tuple[str, int, int]]:
         """Every region and slot as (name, offset, size), for checks and debugging."""
         out = [("ctrl", self.ctrl_offset, self.ctrl_bytes)]
         out += [(f"flags[{p}]", self.flag_offset(p), self.flag_region_bytes) for p in range(NUM_PHASES)]
-        w = self.world_size
+        w, s = self.world_size, self.twoshot_slot_bytes
+        for parity in range(NUM_PARITIES):
+            base = self.data_offset(parity)
+            out += [(f"data[{parity}].scatter[{r}]", base + r * s, s) for r in range(w)]
+            out += [(f"data[{parity}].gather[{r}]", base + self.gather_offset + r * s, s) for r in range(w)]
         if self.ll_slot_bytes:
             for parity in range(NUM_PARITIES):
                 base, s = self.ll_offset(parity), self.ll_slot_bytes
                 out += [(f"ll[{parity}].slot[{r}]", base + r * s, s) for r in range(w)]
             out.append(("reduced", self.reduced_offset, self.reduced_bytes))
             out.append(("handoff", self.handoff_offset, self.handoff_bytes))
-        s = self.twoshot_slot_bytes
-        for parity in range(NUM_PARITIES):
-            base = self.data_offset(parity)
-            out += [(f"data[{parity}].scatter[{r}]", base + r * s, s) for r in range(w)]
-            out += [(f"data[{parity}].gather[{r}]", base + self.gather_offset + r * s, s) for r in range(w)]
         return out
