@@ -57,7 +57,7 @@ class Communicator:
     allocates its peer workspace once (``workspace_bytes`` per rank, about 4 * max_bytes, plus
     2 * world_size slots of the larger of twice the LL messages' and the Lamport messages' bytes
     and one more of the larger for the fused kernel's rows, ``plan.workspace_layout``: 2 MiB at
-    W=4, 40 MiB at W=2, whose table has Lamport words to 8 MiB; 104 MiB in all there);
+    W=4, 20 MiB at W=2, whose table has Lamport words to 4 MiB; 84 MiB in all there);
     ``max_bytes`` defaults to 16 MiB on GPUs, 1 MiB on CPU). ``close()`` releases it (local,
     after the rank's last call); the communicator is also a context manager.
 
