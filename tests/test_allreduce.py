@@ -16,7 +16,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.conftest import ON_GPU
 from tests.multiproc import run_ranks
 from tests.tally import ll_regions_not_zeroed
 from tpfuse import reference
@@ -281,31 +280,27 @@ def _with_gather(mode, fn, *args):
         plan.GATHER = saved
 
 
-def _slow_rank_mid_kernel(calls, seed, warm_up=False):
+def _slow_rank_mid_kernel(calls, seed):
     """The last rank runs at the lowest CPU priority while four ranks share the cores, so it
     is still reading call k's data inside the kernel when its peers already write call k+1:
     this is what the parity rotation of the regions is for (removing the LL and Lamport regions'
     rotation fails here: it hangs within the first calls).
 
-    warm_up: every rank first makes one 1-element call of each algorithm at normal priority,
-    then the last rank is niced for the ``calls`` calls. A process's first call does one-time
+    Every rank first makes one 1-element call of each algorithm at normal priority, then the
+    last rank is niced for the ``calls`` calls. A process's first call does one-time
     work (lazy imports, the interpreter reading the kernels' source: a few seconds of CPU),
     which the niced rank did at a sliver of the cores while its peers polled: its first call
     took 34-74 s on 2 cores. The calls after it race as before."""
     world, failures, digests = dist.get_world_size(), [], []
-    slow = dist.get_rank() == world - 1
-    if slow and not warm_up:
-        os.nice(19)
     rng = random.Random(seed)
     # A niced rank on a loaded 2-core machine can be starved for over a minute (a .ci/run of
     # e0ac64a beside a compile: "rank 2 waited 60 s for rank 3"); the timeout only has to catch
     # a hang within run_ranks' limit.
     with Communicator(max_bytes=2 << 20, timeout_s=200) as comm:
-        if warm_up:
-            for algo in ("oneshot", "twoshot"):
-                _check(comm, _inputs(seed, 1, torch.float32, world), f"warm-up {algo}", failures, digests, algo)
-            if slow:
-                os.nice(19)
+        for algo in ("oneshot", "twoshot"):
+            _check(comm, _inputs(seed, 1, torch.float32, world), f"warm-up {algo}", failures, digests, algo)
+        if dist.get_rank() == world - 1:
+            os.nice(19)
         for call in range(calls):  # grids change from call to call, so tiles move between blocks
             n, dtype = rng.randint(1, 80_000), rng.choice([torch.float32, torch.bfloat16])
             xs = _inputs(seed * 100_000 + call, n, dtype, world)
@@ -566,9 +561,7 @@ def test_every_transition_between_launch_shapes_without_barriers(world):
 
 @pytest.mark.parametrize("gather", ["push", "pull"])
 def test_peers_one_call_ahead_never_overwrite_a_slow_ranks_data(gather):
-    # The warm-up where CI runs it (2 cores; GPU hosts run these CPU ranks too, as they were).
-    _assert_ok(run_ranks(4, _with_gather, gather, _slow_rank_mid_kernel, 12, 1, not ON_GPU, timeout_s=600,
-                         fresh=True))
+    _assert_ok(run_ranks(4, _with_gather, gather, _slow_rank_mid_kernel, 12, 1, timeout_s=600, fresh=True))
 
 
 def test_twoshot_pull_gather_is_bitwise_equal_too():

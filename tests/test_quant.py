@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 import tpfuse
-from tests.conftest import ON_GPU
 from tests.multiproc import run_ranks
 from tests.test_allreduce import _assert_ok, _digest, _inputs
 from tpfuse import reference
@@ -401,29 +400,25 @@ def _segmented(max_bytes):
     return failures, digests
 
 
-def _slow_rank(calls, seed, warm_up=False):
+def _slow_rank(calls, seed):
     """The last rank runs at the lowest priority with four ranks on the cores, so peers are a
     call ahead while it still reads; quantized and exact calls alternate.
 
-    warm_up: every rank first makes a 64-element call with each codec and an exact one at
-    normal priority, then the last rank is niced for the ``calls`` calls. A process's first
+    Every rank first makes a 64-element call with each codec and an exact one at normal
+    priority, then the last rank is niced for the ``calls`` calls. A process's first
     calls do one-time work (lazy imports, the interpreter reading the kernels' and codecs'
     source), which the niced rank did at a sliver of the cores while its peers polled: its
     first call took 36-65 s on 2 cores. The calls after it race as before."""
     world, failures, digests = dist.get_world_size(), [], []
-    slow = dist.get_rank() == world - 1
-    if slow and not warm_up:
-        os.nice(19)
     rng = random.Random(seed)
     # A niced rank on a loaded 2-core machine can be starved for a minute (a .ci/run at eef8b7f,
     # with other test runs beside it): the timeout only has to catch a hang within run_ranks' 300 s.
     with Communicator(max_bytes=1 << 16, timeout_s=200) as comm:
-        if warm_up:
-            xs = _inputs(seed, 64, torch.float32, world)
-            for codec, min_bytes in [(codec, 0) for codec in CODECS] + [(CODECS[0], 1 << 30)]:
-                _call(comm, xs, codec, f"warm-up {codec} min_bytes={min_bytes}", failures, digests, min_bytes=min_bytes)
-            if slow:
-                os.nice(19)
+        xs = _inputs(seed, 64, torch.float32, world)
+        for codec, min_bytes in [(codec, 0) for codec in CODECS] + [(CODECS[0], 1 << 30)]:
+            _call(comm, xs, codec, f"warm-up {codec} min_bytes={min_bytes}", failures, digests, min_bytes=min_bytes)
+        if dist.get_rank() == world - 1:
+            os.nice(19)
         for call in range(calls):
             n, dtype = rng.randint(1, 40_000), rng.choice([torch.float32, torch.bfloat16])
             xs = _inputs(seed * 1000 + call, n, dtype, world)
@@ -519,8 +514,7 @@ def test_messages_larger_than_the_workspace_run_in_segments(world):
 
 
 def test_quantized_peers_one_call_ahead_never_overwrite_a_slow_ranks_data():
-    # The warm-up where CI runs it (2 cores; GPU hosts run these CPU ranks too, as they were).
-    _assert_ok(run_ranks(4, _slow_rank, 10, 3, not ON_GPU, timeout_s=300, fresh=True))
+    _assert_ok(run_ranks(4, _slow_rank, 10, 3, timeout_s=300, fresh=True))
 
 
 def test_quantized_missing_peer_ends_in_timeout_error():
