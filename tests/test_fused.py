@@ -225,6 +225,7 @@ def test_fused_plan_picks_by_size_and_keeps_groups_whole_tiles(monkeypatch):
     monkeypatch.setitem(plan.FUSED_TWOSHOT_MAX_BYTES, 4, 0)
     monkeypatch.setitem(plan.LL_MAX_BYTES, 4, 64 << 10)
     monkeypatch.setitem(plan.FUSED_LL_MAX_BYTES, 4, 16 << 10)
+    monkeypatch.setitem(plan.FUSED_WIDE_LL_MAX_BYTES, 4, 16 << 10)  # hidden 8192 bf16 is a wide row
     one = FusedPlan.from_shape(1, 5120, 4, bf16, ll_layout)  # 10 KiB: LL, 8 vectors per thread
     pieces = ll_pieces(5120, bf16)[1]
     assert one.algo == "oneshot" and one.protocol == "ll"
@@ -236,7 +237,7 @@ def test_fused_plan_picks_by_size_and_keeps_groups_whole_tiles(monkeypatch):
     assert flags4.algo == "oneshot" and flags4.protocol == "flags"
     flags = FusedPlan.from_shape(4, 4096, 4, bf16, ll_layout)  # 32 KiB: flags, 2 vectors
     assert flags.algo == "oneshot" and flags.protocol == "flags"
-    monkeypatch.setitem(plan.FUSED_LL_MAX_BYTES, 4, 1 << 20)  # the LL regions still bound it
+    monkeypatch.setitem(plan.FUSED_WIDE_LL_MAX_BYTES, 4, 1 << 20)  # the LL regions still bound it
     assert FusedPlan.from_shape(4, 8192, 4, bf16, ll_layout).protocol == "ll"  # 64 KiB: the LL regions' capacity
     assert FusedPlan.from_shape(8, 8192, 4, bf16, ll_layout, "oneshot").protocol == "flags"  # 128 KiB: above it
     monkeypatch.setitem(plan.LL_MAX_BYTES, 4, 0)  # the all-reduce's LL limit does not

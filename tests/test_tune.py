@@ -128,6 +128,42 @@ def test_crossovers_outside_the_sweep_leave_the_defaults():
     assert tune.derive_knobs({"quant": codec_wins_from_the_start}) == {}
 
 
+def test_the_wide_fused_sweep_sets_the_wide_knobs_and_holds_its_largest_size():
+    # At hidden 8192 (one row = 16 KiB) the flag one-shot wins to 256 KiB and the two-shot
+    # holds the largest size swept: it serves up to there, split above (unmeasured).
+    wide_sizes = [s for s in SIZES if s >= 16 * KiB]
+    small = 256 * KiB
+    wide = {"oneshot_ll": {s: 20.0 for s in wide_sizes},
+            "oneshot_flags": {s: 10.0 if s <= small else 30.0 for s in wide_sizes},
+            "twoshot": {s: 15.0 if s <= small else 20.0 for s in wide_sizes},
+            "split": {s: 16.0 if s <= small else 25.0 for s in wide_sizes}}
+    knobs = tune.derive_knobs({"fused_wide": wide})
+    assert knobs == {"FUSED_WIDE_LL_MAX_BYTES": 0, "FUSED_WIDE_LAMPORT_MAX_BYTES": 0,
+                     "FUSED_WIDE_ONESHOT_MAX_BYTES": 256 * KiB, "FUSED_WIDE_TWOSHOT_MAX_BYTES": 1 * MiB}
+    # 0 for LL counts as seen: the sweep began at one row, the smallest call of that width.
+    # The narrow sweep beginning at 16 KiB could have missed LL at 8 KiB: no verdict there.
+    assert "FUSED_LL_MAX_BYTES" not in tune.derive_knobs({"fused": wide})
+
+
+def test_wide_rows_take_the_wide_knobs(monkeypatch):
+    layout = WorkspaceLayout(2, 64 * MiB, 128)
+    monkeypatch.setitem(P.FUSED_ONESHOT_MAX_BYTES, 2, 2 * MiB)
+    monkeypatch.setitem(P.FUSED_TWOSHOT_MAX_BYTES, 2, 0)
+    monkeypatch.setitem(P.FUSED_WIDE_ONESHOT_MAX_BYTES, 2, 8 * MiB)
+    monkeypatch.setitem(P.FUSED_WIDE_TWOSHOT_MAX_BYTES, 2, 32 * MiB)
+    assert P.FUSED_WIDE_ROW_BYTES == 8192 * 2
+    # 8 MiB: narrow rows (hidden 4096 and 8176) go split, wide ones (8192 bf16, 4096 fp32) one-shot.
+    assert FusedPlan.from_shape(1024, 4096, 2, bf16, layout).algo == "split"
+    assert FusedPlan.from_shape(8 * MiB // (8176 * 2), 8176, 2, bf16, layout).algo == "split"
+    assert FusedPlan.from_shape(512, 8192, 2, bf16, layout).algo == "oneshot"
+    assert FusedPlan.from_shape(512, 4096, 2, torch.float32, layout).algo == "oneshot"
+    assert FusedPlan.from_shape(2048, 8192, 2, bf16, layout).algo == "twoshot"  # 32 MiB
+    assert FusedPlan.from_shape(4096, 4096, 2, bf16, layout).algo == "split"
+    # The wide LL knob sizes the workspace's LL regions like the narrow one.
+    monkeypatch.setitem(P.FUSED_WIDE_LL_MAX_BYTES, 2, 1 * MiB)
+    assert P.workspace_layout(2, 64 * MiB).ll_max_bytes == 1 * MiB
+
+
 def test_thresholds_that_leave_a_size_unmeasured_raise():
     with pytest.raises(ValueError, match="no thresholds"):
         tune.chain_thresholds({"a": {16 * KiB: 1.0}, "b": {8 * KiB: 1.0}}, ("a", "b"))  # b below a
@@ -274,8 +310,9 @@ def test_tune_on_two_cpu_ranks_writes_a_sweep_and_a_table_the_loader_accepts(tmp
     assert sweep["header"]["world_size"] == 2 and sweep["header"]["commit"] and sweep["header"]["stopped"] is None
     knobs = sweep["header"]["derived_knobs"]
     methods = {"allreduce": tune.ALLREDUCE_CHAIN + ("nccl",), "fused": tune.FUSED_CHAIN,
-               "quant": ("exact",) + tune.CODECS}
-    expected = {(name, size, m) for name, ms in methods.items() for size in (8 * KiB, 16 * KiB) for m in ms}
+               "fused_wide": tune.FUSED_CHAIN, "quant": ("exact",) + tune.CODECS}
+    expected = {(name, size, m) for name, ms in methods.items() for size in (8 * KiB, 16 * KiB) for m in ms
+                if not (name == "fused_wide" and size == 8 * KiB)}  # half a row of 8192: not a shape
     records = sweep["records"]
     assert sorted((r["sweep"], r["size_bytes"], r["method"]) for r in records) == sorted(expected)
     assert all(r["correct"] is (None if r["method"] == "nccl" else True) for r in records)  # NCCL: timed only

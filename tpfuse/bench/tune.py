@@ -2,13 +2,15 @@
 derive the plan table (``tpfuse.comm.tables``) from the measurements.
 
 One process per visible GPU (W = every GPU; spawned here, or started by torchrun). Per
-message size, bf16, three sweeps, in this order:
+message size, bf16, four sweeps, in this order:
 
 - all-reduce: one-shot over LL words, over Lamport words, with flags, two-shot (and NCCL,
   for reference only) -> LL_MAX_BYTES, LAMPORT_MAX_BYTES and ONESHOT_MAX_BYTES;
 - fused all-reduce + add + RMSNorm at hidden 4096 (``tpfuse bench fused``'s), tokens =
   size / 8 KiB: one-shot over LL words, over Lamport words, with flags, two-shot, split ->
   FUSED_LL_MAX_BYTES, FUSED_LAMPORT_MAX_BYTES, FUSED_ONESHOT_MAX_BYTES, FUSED_TWOSHOT_MAX_BYTES;
+- the same at hidden 8192 (tokens = size / 16 KiB) -> their FUSED_WIDE_* twins, which serve
+  rows of FUSED_WIDE_ROW_BYTES and more (``tpfuse.comm.plan``);
 - quantized all-reduce: each codec against the exact path -> QUANT_MIN_BYTES.
 
 Each sweep runs under the knobs the sweeps before it derived (split and "exact" run the
@@ -48,7 +50,11 @@ from tpfuse.comm.plan import AllReducePlan, FusedPlan
 
 SIZES = [8 * KiB << i for i in range(13)]  # 8 KiB .. 32 MiB
 CPU_SIZES = [8 * KiB, 32 * KiB]
-HIDDEN, EPS, DTYPE = 4096, 1e-6, torch.bfloat16
+EPS, DTYPE = 1e-6, torch.bfloat16
+FUSED_HIDDEN = {"fused": 4096, "fused_wide": 8192}
+"""The hidden size of each fused sweep: ``tpfuse bench fused``'s two, one row below
+FUSED_WIDE_ROW_BYTES and one at it (bf16), so each sweep sets the knobs of its rows."""
+FUSED_KNOB_PREFIX = {"fused": "FUSED_", "fused_wide": "FUSED_WIDE_"}
 LL_SWEEP_MAX = 2 * MiB
 """LL one-shot is swept up to here: its workspace regions take 4 * W bytes per message byte,
 and it sends twice the bytes, so it loses long before."""
@@ -58,7 +64,7 @@ TOLERANCE = 0.03
 ALLREDUCE_CHAIN = ("oneshot_ll", "oneshot_lamport", "oneshot_flags", "twoshot")
 FUSED_CHAIN = ("oneshot_ll", "oneshot_lamport", "oneshot_flags", "twoshot", "split")
 CODECS = reference.QUANT_CODECS
-SWEEPS = ("allreduce", "fused", "quant")
+SWEEPS = ("allreduce", "fused", "fused_wide", "quant")
 """In this order: each sweep runs under the knobs of the sweeps before it."""
 SMALLEST_ON_TIES = ("oneshot_ll", "oneshot_lamport")
 """Methods whose threshold breaks ties toward the smaller size: LL, in both chains, and
@@ -67,10 +73,10 @@ about 4 * W bytes per byte of LL_MAX_BYTES or FUSED_LL_MAX_BYTES, 2 * W per byte
 LAMPORT_MAX_BYTES), so sizes where they are no better than the next method go to it."""
 FUSED_SMALLEST_ON_TIES = FUSED_CHAIN[:-1]
 """In the fused chain every kernel breaks ties toward the smaller size, so split keeps every
-size where no fused kernel wins by more than TOLERANCE: the sweep measures one hidden size,
-and split's cost is the all-reduce's at every hidden size while a fused kernel's follows the
-norm's tile for that hidden size (2x H100 at bb82e79: the flag kernel tied split at 4096 x
-256 tokens, 14.8 vs 14.7 us, and lost at 5120 x 128, 13.0 vs 12.2)."""
+size where no fused kernel wins by more than TOLERANCE: each sweep measures one hidden size
+for a range of them, and split's cost is the all-reduce's at every hidden size while a fused
+kernel's follows the norm's tile for that hidden size (2x H100 at bb82e79: the flag kernel
+tied split at 4096 x 256 tokens, 14.8 vs 14.7 us, and lost at 5120 x 128, 13.0 vs 12.2)."""
 
 
 # ---- from timings to knobs (pure functions; timings: {method: {size_bytes: us}})
@@ -130,18 +136,20 @@ def _swept(times: dict[str, dict[int, float]]) -> list[int]:
     return sorted({s for method in times.values() for s in method})
 
 
-def _observed(threshold: int, swept: list[int]) -> bool:
+def _observed(threshold: int, swept: list[int], smallest: int = SIZES[0]) -> bool:
     """Whether a crossover at ``threshold`` was seen inside the sweep: an algorithm that kept
     the largest size swept may keep larger ones, and one that lost the smallest may win
-    smaller ones unless the sweep began at the smallest size tuned (SIZES[0])."""
-    return threshold < swept[-1] and (threshold > 0 or swept[0] <= SIZES[0])
+    smaller ones unless the sweep began at ``smallest``, the smallest size it can measure."""
+    return threshold < swept[-1] and (threshold > 0 or swept[0] <= smallest)
 
 
 def derive_knobs(timings: dict[str, dict[str, dict[int, float]]]) -> dict:
     """Table knobs (``tpfuse.comm.tables``) from the timings of the sweeps that ran to the end
-    ({"allreduce" | "fused" | "quant": {method: {size_bytes: us}}}). A knob whose crossover
+    ({sweep: {method: {size_bytes: us}}}, a sweep of SWEEPS). A knob whose crossover
     lies outside the sizes swept is left out (its default stays): a sweep of 8-16 KiB must
-    not end one-shot at 16 KiB. Where two algorithms are within TOLERANCE, the earlier in its
+    not end one-shot at 16 KiB. The fused chains are the exception at the top: a fused kernel
+    that holds the largest size swept serves up to that size, and split (the unfused path,
+    same bits) the unmeasured sizes above. Where two algorithms are within TOLERANCE, the earlier in its
     chain keeps the sizes, but for LL: LL_MAX_BYTES is the smallest threshold as good as any,
     because it also sizes every Communicator's workspace (SMALLEST_ON_TIES)."""
     knobs = {}
@@ -150,14 +158,18 @@ def derive_knobs(timings: dict[str, dict[str, dict[int, float]]]) -> dict:
         ll, lamport, oneshot = chain_thresholds(timings["allreduce"], ALLREDUCE_CHAIN)
         derived = (("LL_MAX_BYTES", ll), ("LAMPORT_MAX_BYTES", lamport), ("ONESHOT_MAX_BYTES", oneshot))
         knobs |= {k: t for k, t in derived if _observed(t, swept)}
-    if timings.get("fused") and _swept(timings["fused"]):
-        swept = _swept(timings["fused"])
-        ll, lamport, oneshot, twoshot = chain_thresholds(timings["fused"], FUSED_CHAIN,
+    for sweep, prefix in FUSED_KNOB_PREFIX.items():
+        if not (timings.get(sweep) and _swept(timings[sweep])):
+            continue
+        swept = _swept(timings[sweep])
+        ll, lamport, oneshot, twoshot = chain_thresholds(timings[sweep], FUSED_CHAIN,
                                                          smallest_on_ties=FUSED_SMALLEST_ON_TIES)
         twoshot = twoshot if twoshot > oneshot else 0  # the plan's "never"
-        derived = (("FUSED_LL_MAX_BYTES", ll), ("FUSED_LAMPORT_MAX_BYTES", lamport),
-                   ("FUSED_ONESHOT_MAX_BYTES", oneshot), ("FUSED_TWOSHOT_MAX_BYTES", twoshot))
-        knobs |= {k: t for k, t in derived if _observed(t, swept)}
+        derived = ((f"{prefix}LL_MAX_BYTES", ll), (f"{prefix}LAMPORT_MAX_BYTES", lamport),
+                   (f"{prefix}ONESHOT_MAX_BYTES", oneshot), (f"{prefix}TWOSHOT_MAX_BYTES", twoshot))
+        row = FUSED_HIDDEN[sweep] * DTYPE.itemsize
+        smallest = min(s for s in SIZES if s % row == 0)  # one row, or SIZES[0]
+        knobs |= {k: t for k, t in derived if t == swept[-1] or _observed(t, swept, smallest)}
     if timings.get("quant"):
         q = timings["quant"]
         swept = _swept(q)
@@ -235,30 +247,31 @@ class _Sweeper:
         peer = [p.clone() for p in pool]
         self.time("allreduce", nbytes, "nccl", lambda i: dist.all_reduce(peer[i]), rot, lambda out: (None, None))
 
-    def fused(self, nbytes: int) -> None:
-        tokens = nbytes // (HIDDEN * DTYPE.itemsize)
-        if tokens == 0 or tokens * HIDDEN * DTYPE.itemsize != nbytes:
+    def fused(self, nbytes: int, sweep: str = "fused") -> None:
+        hidden, prefix = FUSED_HIDDEN[sweep], FUSED_KNOB_PREFIX[sweep]
+        tokens = nbytes // (hidden * DTYPE.itemsize)
+        if tokens == 0 or tokens * hidden * DTYPE.itemsize != nbytes:
             return
-        xs, residual, weight = layer_inputs(tokens, HIDDEN, self.world, self.device, seed=tokens)
+        xs, residual, weight = layer_inputs(tokens, hidden, self.world, self.device, seed=tokens)
         expected = tpfuse.add_rms_norm(reference.all_reduce(xs), residual, weight, EPS)  # the contract's bits
         rot = rotation(2 * nbytes)
         pool = [(xs[self.rank].clone(), residual.clone()) for _ in range(rot)]
-        # One-shot's protocol is FUSED_LL_MAX_BYTES's and FUSED_LAMPORT_MAX_BYTES's choice (within
-        # the workspace's LL regions).
-        knobs = {"oneshot_ll": {"FUSED_LL_MAX_BYTES": nbytes},
-                 "oneshot_lamport": {"FUSED_LL_MAX_BYTES": 0, "FUSED_LAMPORT_MAX_BYTES": nbytes},
-                 "oneshot_flags": {"FUSED_LL_MAX_BYTES": 0, "FUSED_LAMPORT_MAX_BYTES": 0}}
+        # One-shot's protocol is the sweep's FUSED_*LL_MAX_BYTES's and FUSED_*LAMPORT_MAX_BYTES's
+        # choice (within the workspace's LL regions).
+        ll, lamport = f"{prefix}LL_MAX_BYTES", f"{prefix}LAMPORT_MAX_BYTES"
+        knobs = {"oneshot_ll": {ll: nbytes}, "oneshot_lamport": {ll: 0, lamport: nbytes},
+                 "oneshot_flags": {ll: 0, lamport: 0}}
         for method in FUSED_CHAIN:
             algo = method.split("_")[0]
             with tables.applied(self.world, knobs.get(method, {})):
                 try:
-                    plan = FusedPlan.from_shape(tokens, HIDDEN, self.world, DTYPE, self.comm.layout, algo)
+                    plan = FusedPlan.from_shape(tokens, hidden, self.world, DTYPE, self.comm.layout, algo)
                 except ValueError:
                     continue
                 if method.startswith("oneshot") and plan.protocol != method.removeprefix("oneshot_"):
                     continue  # above the protocol's range (the workspace's): not measured, never chosen
                 fn = (lambda a: lambda i: self.comm.all_reduce_add_rms_norm(*pool[i], weight, EPS, algo=a))(algo)
-                self.time("fused", nbytes, method, fn, rot,
+                self.time(sweep, nbytes, method, fn, rot,
                           lambda out: (all(same_bits(a, b) for a, b in zip(out, expected)), None))
 
     def quant(self, nbytes: int) -> None:
@@ -280,6 +293,13 @@ class _Sweeper:
             fn = (lambda c: lambda i: self.comm.all_reduce(pool[i], quant=c, quant_min_bytes=0))(codec)
             self.time("quant", nbytes, codec, fn, rot, check)
 
+    def run(self, sweep: str, nbytes: int) -> None:
+        """Measure one size of one sweep (of SWEEPS)."""
+        if sweep in FUSED_HIDDEN:
+            self.fused(nbytes, sweep)
+        else:
+            getattr(self, sweep)(nbytes)
+
     def timings(self, sweep: str) -> dict[str, dict[int, float]]:
         """{method: {size: us}} of one sweep, correct results only."""
         out: dict[str, dict[int, float]] = {}
@@ -291,10 +311,12 @@ class _Sweeper:
 
 def _workspace_bytes(sizes: list[int], world: int) -> tuple[int, dict]:
     """(max_bytes, knobs sizing the LL regions) of a workspace that serves every swept size:
-    two-shot to the largest, one-shot to ONESHOT_SWEEP_MAX (its slots hold 2 * max_bytes / W),
-    LL words to LL_SWEEP_MAX, Lamport words to ONESHOT_SWEEP_MAX."""
+    two-shot to the largest (the fused two-shot: at least a row of the widest sweep per rank),
+    one-shot to ONESHOT_SWEEP_MAX (its slots hold 2 * max_bytes / W), LL words to
+    LL_SWEEP_MAX, Lamport words to ONESHOT_SWEEP_MAX."""
     top = max(sizes)
-    return max(top, min(top, ONESHOT_SWEEP_MAX) * world // 2), {
+    widest_row = max(FUSED_HIDDEN.values()) * DTYPE.itemsize
+    return max(top, min(top, ONESHOT_SWEEP_MAX) * world // 2, widest_row * world), {
         "LL_MAX_BYTES": min(top, LL_SWEEP_MAX), "LAMPORT_MAX_BYTES": min(top, ONESHOT_SWEEP_MAX)}
 
 
@@ -317,7 +339,7 @@ def _worker(rank: int, world: int, port: int | None, opts: dict) -> None:
                 for sweep in SWEEPS:
                     with tables.applied(world, derive_knobs(timings)):  # what "auto" will do
                         for nbytes in sizes:
-                            getattr(sweeper, sweep)(nbytes)
+                            sweeper.run(sweep, nbytes)
                             if rank == 0:
                                 print(f"[{time.monotonic() - sweeper.t0:5.0f}s] {sweep} {fmt_size(nbytes):>7}: "
                                       + "  ".join(f"{r['method']} {r['us']:.1f}us" for r in sweeper.records
@@ -347,13 +369,14 @@ def _wrong(records: list[dict]) -> list[str]:
 
 def _write(opts, world, records, knobs, stopped, wrong, max_bytes, interpreter) -> tuple[dict, str, tuple[str, str]]:
     """Write tune_w{W}_bf16.json / .md under --out; returns (header, markdown, paths)."""
-    header = run_header() | {"world_size": world, "dtype": "bf16", "hidden": HIDDEN, "tolerance": TOLERANCE,
+    header = run_header() | {"world_size": world, "dtype": "bf16", "hidden": FUSED_HIDDEN, "tolerance": TOLERANCE,
                              "tpfuse_max_bytes": max_bytes, "budget_s": opts["budget_s"], "stopped": stopped,
                              "device": "cpu (Triton interpreter)" if interpreter else "cuda", "derived_knobs": knobs}
     name = f"tune_w{world}_bf16"
     md = header_markdown(f"tpfuse tune, {world} ranks, bf16", header)
     md += ("us per call (CUDA-graph replay; under the interpreter, one call's wall clock). `x`: not equal to its "
-           "reference (codecs: or over their error budget). Sizes are message bytes (fused: tokens x 4096 bf16).\n")
+           "reference (codecs: or over their error budget). Sizes are message bytes (fused: tokens x 4096 bf16; "
+           "fused_wide: tokens x 8192).\n")
     for sweep in SWEEPS:
         methods = list(dict.fromkeys(r["method"] for r in records if r["sweep"] == sweep))
         by = {(r["size_bytes"], r["method"]): r for r in records if r["sweep"] == sweep}

@@ -7,8 +7,7 @@ The GPU thresholds, CTA counts, tile size and warps were set from the 4x H200 sw
 (scripts/tune_allreduce.py, W=4 bf16; the knob notes below and benchmarks/NOTES.md), within
 H200's limits (132 SMs).
 
-The size thresholds keyed by world size (ONESHOT_MAX_BYTES, LL_MAX_BYTES,
-FUSED_ONESHOT_MAX_BYTES, FUSED_LL_MAX_BYTES, FUSED_TWOSHOT_MAX_BYTES) are the defaults
+The size thresholds keyed by world size (``tpfuse.comm.tables.SIZE_KNOBS``) are the defaults
 (W=4's, reused at W=2 and W=8 until measured there): a measured table
 ``tpfuse/comm/tables/w{W}.json`` (``tpfuse tune --write-table`` on a W-GPU machine) replaces
 them for that W when tpfuse.comm is imported (``tpfuse.comm.tables``).
@@ -118,11 +117,11 @@ def for_world(knob: dict, world_size: int):
 
 def workspace_layout(world_size: int, max_bytes: int) -> WorkspaceLayout:
     """A communicator's workspace: two-shot to max_bytes, one-shot to its slots' capacity, and
-    LL regions for LL words up to the larger of LL_MAX_BYTES and FUSED_LL_MAX_BYTES and for
+    LL regions for LL words up to the largest of LL_MAX_BYTES and the fused LL knobs and for
     Lamport words up to LAMPORT_MAX_BYTES, as the knobs are now (each at most the one-shot
     capacity)."""
     oneshot_capacity = WorkspaceLayout(world_size, max_bytes, MAX_BLOCKS).oneshot_slot_bytes
-    ll = max(for_world(LL_MAX_BYTES, world_size), for_world(FUSED_LL_MAX_BYTES, world_size))
+    ll = max(for_world(knob, world_size) for knob in (LL_MAX_BYTES, FUSED_LL_MAX_BYTES, FUSED_WIDE_LL_MAX_BYTES))
     return WorkspaceLayout(world_size, max_bytes, MAX_BLOCKS, min(ll, oneshot_capacity),
                            min(for_world(LAMPORT_MAX_BYTES, world_size), oneshot_capacity))
 
@@ -241,8 +240,8 @@ class AllReducePlan:
 # The fused kernels (tpfuse.kernels.fused) take the norm's tile shape and warps, fixed by
 # (N, dtype) (NormConfig), so only the algorithm and the grid are chosen here. Set from
 # `tpfuse bench fused` on 4x H200 (W=4 bf16, benchmarks/NOTES.md); W=2 and W=8 keep W=4's
-# until measured: W reads tables/w{W}.json when it exists (FUSED_ONESHOT_MAX_BYTES,
-# FUSED_LL_MAX_BYTES and FUSED_TWOSHOT_MAX_BYTES, measured at hidden 4096 bf16 by `tpfuse tune`).
+# until measured: W reads tables/w{W}.json when it exists (the FUSED_* size knobs, measured at
+# hidden 4096 bf16 by `tpfuse tune`, and their FUSED_WIDE_* twins, measured at hidden 8192).
 #
 # FUSED_ONESHOT_MAX_BYTES: largest message (x's bytes) "auto" sends to the fused one-shot
 #   kernel, by world size (other sizes: W=8's), and only for hidden sizes whose norm tile
@@ -285,6 +284,20 @@ FUSED_LL_MAX_BYTES = ({2: 128 * KiB, 4: 128 * KiB, 8: 64 * KiB} if not INTERPRET
                       {2: 16 * KiB, 4: 16 * KiB, 8: 16 * KiB})
 FUSED_LAMPORT_MAX_BYTES = {2: 0, 4: 0, 8: 0} if not INTERPRETER else {2: 128 * KiB, 4: 128 * KiB, 8: 128 * KiB}
 FUSED_TWOSHOT_MAX_BYTES = {2: 0, 4: 0, 8: 0}
+# FUSED_WIDE_ROW_BYTES: rows of at least this many bytes (hidden 8192 bf16) take the
+#   FUSED_WIDE_* thresholds, which `tpfuse tune` measures at hidden 8192, in place of the four
+#   above (measured at hidden 4096). A fused kernel's cost follows the norm's tile for the row
+#   width while split's is the all-reduce's at every width, so one threshold per kernel could
+#   not serve both widths within 3% (2x H200 at 4c718f7: at 8 MiB the flag one-shot tied split
+#   at hidden 4096, 42.0 vs 42.8 us, and won at 8192, 39.2 vs 42.7; the fused two-shot won at
+#   8192 x 2048 tokens, 135.0 vs 141.6, and never at 4096). Rows between the two widths
+#   (hidden 4112-8176 bf16) keep the narrow thresholds: unmeasured, and split is the choice
+#   that never loses to the unfused path. Defaults: the narrow ones, until measured.
+FUSED_WIDE_ROW_BYTES = 16 * KiB
+FUSED_WIDE_LL_MAX_BYTES = dict(FUSED_LL_MAX_BYTES)
+FUSED_WIDE_LAMPORT_MAX_BYTES = dict(FUSED_LAMPORT_MAX_BYTES)
+FUSED_WIDE_ONESHOT_MAX_BYTES = dict(FUSED_ONESHOT_MAX_BYTES)
+FUSED_WIDE_TWOSHOT_MAX_BYTES = dict(FUSED_TWOSHOT_MAX_BYTES)
 FUSED_MAX_CTAS = 128 if not INTERPRETER else 4
 FUSED_HIDDEN_MULTIPLE = TRITON_DIVISIBILITY
 """The fused kernels serve hidden sizes that are multiples of this, the divisibility Triton
@@ -293,6 +306,16 @@ fused kernels' row reduction may get another register layout than tpfuse.rms_nor
 for fp16 N=1000 with tests/test_fused_layouts.py), which would change y's bits."""
 
 FUSED_ALGOS = ("auto", "oneshot", "twoshot", "split")
+
+
+def fused_thresholds(world_size: int, row_bytes: int) -> tuple[int, int, int, int]:
+    """(LL, Lamport, one-shot, two-shot) largest message bytes of the fused kernels at
+    ``world_size`` for rows of ``row_bytes``: the FUSED_WIDE_* knobs from FUSED_WIDE_ROW_BYTES
+    on, else the FUSED_* ones (each as it is now)."""
+    knobs = ((FUSED_WIDE_LL_MAX_BYTES, FUSED_WIDE_LAMPORT_MAX_BYTES, FUSED_WIDE_ONESHOT_MAX_BYTES,
+              FUSED_WIDE_TWOSHOT_MAX_BYTES) if row_bytes >= FUSED_WIDE_ROW_BYTES else
+             (FUSED_LL_MAX_BYTES, FUSED_LAMPORT_MAX_BYTES, FUSED_ONESHOT_MAX_BYTES, FUSED_TWOSHOT_MAX_BYTES))
+    return tuple(for_world(knob, world_size) for knob in knobs)
 
 
 def check_fused_algo(algo: str) -> None:
@@ -327,7 +350,8 @@ class FusedPlan:
         sizes with at most FUSED_ONESHOT_MAX_VECTORS vectors per thread, or once the call has
         FUSED_MAX_CTAS row tiles),
         two-shot up to FUSED_TWOSHOT_MAX_BYTES, else "split" (also when the workspace cannot
-        hold the message, or n is not a multiple of FUSED_HIDDEN_MULTIPLE). An explicit
+        hold the message, or n is not a multiple of FUSED_HIDDEN_MULTIPLE). Rows of
+        FUSED_WIDE_ROW_BYTES and more use the FUSED_WIDE_* twins of these knobs. An explicit
         "oneshot" or "twoshot" that cannot serve the shape raises ValueError."""
         check_fused_algo(algo)
         if algo == "split":
@@ -351,10 +375,10 @@ class FusedPlan:
         if n_rows * n > MAX_ELEMENTS:
             fits = {"oneshot": False, "twoshot": False}
         tiling = lamport_tiling(n, dtype, _cdiv(n_rows, tile_rows), FUSED_MAX_CTAS)
-        if nbytes <= min(layout.ll_max_bytes, for_world(FUSED_LL_MAX_BYTES, world_size)):
+        ll_max, lamport_max, oneshot_max, twoshot_max = fused_thresholds(world_size, n * esize)
+        if nbytes <= min(layout.ll_max_bytes, ll_max):
             protocol = "ll"
-        elif (nbytes <= min(layout.lamport_max_bytes, for_world(FUSED_LAMPORT_MAX_BYTES, world_size))
-              and tiling is not None):
+        elif nbytes <= min(layout.lamport_max_bytes, lamport_max) and tiling is not None:
             protocol = "lamport"
         else:
             protocol = "flags"
@@ -362,10 +386,9 @@ class FusedPlan:
             vectors_per_thread = cfg.rows * cfg.block_n * esize // 16 / (cfg.num_warps * 32)
             flag_kernel_pays = (vectors_per_thread <= FUSED_ONESHOT_MAX_VECTORS
                                 or _cdiv(n_rows, tile_rows) >= FUSED_MAX_CTAS)
-            if (nbytes <= for_world(FUSED_ONESHOT_MAX_BYTES, world_size) and fits["oneshot"]
-                    and (protocol != "flags" or flag_kernel_pays)):
+            if nbytes <= oneshot_max and fits["oneshot"] and (protocol != "flags" or flag_kernel_pays):
                 algo = "oneshot"
-            elif nbytes <= for_world(FUSED_TWOSHOT_MAX_BYTES, world_size) and fits["twoshot"]:
+            elif nbytes <= twoshot_max and fits["twoshot"]:
                 algo = "twoshot"
             else:
                 return cls("split", reason="message above the fused kernels' sizes or the workspace")

@@ -39,7 +39,9 @@ from tpfuse.reference import QUANT_CODECS
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 ENV_DIR = "TPFUSE_TABLE_DIR"
 SIZE_KNOBS = ("ONESHOT_MAX_BYTES", "LL_MAX_BYTES", "LAMPORT_MAX_BYTES", "FUSED_ONESHOT_MAX_BYTES",
-              "FUSED_LL_MAX_BYTES", "FUSED_LAMPORT_MAX_BYTES", "FUSED_TWOSHOT_MAX_BYTES")
+              "FUSED_LL_MAX_BYTES", "FUSED_LAMPORT_MAX_BYTES", "FUSED_TWOSHOT_MAX_BYTES",
+              "FUSED_WIDE_ONESHOT_MAX_BYTES", "FUSED_WIDE_LL_MAX_BYTES", "FUSED_WIDE_LAMPORT_MAX_BYTES",
+              "FUSED_WIDE_TWOSHOT_MAX_BYTES")
 """Knobs of tpfuse.comm.plan: {world size: bytes}."""
 QUANT_KNOB = "QUANT_MIN_BYTES"
 """The knob of tpfuse.comm.quant_plan: {codec: {world size: bytes or None}}."""
