@@ -1,0 +1,188 @@
+"""Where the small all-reduce's time goes: `tpfuse.kernels.ll.ll_reduce` swapped for variants
+that each leave one part out, timed as `tpfuse bench allreduce` times (graph replay).
+
+    torchrun --nproc-per-node 2 scripts/ll_ablation.py --variant base --out DIR
+
+One variant per process: Triton refuses a kernel whose globals changed after it compiled.
+Variants (every one but "base" and "spin" gives wrong sums or drops a guard; measurement only):
+  base      the kernel as it is;
+  no_zero   the consumed words are not zeroed (LL: still waits on the flags; Lamport words:
+            every call after the first takes the last call's words as arrived, so no wait);
+  no_guard  the poll loop reads neither the abort word nor the clock;
+  no_wait   no poll at all: the local slots are summed as they are (the floor without the
+            cross-GPU wait);
+  spin      LL words: each thread spins on its own words in PTX (no CTA-wide reduction per
+            poll), then one CTA-wide check; Lamport words as in base;
+  guard64   the abort word and the clock read every 64th poll only;
+  relaxed_end  end_call counts blocks with a relaxed atomic (no release of the CTA's stores);
+  both      guard64 and relaxed_end;
+  copy      no collective: a one-pass copy kernel on the same grid (the launch floor).
+"""
+
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+
+import tpfuse.kernels.allreduce as ar
+from tpfuse.bench.common import collective_graph_us, random_inputs, rotation, same_bits
+from tpfuse.kernels import ll, sync
+
+
+@triton.jit
+def _no_zero(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP: tl.constexpr,
+             W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr = False):
+    acc, late = ll._poll(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT)
+    while late:
+        acc, late = ll._poll(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT)
+    return acc
+
+
+@triton.jit
+def _no_guard(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP: tl.constexpr,
+              W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr = False):
+    acc, late = ll._poll(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT)
+    while late:
+        acc, late = ll._poll(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT)
+    for s in tl.static_range(W):
+        tl.store(slot0 + s * slot_words + woffs, tl.zeros_like(woffs).to(slot0.dtype.element_ty), mask=wmask)
+    return acc
+
+
+@triton.jit
+def _no_wait(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP: tl.constexpr,
+             W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr = False):
+    acc, late = ll._poll(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT)
+    for s in tl.static_range(W):
+        tl.store(slot0 + s * slot_words + woffs, tl.zeros_like(woffs).to(slot0.dtype.element_ty), mask=wmask)
+    return acc
+
+
+@triton.jit
+def _spin_word(ptrs, flag32):
+    """Each LL word at ptrs once its high half is flag32 (or after 2**17 looks)."""
+    return tl.inline_asm_elementwise(
+        "{\n.reg .pred p, q;\n.reg .u32 n, lo, hi;\nmov.u32 n, 0;\nSPIN:\n"
+        "ld.volatile.global.u64 $0, [$1];\nmov.b64 {lo, hi}, $0;\nadd.u32 n, n, 1;\n"
+        "setp.ne.u32 p, hi, $2;\nsetp.lt.u32 q, n, 131072;\nand.pred p, p, q;\n@p bra SPIN;\n}",
+        "=l,l,r", [ptrs, flag32], dtype=tl.uint64, is_pure=False, pack=1)
+
+
+@triton.jit
+def _spin(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP: tl.constexpr,
+          W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr = False):
+    if LAMPORT:
+        acc = ll.ll_reduce(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP, W, ELEM,
+                           LAMPORT)
+    else:
+        flag32 = tl.zeros_like(woffs).to(tl.uint32) + flag.to(tl.uint32)
+        words = _spin_word(slot0 + woffs, flag32)
+        arrived, acc = ll._arrived_f32(words, flag, ELEM, False)
+        late = ~arrived
+        for s in tl.static_range(1, W):
+            words = _spin_word(slot0 + s * slot_words + woffs, flag32)
+            arrived, vals = ll._arrived_f32(words, flag, ELEM, False)
+            late = late | ~arrived
+            acc += vals
+        if tl.max((late & wmask).to(tl.int32), 0) != 0:  # a timeout's path: the guarded poll
+            acc = ll.ll_reduce(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP, W,
+                               ELEM, LAMPORT)
+        else:
+            for s in tl.static_range(W):
+                tl.store(slot0 + s * slot_words + woffs, tl.zeros_like(woffs).to(tl.uint64), mask=wmask)
+    return acc
+
+
+@triton.jit
+def _guard64(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP: tl.constexpr,
+             W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr = False):
+    acc, late = ll._poll(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT)
+    if late:
+        aborted = tl.load(ctrl + 2, volatile=True) != 0
+        start = sync.now_ns()
+        elapsed = start - start
+        polls = 0
+        while late and not aborted and elapsed < timeout_ns:
+            acc, late = ll._poll(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT)
+            polls += 1
+            if polls % 64 == 0:
+                aborted = tl.load(ctrl + 2, volatile=True) != 0
+                elapsed = sync.now_ns() - start
+    for s in tl.static_range(W):
+        tl.store(slot0 + s * slot_words + woffs, tl.zeros_like(woffs).to(slot0.dtype.element_ty), mask=wmask)
+    return acc
+
+
+@triton.jit
+def _relaxed_end(ctrl_ptr, epoch):
+    if tl.num_programs(0) == 1:
+        tl.store(ctrl_ptr, epoch)
+    else:
+        finished = tl.atomic_add(ctrl_ptr + 1, 1, sem="relaxed", scope="gpu")
+        if finished == tl.num_programs(0) - 1:
+            tl.store(ctrl_ptr + 1, 0)
+            tl.store(ctrl_ptr, epoch)
+
+
+@triton.jit
+def _copy_kernel(x_ptr, out_ptr, numel, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=offs < numel), mask=offs < numel)
+
+
+VARIANTS = {"base": None, "no_zero": _no_zero, "no_guard": _no_guard, "no_wait": _no_wait, "spin": _spin,
+            "guard64": _guard64, "relaxed_end": None, "both": _guard64, "copy": None}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--variant", choices=VARIANTS, required=True)
+    p.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192, 16384, 65536])
+    p.add_argument("--out", default=".")
+    opts = p.parse_args()
+    if VARIANTS[opts.variant] is not None:
+        ar.ll_reduce = VARIANTS[opts.variant]
+    if opts.variant in ("relaxed_end", "both"):
+        ar.end_call = _relaxed_end
+    from tpfuse.comm import Communicator
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    rows = []
+    with Communicator() as comm:
+        for nbytes in opts.sizes:
+            xs = random_inputs(nbytes // 2, torch.bfloat16, world, "cuda", seed=nbytes)
+            want = sum(x.float() for x in xs).to(torch.bfloat16)
+            rot = rotation(nbytes)
+            pool = [xs[rank].clone() for _ in range(rot)]
+            if opts.variant == "copy":  # 1 KiB tiles on 4 warps, as LL's at these sizes
+                outs = [torch.empty_like(x) for x in pool]
+
+                def fn(i):
+                    _copy_kernel[(triton.cdiv(nbytes, 1024),)](pool[i], outs[i], pool[i].numel(), BLOCK=512,
+                                                               num_warps=4)
+                    return outs[i]
+                exact = same_bits(fn(0), pool[0])
+            else:
+                def fn(i):
+                    return comm.all_reduce(pool[i])
+                exact = same_bits(fn(0), want)
+            us = collective_graph_us(fn, rot)
+            from tpfuse.comm.plan import AllReducePlan
+            protocol = AllReducePlan.from_numel(nbytes // 2, world, torch.bfloat16, comm.layout).protocol
+            rows.append(dict(variant=opts.variant, size_bytes=nbytes, us=round(us, 2), exact=exact, protocol=protocol))
+    if rank == 0:
+        for r in rows:
+            print(json.dumps(r), flush=True)
+        with open(os.path.join(opts.out, f"ll_ablation_{opts.variant}.json"), "w") as f:
+            json.dump(rows, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
