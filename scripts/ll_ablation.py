@@ -4,6 +4,8 @@ that each leave one part out, timed as `tpfuse bench allreduce` times (graph rep
     torchrun --nproc-per-node 2 scripts/ll_ablation.py --variant base --out DIR
 
 One variant per process: Triton refuses a kernel whose globals changed after it compiled.
+(Its variants guard64 and relaxed_end, at 407a231, are the kernels' own since: sync.GUARD_POLLS
+and sync.end_call.)
 Variants (every one but "base" and "spin" gives wrong sums or drops a guard; measurement only):
   base      the kernel as it is;
   no_zero   the consumed words are not zeroed (LL: still waits on the flags; Lamport words:
@@ -13,9 +15,6 @@ Variants (every one but "base" and "spin" gives wrong sums or drops a guard; mea
             cross-GPU wait);
   spin      LL words: each thread spins on its own words in PTX (no CTA-wide reduction per
             poll), then one CTA-wide check; Lamport words as in base;
-  guard64   the abort word and the clock read every 64th poll only;
-  relaxed_end  end_call counts blocks with a relaxed atomic (no release of the CTA's stores);
-  both      guard64 and relaxed_end;
   copy      no collective: a one-pass copy kernel on the same grid (the launch floor).
 """
 
@@ -30,7 +29,7 @@ import triton.language as tl
 
 import tpfuse.kernels.allreduce as ar
 from tpfuse.bench.common import collective_graph_us, random_inputs, rotation, same_bits
-from tpfuse.kernels import ll, sync
+from tpfuse.kernels import ll
 
 
 @triton.jit
@@ -98,44 +97,13 @@ def _spin(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, time
 
 
 @triton.jit
-def _guard64(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP: tl.constexpr,
-             W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr = False):
-    acc, late = ll._poll(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT)
-    if late:
-        aborted = tl.load(ctrl + 2, volatile=True) != 0
-        start = sync.now_ns()
-        elapsed = start - start
-        polls = 0
-        while late and not aborted and elapsed < timeout_ns:
-            acc, late = ll._poll(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT)
-            polls += 1
-            if polls % 64 == 0:
-                aborted = tl.load(ctrl + 2, volatile=True) != 0
-                elapsed = sync.now_ns() - start
-    for s in tl.static_range(W):
-        tl.store(slot0 + s * slot_words + woffs, tl.zeros_like(woffs).to(slot0.dtype.element_ty), mask=wmask)
-    return acc
-
-
-@triton.jit
-def _relaxed_end(ctrl_ptr, epoch):
-    if tl.num_programs(0) == 1:
-        tl.store(ctrl_ptr, epoch)
-    else:
-        finished = tl.atomic_add(ctrl_ptr + 1, 1, sem="relaxed", scope="gpu")
-        if finished == tl.num_programs(0) - 1:
-            tl.store(ctrl_ptr + 1, 0)
-            tl.store(ctrl_ptr, epoch)
-
-
-@triton.jit
 def _copy_kernel(x_ptr, out_ptr, numel, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=offs < numel), mask=offs < numel)
 
 
 VARIANTS = {"base": None, "no_zero": _no_zero, "no_guard": _no_guard, "no_wait": _no_wait, "spin": _spin,
-            "guard64": _guard64, "relaxed_end": None, "both": _guard64, "copy": None}
+            "copy": None}
 
 
 def main():
@@ -146,8 +114,6 @@ def main():
     opts = p.parse_args()
     if VARIANTS[opts.variant] is not None:
         ar.ll_reduce = VARIANTS[opts.variant]
-    if opts.variant in ("relaxed_end", "both"):
-        ar.end_call = _relaxed_end
     from tpfuse.comm import Communicator
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from tpfuse.kernels.common import to_f32
-from tpfuse.kernels.sync import _record_error, backoff, now_ns
+from tpfuse.kernels.sync import GUARD_POLLS, _record_error, backoff, now_ns
 
 
 @triton.jit
@@ -141,18 +141,22 @@ def ll_reduce(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, 
     the W local slots, once every word has arrived (LL words: carries ``flag``; with LAMPORT,
     Lamport words: is not 0); the words are then zeroed.
 
-    Gives up, as ``sync.wait`` does, after ``timeout_ns`` or when the abort word is set: it
+    Gives up, as ``sync.wait`` does, after ``timeout_ns`` or when the abort word is set (both
+    looked at every ``sync.GUARD_POLLS`` polls): it
     then records ``(OP, rank, first late peer, epoch)`` and returns whatever it saw."""
     acc, late = _poll(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT)
     if late:
         aborted = tl.load(ctrl + 2, volatile=True) != 0
         start = now_ns()
         elapsed = start - start
+        polls = 0
         while late and not aborted and elapsed < timeout_ns:
             backoff()
             acc, late = _poll(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT)
-            aborted = tl.load(ctrl + 2, volatile=True) != 0
-            elapsed = now_ns() - start
+            polls += 1
+            if polls % GUARD_POLLS == 0:
+                aborted = tl.load(ctrl + 2, volatile=True) != 0
+                elapsed = now_ns() - start
         if late and not aborted:
             _record_error(ctrl, status, OP, rank, _first_late(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT),
                           epoch)
