@@ -7,8 +7,8 @@ The GPU thresholds, CTA counts, tile size and warps were set from the 4x H200 sw
 (scripts/tune_allreduce.py, W=4 bf16; the knob notes below and benchmarks/NOTES.md), within
 H200's limits (132 SMs).
 
-The size thresholds keyed by world size (``tpfuse.comm.tables.SIZE_KNOBS``) are the defaults
-(W=4's, reused at W=2 and W=8 until measured there): a measured table
+The size thresholds keyed by world size (``tpfuse.comm.tables.SIZE_KNOBS``) are defaults
+(W=4's of the 4x H200 sweep, reused at W=8, which was never measured): a measured table
 ``tpfuse/comm/tables/w{W}.json`` (``tpfuse tune --write-table`` on a W-GPU machine) replaces
 them for that W when tpfuse.comm is imported (``tpfuse.comm.tables``).
 """
@@ -34,7 +34,7 @@ KiB = 1024
 # the per-size best from 256 KiB to 128 MiB (32 MiB: 168.9 us, 298 GB/s, NCCL 177.3; 128 MiB
 # 647 us, NCCL 615). The per-world-size thresholds below are W=4's, reused elsewhere, but
 # W reads tables/w{W}.json when it exists (ONESHOT_MAX_BYTES and LL_MAX_BYTES; see
-# tpfuse.comm.tables): W=2 has one, from `tpfuse tune` on 2x H200.
+# tpfuse.comm.tables): W=2 and W=4 have one, from `tpfuse tune` on 2x and 4x H200.
 #
 # ONESHOT_MAX_BYTES: largest message "auto" sends to one-shot, by world size (other sizes:
 #   W=8's). Above it, two-shot.
