@@ -33,6 +33,12 @@ from tpfuse.kernels import ll
 
 
 @triton.jit
+def _zero(slot0, slot_words, woffs, wmask, W: tl.constexpr):
+    for s in tl.static_range(W):
+        tl.store(slot0 + s * slot_words + woffs, tl.zeros_like(woffs).to(slot0.dtype.element_ty), mask=wmask)
+
+
+@triton.jit
 def _no_zero(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP: tl.constexpr,
              W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr = False):
     acc, late = ll._poll(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT)
@@ -44,11 +50,8 @@ def _no_zero(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, t
 @triton.jit
 def _no_guard(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP: tl.constexpr,
               W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr = False):
-    acc, late = ll._poll(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT)
-    while late:
-        acc, late = ll._poll(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT)
-    for s in tl.static_range(W):
-        tl.store(slot0 + s * slot_words + woffs, tl.zeros_like(woffs).to(slot0.dtype.element_ty), mask=wmask)
+    acc = _no_zero(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP, W, ELEM, LAMPORT)
+    _zero(slot0, slot_words, woffs, wmask, W)
     return acc
 
 
@@ -56,8 +59,7 @@ def _no_guard(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, 
 def _no_wait(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP: tl.constexpr,
              W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr = False):
     acc, late = ll._poll(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT)
-    for s in tl.static_range(W):
-        tl.store(slot0 + s * slot_words + woffs, tl.zeros_like(woffs).to(slot0.dtype.element_ty), mask=wmask)
+    _zero(slot0, slot_words, woffs, wmask, W)
     return acc
 
 
@@ -91,8 +93,7 @@ def _spin(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, time
             acc = ll.ll_reduce(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP, W,
                                ELEM, LAMPORT)
         else:
-            for s in tl.static_range(W):
-                tl.store(slot0 + s * slot_words + woffs, tl.zeros_like(woffs).to(tl.uint64), mask=wmask)
+            _zero(slot0, slot_words, woffs, wmask, W)
     return acc
 
 
