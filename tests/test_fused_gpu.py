@@ -29,9 +29,10 @@ HIDDEN = [256, 1000, 2880, 4096, 5120, 7168, 8192, 16384, 20000]
 TOKENS = [1, 2, 3, 16, 17, 128, 513, 2048]
 ALGOS = ["oneshot", "twoshot", "auto", "split"]
 PROTOCOL_KNOBS = {"LAMPORT_MAX_BYTES": 4 << 20, "FUSED_LAMPORT_MAX_BYTES": 4 << 20,
-                  "FUSED_WIDE_LAMPORT_MAX_BYTES": 4 << 20}
-"""The fused one-shot over LL words to the table's FUSED_LL_MAX_BYTES (wide rows: FUSED_WIDE_LL_MAX_BYTES), Lamport words to 4 MiB,
-flags above, whatever the world size's table says (it may not use Lamport words at all)."""
+                  "FUSED_WIDE_LL_MAX_BYTES": 32 << 10, "FUSED_WIDE_LAMPORT_MAX_BYTES": 4 << 20}
+"""The fused one-shot over LL words to the table's FUSED_LL_MAX_BYTES (rows on the wide tile:
+to 32 KiB, as W=2's table sends them none), Lamport words to 4 MiB, flags above, whatever the
+world size's table says (it may not use Lamport words at all)."""
 
 
 class _Layer(MismatchTally):

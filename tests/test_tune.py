@@ -130,8 +130,9 @@ def test_crossovers_outside_the_sweep_leave_the_defaults():
 
 def test_the_wide_fused_sweep_sets_the_wide_knobs_and_holds_its_largest_size():
     # At hidden 8192 (one row = 16 KiB) the flag one-shot wins to 256 KiB and the two-shot
-    # holds the largest size swept: it serves up to there, split above (unmeasured).
-    wide_sizes = [s for s in SIZES if s >= 16 * KiB]
+    # holds the largest size of a full sweep (to tune.SIZES[-1]): it serves up to there,
+    # split above (unmeasured).
+    wide_sizes = [s for s in tune.SIZES if s >= 16 * KiB]
     small = 256 * KiB
     wide = {"oneshot_ll": {s: 20.0 for s in wide_sizes},
             "oneshot_flags": {s: 10.0 if s <= small else 30.0 for s in wide_sizes},
@@ -139,25 +140,37 @@ def test_the_wide_fused_sweep_sets_the_wide_knobs_and_holds_its_largest_size():
             "split": {s: 16.0 if s <= small else 25.0 for s in wide_sizes}}
     knobs = tune.derive_knobs({"fused_wide": wide})
     assert knobs == {"FUSED_WIDE_LL_MAX_BYTES": 0, "FUSED_WIDE_LAMPORT_MAX_BYTES": 0,
-                     "FUSED_WIDE_ONESHOT_MAX_BYTES": 256 * KiB, "FUSED_WIDE_TWOSHOT_MAX_BYTES": 1 * MiB}
+                     "FUSED_WIDE_ONESHOT_MAX_BYTES": 256 * KiB, "FUSED_WIDE_TWOSHOT_MAX_BYTES": tune.SIZES[-1]}
     # 0 for LL counts as seen: the sweep began at one row, the smallest call of that width.
     # The narrow sweep beginning at 16 KiB could have missed LL at 8 KiB: no verdict there.
     assert "FUSED_LL_MAX_BYTES" not in tune.derive_knobs({"fused": wide})
+    # A sweep cut short of tune.SIZES[-1] (--sizes) says nothing of the sizes above it: the
+    # two-shot that holds its top gets no knob, and one-shot keeps its crossover.
+    short = {m: {s: t for s, t in curve.items() if s <= 1 * MiB} for m, curve in wide.items()}
+    assert tune.derive_knobs({"fused_wide": short}) == {k: v for k, v in knobs.items()
+                                                        if k != "FUSED_WIDE_TWOSHOT_MAX_BYTES"}
 
 
-def test_wide_rows_take_the_wide_knobs(monkeypatch):
+def test_rows_on_the_measured_wide_tile_take_the_wide_knobs(monkeypatch):
     layout = WorkspaceLayout(2, 64 * MiB, 128)
     monkeypatch.setitem(P.FUSED_ONESHOT_MAX_BYTES, 2, 2 * MiB)
     monkeypatch.setitem(P.FUSED_TWOSHOT_MAX_BYTES, 2, 0)
     monkeypatch.setitem(P.FUSED_WIDE_ONESHOT_MAX_BYTES, 2, 8 * MiB)
     monkeypatch.setitem(P.FUSED_WIDE_TWOSHOT_MAX_BYTES, 2, 32 * MiB)
-    assert P.FUSED_WIDE_ROW_BYTES == 8192 * 2
-    # 8 MiB: narrow rows (hidden 4096 and 8176) go split, wide ones (8192 bf16, 4096 fp32) one-shot.
-    assert FusedPlan.from_shape(1024, 4096, 2, bf16, layout).algo == "split"
-    assert FusedPlan.from_shape(8 * MiB // (8176 * 2), 8176, 2, bf16, layout).algo == "split"
+    assert P.FUSED_WIDE_TILE == (8192, bf16)
+    # About 8 MiB: rows on hidden 8192's norm tile (bf16 7168 and 8192, fp32 4096) go one-shot,
+    # rows on other tiles (bf16 4096, 5120) split.
+    assert [P.uses_wide_knobs(n, dtype) for n, dtype in ((8192, bf16), (7168, bf16), (4096, torch.float32),
+                                                          (4096, bf16), (5120, bf16), (16384, bf16))] == \
+        [True, True, True, False, False, False]
     assert FusedPlan.from_shape(512, 8192, 2, bf16, layout).algo == "oneshot"
+    assert FusedPlan.from_shape(585, 7168, 2, bf16, layout).algo == "oneshot"
     assert FusedPlan.from_shape(512, 4096, 2, torch.float32, layout).algo == "oneshot"
-    assert FusedPlan.from_shape(2048, 8192, 2, bf16, layout).algo == "twoshot"  # 32 MiB
+    assert FusedPlan.from_shape(1024, 4096, 2, bf16, layout).algo == "split"
+    assert FusedPlan.from_shape(819, 5120, 2, bf16, layout).algo == "split"
+    # 32 MiB: the two-shot on the wide tile only (hidden 16384's tile is not the measured one).
+    assert FusedPlan.from_shape(2048, 8192, 2, bf16, layout).algo == "twoshot"
+    assert FusedPlan.from_shape(1024, 16384, 2, bf16, layout).algo == "split"
     assert FusedPlan.from_shape(4096, 4096, 2, bf16, layout).algo == "split"
     # The wide LL knob sizes the workspace's LL regions like the narrow one.
     monkeypatch.setitem(P.FUSED_WIDE_LL_MAX_BYTES, 2, 1 * MiB)
@@ -279,6 +292,15 @@ def test_a_file_that_is_not_json_raises_naming_it(tmp_path):
         tables.read_table(path)
 
 
+def test_a_table_without_wide_knobs_gives_wide_rows_its_narrow_ones(tmp_path):
+    _write(tmp_path, 2, {"FUSED_ONESHOT_MAX_BYTES": 3 * MiB, "FUSED_LL_MAX_BYTES": 0, "FUSED_WIDE_LL_MAX_BYTES": KiB})
+    knobs = tables.read_tables(str(tmp_path))[2]
+    assert knobs["FUSED_WIDE_ONESHOT_MAX_BYTES"] == 3 * MiB  # from its narrow twin
+    assert knobs["FUSED_WIDE_LL_MAX_BYTES"] == KiB  # its own
+    assert "FUSED_WIDE_TWOSHOT_MAX_BYTES" not in knobs  # no twin either: the default stays
+
+
+
 # ---------------------------------------------------------------- tpfuse tune
 
 
@@ -322,7 +344,7 @@ def test_tune_on_two_cpu_ranks_writes_a_sweep_and_a_table_the_loader_accepts(tmp
         assert not os.path.exists(path) and "no table written" in printed.out
         return
     table = tables.read_table(path)
-    assert table["world_size"] == 2 and table["knobs"] == knobs
+    assert table["world_size"] == 2 and {k: table["knobs"][k] for k in knobs} == knobs
     assert table["provenance"]["sweep"] == "tune_w2_bf16.json"
     assert table["provenance"]["commit"] == sweep["header"]["commit"]
 

@@ -10,7 +10,7 @@ message size, bf16, four sweeps, in this order:
   size / 8 KiB: one-shot over LL words, over Lamport words, with flags, two-shot, split ->
   FUSED_LL_MAX_BYTES, FUSED_LAMPORT_MAX_BYTES, FUSED_ONESHOT_MAX_BYTES, FUSED_TWOSHOT_MAX_BYTES;
 - the same at hidden 8192 (tokens = size / 16 KiB) -> their FUSED_WIDE_* twins, which serve
-  rows of FUSED_WIDE_ROW_BYTES and more (``tpfuse.comm.plan``);
+  the rows whose norm tile is hidden 8192's (``tpfuse.comm.plan.FUSED_WIDE_TILE``);
 - quantized all-reduce: each codec against the exact path -> QUANT_MIN_BYTES.
 
 Each sweep runs under the knobs the sweeps before it derived (split and "exact" run the
@@ -46,14 +46,14 @@ from tpfuse.bench.common import (KiB, MiB, agreed_max, collective_graph_us, fmt_
                                  layer_inputs, random_inputs, rotation, run_header, run_workers, same_bits,
                                  write_results)
 from tpfuse.comm import tables
-from tpfuse.comm.plan import AllReducePlan, FusedPlan
+from tpfuse.comm.plan import FUSED_WIDE_TILE, AllReducePlan, FusedPlan
 
 SIZES = [8 * KiB << i for i in range(13)]  # 8 KiB .. 32 MiB
 CPU_SIZES = [8 * KiB, 32 * KiB]
 EPS, DTYPE = 1e-6, torch.bfloat16
-FUSED_HIDDEN = {"fused": 4096, "fused_wide": 8192}
-"""The hidden size of each fused sweep: ``tpfuse bench fused``'s two, one row below
-FUSED_WIDE_ROW_BYTES and one at it (bf16), so each sweep sets the knobs of its rows."""
+FUSED_HIDDEN = {"fused": 4096, "fused_wide": FUSED_WIDE_TILE[0]}
+"""The hidden size of each fused sweep (both ``tpfuse bench fused``'s): 4096 for the FUSED_*
+knobs, FUSED_WIDE_TILE's (a bf16 row, as DTYPE) for the FUSED_WIDE_* ones."""
 FUSED_KNOB_PREFIX = {"fused": "FUSED_", "fused_wide": "FUSED_WIDE_"}
 LL_SWEEP_MAX = 2 * MiB
 """LL one-shot is swept up to here: its workspace regions take 4 * W bytes per message byte,
@@ -147,9 +147,10 @@ def derive_knobs(timings: dict[str, dict[str, dict[int, float]]]) -> dict:
     """Table knobs (``tpfuse.comm.tables``) from the timings of the sweeps that ran to the end
     ({sweep: {method: {size_bytes: us}}}, a sweep of SWEEPS). A knob whose crossover
     lies outside the sizes swept is left out (its default stays): a sweep of 8-16 KiB must
-    not end one-shot at 16 KiB. The fused chains are the exception at the top: a fused kernel
-    that holds the largest size swept serves up to that size, and split (the unfused path,
-    same bits) the unmeasured sizes above. Where two algorithms are within TOLERANCE, the earlier in its
+    not end one-shot at 16 KiB. The fused chains of a sweep that reached SIZES[-1] are the
+    exception at the top: a fused kernel that holds the largest size swept serves up to that
+    size, and split (the unfused path, same bits) the unmeasured sizes above. Where two
+    algorithms are within TOLERANCE, the earlier in its
     chain keeps the sizes, but for LL: LL_MAX_BYTES is the smallest threshold as good as any,
     because it also sizes every Communicator's workspace (SMALLEST_ON_TIES)."""
     knobs = {}
@@ -168,8 +169,9 @@ def derive_knobs(timings: dict[str, dict[str, dict[int, float]]]) -> dict:
         derived = ((f"{prefix}LL_MAX_BYTES", ll), (f"{prefix}LAMPORT_MAX_BYTES", lamport),
                    (f"{prefix}ONESHOT_MAX_BYTES", oneshot), (f"{prefix}TWOSHOT_MAX_BYTES", twoshot))
         row = FUSED_HIDDEN[sweep] * DTYPE.itemsize
-        smallest = min(s for s in SIZES if s % row == 0)  # one row, or SIZES[0]
-        knobs |= {k: t for k, t in derived if t == swept[-1] or _observed(t, swept, smallest)}
+        smallest = min((s for s in SIZES if s % row == 0), default=row)  # one row: the smallest call
+        holds_top = swept[-1] >= SIZES[-1]
+        knobs |= {k: t for k, t in derived if (holds_top and t == swept[-1]) or _observed(t, swept, smallest)}
     if timings.get("quant"):
         q = timings["quant"]
         swept = _swept(q)
@@ -375,8 +377,8 @@ def _write(opts, world, records, knobs, stopped, wrong, max_bytes, interpreter) 
     name = f"tune_w{world}_bf16"
     md = header_markdown(f"tpfuse tune, {world} ranks, bf16", header)
     md += ("us per call (CUDA-graph replay; under the interpreter, one call's wall clock). `x`: not equal to its "
-           "reference (codecs: or over their error budget). Sizes are message bytes (fused: tokens x 4096 bf16; "
-           "fused_wide: tokens x 8192).\n")
+           "reference (codecs: or over their error budget). Sizes are message bytes ("
+           + "; ".join(f"{s}: tokens x {h}" for s, h in FUSED_HIDDEN.items()) + ").\n")
     for sweep in SWEEPS:
         methods = list(dict.fromkeys(r["method"] for r in records if r["sweep"] == sweep))
         by = {(r["size_bytes"], r["method"]): r for r in records if r["sweep"] == sweep}

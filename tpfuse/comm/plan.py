@@ -8,7 +8,7 @@ The GPU thresholds, CTA counts, tile size and warps were set from the 4x H200 sw
 H200's limits (132 SMs).
 
 The size thresholds keyed by world size (``tpfuse.comm.tables.SIZE_KNOBS``) are defaults
-(W=4's of the 4x H200 sweep, reused at W=8, which was never measured): a measured table
+(from the 4x H200 sweep; W=8's entries, never measured, are guesses): a measured table
 ``tpfuse/comm/tables/w{W}.json`` (``tpfuse tune --write-table`` on a W-GPU machine) replaces
 them for that W when tpfuse.comm is imported (``tpfuse.comm.tables``).
 """
@@ -33,8 +33,8 @@ KiB = 1024
 # (256 KiB: 8.6 vs 10.7 us; 1 MiB: 16.6 vs 15.8); two-shot with 128 CTAs was within 0-4% of
 # the per-size best from 256 KiB to 128 MiB (32 MiB: 168.9 us, 298 GB/s, NCCL 177.3; 128 MiB
 # 647 us, NCCL 615). The per-world-size thresholds below are W=4's, reused elsewhere, but
-# W reads tables/w{W}.json when it exists (ONESHOT_MAX_BYTES and LL_MAX_BYTES; see
-# tpfuse.comm.tables): W=2 and W=4 have one, from `tpfuse tune` on 2x and 4x H200.
+# W reads tables/w{W}.json when it exists (the size knobs of tpfuse.comm.tables.SIZE_KNOBS):
+# W=2 and W=4 have one, from `tpfuse tune` on 2x and 4x H200.
 #
 # ONESHOT_MAX_BYTES: largest message "auto" sends to one-shot, by world size (other sizes:
 #   W=8's). Above it, two-shot.
@@ -284,16 +284,18 @@ FUSED_LL_MAX_BYTES = ({2: 128 * KiB, 4: 128 * KiB, 8: 64 * KiB} if not INTERPRET
                       {2: 16 * KiB, 4: 16 * KiB, 8: 16 * KiB})
 FUSED_LAMPORT_MAX_BYTES = {2: 0, 4: 0, 8: 0} if not INTERPRETER else {2: 128 * KiB, 4: 128 * KiB, 8: 128 * KiB}
 FUSED_TWOSHOT_MAX_BYTES = {2: 0, 4: 0, 8: 0}
-# FUSED_WIDE_ROW_BYTES: rows of at least this many bytes (hidden 8192 bf16) take the
-#   FUSED_WIDE_* thresholds, which `tpfuse tune` measures at hidden 8192, in place of the four
-#   above (measured at hidden 4096). A fused kernel's cost follows the norm's tile for the row
-#   width while split's is the all-reduce's at every width, so one threshold per kernel could
-#   not serve both widths within 3% (2x H200 at 4c718f7: at 8 MiB the flag one-shot tied split
-#   at hidden 4096, 42.0 vs 42.8 us, and won at 8192, 39.2 vs 42.7; the fused two-shot won at
-#   8192 x 2048 tokens, 135.0 vs 141.6, and never at 4096). Rows between the two widths
-#   (hidden 4112-8176 bf16) keep the narrow thresholds: unmeasured, and split is the choice
-#   that never loses to the unfused path. Defaults: the narrow ones, until measured.
-FUSED_WIDE_ROW_BYTES = 16 * KiB
+# FUSED_WIDE_TILE: (hidden, dtype) of the row on which `tpfuse tune` measures the FUSED_WIDE_*
+#   thresholds; calls whose norm tile is that row's (the same bytes, chunks, rows and warps:
+#   bf16 and fp16 hidden 6160-8192, fp32 2064-4096) take them in place of the four above,
+#   which are measured at hidden 4096 bf16 and serve every other tile. A fused kernel's cost
+#   follows the norm's tile while split's is the all-reduce's at every width, so one
+#   threshold per kernel could not serve both within 3% (2x H200 at 4c718f7: at 8 MiB the
+#   flag one-shot tied split at hidden 4096, 42.0 vs 42.8 us, and won at 8192, 39.2 vs 42.7;
+#   the fused two-shot won at 8192 x 2048 tokens, 135.0 vs 141.6, and never at 4096). Other
+#   tiles (e.g. bf16 hidden 5120, 16384) are not measured and keep the hidden-4096 values.
+#   Defaults: the narrow ones; a table without FUSED_WIDE_* entries gives wide rows its
+#   narrow values (``tpfuse.comm.tables.apply``).
+FUSED_WIDE_TILE = (8192, torch.bfloat16)
 FUSED_WIDE_LL_MAX_BYTES = dict(FUSED_LL_MAX_BYTES)
 FUSED_WIDE_LAMPORT_MAX_BYTES = dict(FUSED_LAMPORT_MAX_BYTES)
 FUSED_WIDE_ONESHOT_MAX_BYTES = dict(FUSED_ONESHOT_MAX_BYTES)
@@ -308,12 +310,25 @@ for fp16 N=1000 with tests/test_fused_layouts.py), which would change y's bits."
 FUSED_ALGOS = ("auto", "oneshot", "twoshot", "split")
 
 
-def fused_thresholds(world_size: int, row_bytes: int) -> tuple[int, int, int, int]:
+def _tile(n: int, dtype: torch.dtype) -> tuple[int, ...]:
+    """What a fused kernel's per-row work follows: the norm tile's bytes, tail bytes, chunks,
+    rows and warps for rows of n elements of dtype."""
+    cfg = NormConfig.from_shape(n, dtype)
+    return cfg.block_n * dtype.itemsize, cfg.tail_n * dtype.itemsize, cfg.num_chunks, cfg.rows, cfg.num_warps
+
+
+def uses_wide_knobs(n: int, dtype: torch.dtype) -> bool:
+    """Whether fused calls on rows of n elements of dtype take the FUSED_WIDE_* thresholds:
+    their norm tile is FUSED_WIDE_TILE's."""
+    return _tile(n, dtype) == _tile(*FUSED_WIDE_TILE)
+
+
+def fused_thresholds(world_size: int, n: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     """(LL, Lamport, one-shot, two-shot) largest message bytes of the fused kernels at
-    ``world_size`` for rows of ``row_bytes``: the FUSED_WIDE_* knobs from FUSED_WIDE_ROW_BYTES
-    on, else the FUSED_* ones (each as it is now)."""
+    ``world_size`` for rows of n elements of dtype: the FUSED_WIDE_* knobs where
+    ``uses_wide_knobs``, else the FUSED_* ones (each as it is now)."""
     knobs = ((FUSED_WIDE_LL_MAX_BYTES, FUSED_WIDE_LAMPORT_MAX_BYTES, FUSED_WIDE_ONESHOT_MAX_BYTES,
-              FUSED_WIDE_TWOSHOT_MAX_BYTES) if row_bytes >= FUSED_WIDE_ROW_BYTES else
+              FUSED_WIDE_TWOSHOT_MAX_BYTES) if uses_wide_knobs(n, dtype) else
              (FUSED_LL_MAX_BYTES, FUSED_LAMPORT_MAX_BYTES, FUSED_ONESHOT_MAX_BYTES, FUSED_TWOSHOT_MAX_BYTES))
     return tuple(for_world(knob, world_size) for knob in knobs)
 
@@ -350,8 +365,8 @@ class FusedPlan:
         sizes with at most FUSED_ONESHOT_MAX_VECTORS vectors per thread, or once the call has
         FUSED_MAX_CTAS row tiles),
         two-shot up to FUSED_TWOSHOT_MAX_BYTES, else "split" (also when the workspace cannot
-        hold the message, or n is not a multiple of FUSED_HIDDEN_MULTIPLE). Rows of
-        FUSED_WIDE_ROW_BYTES and more use the FUSED_WIDE_* twins of these knobs. An explicit
+        hold the message, or n is not a multiple of FUSED_HIDDEN_MULTIPLE). Rows whose norm
+        tile is FUSED_WIDE_TILE's use the FUSED_WIDE_* twins of these knobs. An explicit
         "oneshot" or "twoshot" that cannot serve the shape raises ValueError."""
         check_fused_algo(algo)
         if algo == "split":
@@ -375,7 +390,7 @@ class FusedPlan:
         if n_rows * n > MAX_ELEMENTS:
             fits = {"oneshot": False, "twoshot": False}
         tiling = lamport_tiling(n, dtype, _cdiv(n_rows, tile_rows), FUSED_MAX_CTAS)
-        ll_max, lamport_max, oneshot_max, twoshot_max = fused_thresholds(world_size, n * esize)
+        ll_max, lamport_max, oneshot_max, twoshot_max = fused_thresholds(world_size, n, dtype)
         if nbytes <= min(layout.ll_max_bytes, ll_max):
             protocol = "ll"
         elif nbytes <= min(layout.lamport_max_bytes, lamport_max) and tiling is not None:

@@ -15,8 +15,10 @@ A table file::
                "QUANT_MIN_BYTES": {"int4": 2097152, "int6": 4194304, "int8": 4194304, "fp8": null}},
      "provenance": {"gpu": "...", "date": "...", "commit": "...", "sweep": "tune_w2_bf16.json"}}
 
-Every knob is optional (a missing one keeps its default); sizes are message bytes, ints
->= 0; a codec's None means "never". Anything else raises ValueError naming the file and key.
+Every knob is optional (a missing one keeps its default, but a missing FUSED_WIDE_* knob
+takes the table's FUSED_* value where it has one: a table measured at one row width, older
+or from a tune cut short, serves every width alike); sizes are message bytes, ints >= 0; a
+codec's None means "never". Anything else raises ValueError naming the file and key.
 
 Every rank must derive the same plan (DESIGN.md 2.5), so the tables come from files that
 every rank reads alike: this package's directory (the same installed files on every rank
@@ -93,7 +95,15 @@ def read_table(path: str) -> dict:
                     raise ValueError(f"{path}: key {key}.{codec} must be an int >= 0 or null, got {size!r}")
         else:
             raise ValueError(f"{path}: unknown key {key!r} in knobs (expected {', '.join(SIZE_KNOBS + (QUANT_KNOB,))})")
-    return {"world_size": world, "knobs": knobs, "provenance": table.get("provenance", {})}
+    return {"world_size": world, "knobs": _with_wide_twins(knobs), "provenance": table.get("provenance", {})}
+
+
+def _with_wide_twins(knobs: dict) -> dict:
+    """``knobs`` with each missing FUSED_WIDE_* knob set to its FUSED_* twin's value, where
+    the table has that (the wide rows' defaults would otherwise be the built-in ones)."""
+    twins = {key.replace("FUSED_", "FUSED_WIDE_", 1): key for key in SIZE_KNOBS
+             if key.startswith("FUSED_") and not key.startswith("FUSED_WIDE_")}
+    return knobs | {wide: knobs[narrow] for wide, narrow in twins.items() if wide not in knobs and narrow in knobs}
 
 
 def _is_size(value) -> bool:
