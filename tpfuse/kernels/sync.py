@@ -59,7 +59,7 @@ def decode_status(words) -> tuple[int, int, int, int] | None:
 GUARD_POLLS = tl.constexpr(64 if not INTERPRETER else 1)
 """A waiting loop reads the abort word and the clock once per this many polls: on GPUs those
 two reads took 0.2 us off a 3.4 us one-shot when left out (scripts/ll_ablation.py, 2x H200),
-and 64 polls of local memory take microseconds, against timeouts of seconds. The
+and 64 polls take tens of microseconds at most, against timeouts of seconds. The
 interpreter looks every time (its polls sleep)."""
 
 POLL_SLEEP_S = 50e-6
@@ -117,18 +117,19 @@ def begin_call(ctrl_ptr):
 def end_call(ctrl_ptr, epoch):
     """Count this block as finished; the last block of the grid publishes ``epoch``.
 
-    The count is a relaxed atomic: it orders nothing, and needs not. What it must not let
-    happen is the last block's store of the new epoch reaching a block that has not read
-    the old one yet, and every block's read is complete before its increment issues: the
-    block used the value (the call's flag and data region) and a CTA barrier lies between
-    ``begin_call`` and ``end_call`` in every kernel here (in ``signal``, ``wait`` or an LL
-    poll). The last block stores only after its atomic returned, so after every other
-    block's increment. The next call (the next kernel on the stream) sees both stores. An
-    acq_rel count, as before, also waited for the block's stores to peers to be acknowledged
-    (a release): 0.3 us of a 3.4 us one-shot on 2x H200 (scripts/ll_ablation.py), for an
-    ordering no reader relies on (a peer sees this call's data through its flags or LL
-    words, never through this count). A grid of one block has nothing to count: it stores
-    the epoch without the atomic's round trip to L2."""
+    The count is a relaxed atomic. Only the last block to count writes ``ctrl``, after its
+    atomic returned, so after every other block's increment; what must not happen is that
+    store reaching a block that has not read the old epoch yet. Every block's read is done
+    before its increment issues: the block used the value (its flag and data region) to get
+    there, and in every kernel here a CTA barrier (in ``signal``, ``wait`` or an LL poll)
+    lies between ``begin_call`` and ``end_call`` (every CTA of a planned grid has work). That
+    rests on the dependency, which the PTX memory model does not promise by itself; the
+    acq_rel count that did also waited for the peers to acknowledge the block's NVLink stores
+    (a release), 0.3 us of a 3.4 us one-shot on 2x H200 (scripts/ll_ablation.py), for an
+    ordering no reader relies on: a peer sees this call's data through its flags or LL words,
+    the next call (the next kernel on the stream) sees both stores here, and no block reads
+    its epoch after counting. A grid of one block has nothing to count: it stores the epoch
+    without the atomic's round trip to L2."""
     if tl.num_programs(0) == 1:
         tl.store(ctrl_ptr, epoch)
     else:
