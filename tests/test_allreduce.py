@@ -290,7 +290,14 @@ def _slow_rank_mid_kernel(calls, seed):
     last rank is niced for the ``calls`` calls. A process's first call does one-time
     work (lazy imports, the interpreter reading the kernels' source: a few seconds of CPU),
     which the niced rank did at a sliver of the cores while its peers polled: its first call
-    took 34-74 s on 2 cores. The calls after it race as before."""
+    took 34-74 s on 2 cores. The calls after it race as before.
+
+    The niced rank's calls are most of the test's time (5-18 s each on 2 cores), so it makes
+    few: the sequence must take one-shot over LL and over Lamport words, two-shot on grids of
+    1 and 2 blocks, both dtypes, and an LL or Lamport call right after another (the peers'
+    call k+1 writes the LL regions that the slow rank still reads for call k); a failure
+    says so if it does not. With the rotation removed (``_begin``'s ``epoch % 2`` as 0), the
+    5 calls of seed 8 still hang, at the LL call after the Lamport one (checked)."""
     world, failures, digests = dist.get_world_size(), [], []
     rng = random.Random(seed)
     # A niced rank on a loaded 2-core machine can be starved for over a minute (a .ci/run of
@@ -301,10 +308,21 @@ def _slow_rank_mid_kernel(calls, seed):
             _check(comm, _inputs(seed, 1, torch.float32, world), f"warm-up {algo}", failures, digests, algo)
         if dist.get_rank() == world - 1:
             os.nice(19)
+        kinds, protocols = set(), []
         for call in range(calls):  # grids change from call to call, so tiles move between blocks
             n, dtype = rng.randint(1, 80_000), rng.choice([torch.float32, torch.bfloat16])
             xs = _inputs(seed * 100_000 + call, n, dtype, world)
-            _check(comm, xs, f"call {call} n={n} {dtype}", failures, digests, rng.choice(["oneshot", "twoshot"]))
+            algo = rng.choice(["oneshot", "twoshot"])
+            plan = AllReducePlan.from_numel(n, world, dtype, comm.layout, algo)
+            kinds.add((plan.algo, plan.protocol, plan.grid, dtype))
+            protocols.append(plan.protocol)
+            _check(comm, xs, f"call {call} n={n} {dtype}", failures, digests, algo)
+    want = {("oneshot", "ll"), ("oneshot", "lamport"), ("twoshot", "flags", 1), ("twoshot", "flags", 2),
+            torch.float32, torch.bfloat16}
+    got = {k[:2] for k in kinds} | {k[:3] for k in kinds} | {k[3] for k in kinds}
+    back_to_back = any(a != "flags" and b != "flags" for a, b in zip(protocols, protocols[1:]))
+    if not want <= got or not back_to_back:
+        failures.append(f"the calls miss {want - got} or two LL/Lamport calls in a row: {sorted(map(str, kinds))}")
     return failures, digests
 
 
@@ -561,7 +579,8 @@ def test_every_transition_between_launch_shapes_without_barriers(world):
 
 @pytest.mark.parametrize("gather", ["push", "pull"])
 def test_peers_one_call_ahead_never_overwrite_a_slow_ranks_data(gather):
-    _assert_ok(run_ranks(4, _with_gather, gather, _slow_rank_mid_kernel, 12, 1, timeout_s=600, fresh=True))
+    # 5 calls of seed 8 take every kind _slow_rank_mid_kernel asks for (12 of seed 1 took 70-97 s)
+    _assert_ok(run_ranks(4, _with_gather, gather, _slow_rank_mid_kernel, 5, 8, timeout_s=600, fresh=True))
 
 
 def test_twoshot_pull_gather_is_bitwise_equal_too():
