@@ -408,7 +408,15 @@ def _slow_rank(calls, seed):
     priority, then the last rank is niced for the ``calls`` calls. A process's first
     calls do one-time work (lazy imports, the interpreter reading the kernels' and codecs'
     source), which the niced rank did at a sliver of the cores while its peers polled: its
-    first call took 36-65 s on 2 cores. The calls after it race as before."""
+    first call took 36-65 s on 2 cores. The calls after it race as before.
+
+    The niced rank's quantized calls cost it about 1.2 s per 1000 elements on 2 cores, so the
+    test makes few, small ones: they must take every codec, an exact call between quantized
+    ones, both dtypes, grids of 1 and more blocks, and a quantized call right after another
+    (a segment is a launch of its own, so consecutive calls race as a segmented call's
+    segments do); a failure says so if they do not. (With the regions' rotation removed, these
+    calls pass, as the 10 calls of seed 3 they replaced did: the all-reduce slow-rank test is
+    the one that catches that.)"""
     world, failures, digests = dist.get_world_size(), [], []
     rng = random.Random(seed)
     # A niced rank on a loaded 2-core machine can be starved for a minute (a .ci/run at eef8b7f,
@@ -419,12 +427,22 @@ def _slow_rank(calls, seed):
             _call(comm, xs, codec, f"warm-up {codec} min_bytes={min_bytes}", failures, digests, min_bytes=min_bytes)
         if dist.get_rank() == world - 1:
             os.nice(19)
+        kinds = []  # per call: (codec or "exact", dtype, grids of its segments)
         for call in range(calls):
             n, dtype = rng.randint(1, 40_000), rng.choice([torch.float32, torch.bfloat16])
             xs = _inputs(seed * 1000 + call, n, dtype, world)
             exact_fits = n * dtype.itemsize <= comm.max_bytes // 2  # else the exact path is the backend's
-            _call(comm, xs, rng.choice(CODECS), f"call {call} n={n}", failures, digests,
-                  min_bytes=rng.choice([0, 0, 1 << 30] if exact_fits else [0]))
+            codec, min_bytes = rng.choice(CODECS), rng.choice([0, 0, 1 << 30] if exact_fits else [0])
+            grids = set() if min_bytes else {g.grid for g in QuantPlan.for_layout(comm.layout, dtype, codec).segments(n)}
+            kinds.append(("exact" if min_bytes else codec, dtype, grids))
+            _call(comm, xs, codec, f"call {call} n={n}", failures, digests, min_bytes=min_bytes)
+    got = {k for k, _, _ in kinds}
+    grids = set().union(*(g for _, _, g in kinds))
+    exact_between = any(k == "exact" for k, _, _ in kinds[1:-1])
+    quant_twice = any("exact" not in (a[0], b[0]) for a, b in zip(kinds, kinds[1:]))
+    if (got != {*CODECS, "exact"} or {d for _, d, _ in kinds} != {torch.float32, torch.bfloat16}
+            or 1 not in grids or max(grids) < 2 or not exact_between or not quant_twice):
+        failures.append(f"the calls miss a codec, an exact call, a dtype or a grid: {kinds}")
     return failures, digests
 
 
@@ -514,7 +532,8 @@ def test_messages_larger_than_the_workspace_run_in_segments(world):
 
 
 def test_quantized_peers_one_call_ahead_never_overwrite_a_slow_ranks_data():
-    _assert_ok(run_ranks(4, _slow_rank, 10, 3, timeout_s=300, fresh=True))
+    # 5 calls of seed 2246 take every kind _slow_rank asks for (10 of seed 3 took 146-236 s)
+    _assert_ok(run_ranks(4, _slow_rank, 5, 2246, timeout_s=300, fresh=True))
 
 
 def test_quantized_missing_peer_ends_in_timeout_error():
