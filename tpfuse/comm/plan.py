@@ -239,9 +239,9 @@ class AllReducePlan:
 # ---- Fused all-reduce + residual add + RMSNorm (Communicator.all_reduce_add_rms_norm).
 # The fused kernels (tpfuse.kernels.fused) take the norm's tile shape and warps, fixed by
 # (N, dtype) (NormConfig), so only the algorithm and the grid are chosen here. Set from
-# `tpfuse bench fused` on 4x H200 (W=4 bf16, benchmarks/NOTES.md); W=2 and W=8 keep W=4's
-# until measured: W reads tables/w{W}.json when it exists (the FUSED_* size knobs, measured at
-# hidden 4096 bf16 by `tpfuse tune`, and their FUSED_WIDE_* twins, measured at hidden 8192).
+# `tpfuse bench fused` on 4x H200 (W=4 bf16, benchmarks/NOTES.md), the defaults: W reads
+# tables/w{W}.json when it exists (the FUSED_* size knobs, measured at hidden 4096 bf16 by
+# `tpfuse tune`, and their FUSED_WIDE_* twins, measured at hidden 8192); W=2 and W=4 have one.
 #
 # FUSED_ONESHOT_MAX_BYTES: largest message (x's bytes) "auto" sends to the fused one-shot
 #   kernel, by world size (other sizes: W=8's), and only for hidden sizes whose norm tile
@@ -294,7 +294,7 @@ FUSED_TWOSHOT_MAX_BYTES = {2: 0, 4: 0, 8: 0}
 #   the fused two-shot won at 8192 x 2048 tokens, 135.0 vs 141.6, and never at 4096). Other
 #   tiles (e.g. bf16 hidden 5120, 16384) are not measured and keep the hidden-4096 values.
 #   Defaults: the narrow ones; a table without FUSED_WIDE_* entries gives wide rows its
-#   narrow values (``tpfuse.comm.tables.apply``).
+#   narrow values (``tpfuse.comm.tables.read_table``).
 FUSED_WIDE_TILE = (8192, torch.bfloat16)
 FUSED_WIDE_LL_MAX_BYTES = dict(FUSED_LL_MAX_BYTES)
 FUSED_WIDE_LAMPORT_MAX_BYTES = dict(FUSED_LAMPORT_MAX_BYTES)
