@@ -249,7 +249,7 @@ class _Sweeper:
         peer = [p.clone() for p in pool]
         self.time("allreduce", nbytes, "nccl", lambda i: dist.all_reduce(peer[i]), rot, lambda out: (None, None))
 
-    def fused(self, nbytes: int, sweep: str = "fused") -> None:
+    def fused(self, nbytes: int, sweep: str) -> None:
         hidden, prefix = FUSED_HIDDEN[sweep], FUSED_KNOB_PREFIX[sweep]
         tokens = nbytes // (hidden * DTYPE.itemsize)
         if tokens == 0 or tokens * hidden * DTYPE.itemsize != nbytes:

@@ -15,6 +15,7 @@ them for that W when tpfuse.comm is imported (``tpfuse.comm.tables``).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -317,9 +318,11 @@ def _tile(n: int, dtype: torch.dtype) -> tuple[int, ...]:
     return cfg.block_n * dtype.itemsize, cfg.tail_n * dtype.itemsize, cfg.num_chunks, cfg.rows, cfg.num_warps
 
 
+@functools.lru_cache(maxsize=None)
 def uses_wide_knobs(n: int, dtype: torch.dtype) -> bool:
     """Whether fused calls on rows of n elements of dtype take the FUSED_WIDE_* thresholds:
-    their norm tile is FUSED_WIDE_TILE's."""
+    their norm tile is FUSED_WIDE_TILE's. Cached: every fused call's plan asks, and the
+    answer depends on the shape alone."""
     return _tile(n, dtype) == _tile(*FUSED_WIDE_TILE)
 
 
