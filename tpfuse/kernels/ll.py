@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from tpfuse.kernels.common import to_f32
-from tpfuse.kernels.sync import GUARD_POLLS, _record_error, backoff, now_ns
+from tpfuse.kernels.sync import GUARD_POLLS, _record_error, backoff, give_up, now_ns
 
 
 @triton.jit
@@ -142,22 +142,20 @@ def ll_reduce(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, 
     Lamport words: is not 0); the words are then zeroed.
 
     Gives up, as ``sync.wait`` does, after ``timeout_ns`` or when the abort word is set (both
-    looked at every ``sync.GUARD_POLLS`` polls): it
+    looked at every ``sync.GUARD_POLLS`` polls, and once before the first): it
     then records ``(OP, rank, first late peer, epoch)`` and returns whatever it saw."""
     acc, late = _poll(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT)
-    if late:
-        aborted = tl.load(ctrl + 2, volatile=True) != 0
+    if late:  # `late` is a CTA-wide reduction, `stop` too (sync.give_up): all warps loop alike
         start = now_ns()
-        elapsed = start - start
+        stop = give_up(ctrl, start, start, timeout_ns)
         polls = 0
-        while late and not aborted and elapsed < timeout_ns:
+        while late and not stop:
             backoff()
             acc, late = _poll(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT)
             polls += 1
             if polls % GUARD_POLLS == 0:
-                aborted = tl.load(ctrl + 2, volatile=True) != 0
-                elapsed = now_ns() - start
-        if late and not aborted:
+                stop = give_up(ctrl, start, now_ns(), timeout_ns)
+        if late:  # records nothing after an abort: the abort word is set already
             _record_error(ctrl, status, OP, rank, _first_late(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT),
                           epoch)
     for s in tl.static_range(W):

@@ -159,31 +159,51 @@ def wait(flags_ptr, ctrl_ptr, status_ptr, epoch, rank, timeout_ns, OP: tl.conste
          W: tl.constexpr, PEERS: tl.constexpr):
     """Wait until every rank's flag in ``flags_ptr[0:W]`` (int64*, this block's local flag
     row) reaches ``epoch``; returns True, or False after a timeout or an earlier abort (both
-    looked at every GUARD_POLLS polls).
+    looked at every GUARD_POLLS polls, and once before the first).
 
     On timeout, records ``(OP, rank, first late peer, epoch)`` in the status record (the
     first recording wins) and sets the local abort word."""
     peers = tl.arange(0, PEERS)
     live = peers < W
     zeros = tl.full([PEERS], 0, tl.int64)
+    # The atomics' results reach every thread through shared memory, so `ready` is the
+    # same in all of them; `stop` is made so by ``give_up``.
     seen = tl.where(live, tl.atomic_add(flags_ptr + peers, zeros, mask=live, sem="acquire", scope="sys"), epoch)
-    aborted = tl.load(ctrl_ptr + 2, volatile=True) != 0
     ready = tl.min(seen, 0) >= epoch
-    start = now_ns()
-    elapsed = start - start
-    polls = 0
-    while not ready and not aborted and elapsed < timeout_ns:
-        backoff()
-        seen = tl.where(live, tl.atomic_add(flags_ptr + peers, zeros, mask=live, sem="acquire", scope="sys"), epoch)
-        ready = tl.min(seen, 0) >= epoch
-        polls += 1
-        if polls % GUARD_POLLS == 0:
-            aborted = tl.load(ctrl_ptr + 2, volatile=True) != 0
-            elapsed = now_ns() - start
-    if not ready and not aborted:
-        _record_error(ctrl_ptr, status_ptr, OP, rank, tl.min(tl.where(seen < epoch, peers, PEERS), 0), epoch)
+    if not ready:
+        start = now_ns()
+        stop = give_up(ctrl_ptr, start, start, timeout_ns)
+        polls = 0
+        while not ready and not stop:
+            backoff()
+            seen = tl.where(live, tl.atomic_add(flags_ptr + peers, zeros, mask=live, sem="acquire", scope="sys"),
+                            epoch)
+            ready = tl.min(seen, 0) >= epoch
+            polls += 1
+            if polls % GUARD_POLLS == 0:
+                stop = give_up(ctrl_ptr, start, now_ns(), timeout_ns)
+        if not ready:  # records nothing after an abort: the abort word is set already
+            _record_error(ctrl_ptr, status_ptr, OP, rank, tl.min(tl.where(seen < epoch, peers, PEERS), 0), epoch)
     tl.debug_barrier()
     return ready
+
+
+CTA_LANES = tl.constexpr(1024)
+"""Lanes of ``give_up``'s reduction: at least the threads of the largest CTA (32 warps), so
+that its layout spans every warp and the reduction goes through shared memory."""
+
+
+@triton.jit
+def give_up(ctrl_ptr, start, now, timeout_ns):
+    """Whether a waiting loop stops: the abort word is set, or ``timeout_ns`` passed since
+    ``start`` (``now_ns`` readings), as the same value in every thread of the CTA.
+
+    Each thread reads the abort word and the clock on its own, so near the deadline, or as
+    another block sets the abort word, warps could disagree and some leave a loop whose polls
+    hold CTA barriers (the atomics' broadcast, an LL poll's reduction) while others stay in
+    it: a barrier mismatch. The decision is or-ed over the CTA instead."""
+    mine = (tl.load(ctrl_ptr + 2, volatile=True) != 0) | (now - start >= timeout_ns)
+    return tl.max(tl.full([CTA_LANES], 0, tl.int32) + mine.to(tl.int32), 0) != 0
 
 
 @triton.jit
