@@ -15,7 +15,11 @@ Variants (every one but "base" and "spin" gives wrong sums or drops a guard; mea
             cross-GPU wait);
   spin      LL words: each thread spins on its own words in PTX (no CTA-wide reduction per
             poll), then one CTA-wide check; Lamport words as in base;
-  copy      no collective: a one-pass copy kernel on the same grid (the launch floor).
+  copy      no collective: a one-pass copy kernel on the same grid (the launch floor);
+  zero_behind  LL words only: the consumed words are not zeroed after the poll; instead, before
+            the first poll, the same number of words is zeroed in a scratch area (the workspace's
+            ``reduced`` region), as a kernel that clears the previous call's words while it
+            waits would (the timing of that idea, not a protocol: Lamport sizes would not wait).
 """
 
 import argparse
@@ -97,6 +101,30 @@ def _spin(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, time
     return acc
 
 
+ZB_OFFSET = tl.constexpr(0)  # byte offset of the workspace's reduced region, set in main() before compiling
+ZB_STRIDE = tl.constexpr(8192)  # scratch words per slot: more than the LL sizes measured here
+
+
+@triton.jit
+def _zero_behind(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP: tl.constexpr,
+                 W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr = False):
+    scratch = (ctrl.to(tl.pointer_type(tl.uint8)) + ZB_OFFSET).to(slot0.dtype)
+    _zero(scratch, ZB_STRIDE, woffs, wmask, W)
+    acc, late = ll._poll(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT)
+    if late:
+        polls = 0
+        start = ll.now_ns()
+        elapsed = start - start
+        aborted = tl.load(ctrl + 2, volatile=True) != 0
+        while late and not aborted and elapsed < timeout_ns:
+            acc, late = ll._poll(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT)
+            polls += 1
+            if polls % ll.GUARD_POLLS == 0:
+                aborted = tl.load(ctrl + 2, volatile=True) != 0
+                elapsed = ll.now_ns() - start
+    return acc
+
+
 @triton.jit
 def _copy_kernel(x_ptr, out_ptr, numel, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -104,7 +132,7 @@ def _copy_kernel(x_ptr, out_ptr, numel, BLOCK: tl.constexpr):
 
 
 VARIANTS = {"base": None, "no_zero": _no_zero, "no_guard": _no_guard, "no_wait": _no_wait, "spin": _spin,
-            "copy": None}
+            "copy": None, "zero_behind": _zero_behind}
 
 
 def main():
@@ -122,6 +150,8 @@ def main():
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
     rows = []
     with Communicator() as comm:
+        global ZB_OFFSET
+        ZB_OFFSET = tl.constexpr(comm.layout.reduced_offset)
         for nbytes in opts.sizes:
             xs = random_inputs(nbytes // 2, torch.bfloat16, world, "cuda", seed=nbytes)
             want = sum(x.float() for x in xs).to(torch.bfloat16)
