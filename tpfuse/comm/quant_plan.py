@@ -65,8 +65,12 @@ MiB = 1024 * 1024
 # QUANT_SMALL_TILE, QUANT_SMALL_TILE_MAX_CHUNK: segments of at most this many elements per
 #   rank use the smaller tile, so that every CTA still gets several tiles (at 32 MiB, W=4,
 #   a chunk of 4 M elements is 2 integer-codec tiles of 16384 per CTA; 8192 was 6-12% faster for every
-#   codec, 16384 0-5% faster at 256 MiB; 2026-11-21, after the fp32 codecs).
-# QUANT_NUM_WARPS: warps per CTA.
+#   codec, 16384 0-5% faster at 256 MiB; 2026-11-21, after the fp32 codecs). At W=2 a 32 MiB
+#   message's chunk (8 M elements) takes the large tile: int4 47 us there against 51 on 8192
+#   (2x H200, 32 warps, results/2xH200/tune_quant_w2.md).
+# QUANT_NUM_WARPS: warps per CTA. 32: on 2x H200 (2026-11-26, the same sweep, us at 32 / 256
+#   MiB, 16 -> 32 warps) int4 on 16384 48 / 334 -> 47 / 304, int6 68 / 505 -> 68 / 482, fp8
+#   on 8192 81 / 634 -> 75 / 548, int8 on 16384 72 / 492 -> 73 / 495.
 # QUANT_MAX_CTAS: CTAs per launch; every CTA must be resident at once (see
 #   tpfuse.kernels.sync), so it stays at or below the SM count (132 on H200).
 QUANT_MIN_BYTES: dict[str, dict[int, int | None]] = {
@@ -78,8 +82,8 @@ QUANT_MIN_BYTES: dict[str, dict[int, int | None]] = {
 QUANT_TILE = (dict.fromkeys(QUANT_CODECS, 8192) if INTERPRETER else
               {"int4": 16384, "int6": 16384, "int8": 16384, "fp8": 8192})
 QUANT_SMALL_TILE = 4096 if INTERPRETER else 8192
-QUANT_SMALL_TILE_MAX_CHUNK = 1 << 14 if INTERPRETER else 1 << 23
-QUANT_NUM_WARPS = 16
+QUANT_SMALL_TILE_MAX_CHUNK = 1 << 14 if INTERPRETER else 1 << 22
+QUANT_NUM_WARPS = 32
 QUANT_MAX_CTAS = 4 if INTERPRETER else 128
 
 
