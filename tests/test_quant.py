@@ -244,7 +244,9 @@ def test_quant_plan_segments_cover_the_message_and_fit_the_slots(world, codec):
                 for s in segs:
                     assert s.chunk % 32 == 0 and world * s.chunk >= s.numel and s.chunk <= plan.seg_chunk
                     assert 1 <= s.grid <= min(QP.QUANT_MAX_CTAS, 128)
-                    assert s.block == (plan.small_block if s.chunk <= plan.small_max_chunk else plan.block)
+                    small = s.chunk <= plan.small_max_chunk
+                    assert (s.block, s.num_warps) == ((plan.small_block, plan.small_num_warps) if small
+                                                      else (plan.block, plan.num_warps))
                     assert (s.start * dtype.itemsize) % 16 == 0
     # The plan depends on the layout, dtype and codec only.
     layout = WorkspaceLayout(world, 1 << 20, max_blocks=128)

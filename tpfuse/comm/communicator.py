@@ -273,7 +273,7 @@ class Communicator:
         for seg in plan.segments(x.numel()):
             part = slice(seg.start, seg.start + seg.numel)
             quant_all_reduce_into(src[part], flat[part], codec=codec, chunk=seg.chunk, grid=seg.grid,
-                                  block=seg.block, num_warps=plan.num_warps, planes=plan.planes,
+                                  block=seg.block, num_warps=seg.num_warps, planes=plan.planes,
                                   scale_offset=plan.scale_offset, table=self._table,
                                   table_addrs=self._peer.buffer_ptrs, status_addr=self._status.data_ptr(),
                                   rank=self.rank, layout=self.layout, timeout_ns=int(self.timeout_s * 1e9))

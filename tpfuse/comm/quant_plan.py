@@ -68,9 +68,11 @@ MiB = 1024 * 1024
 #   codec, 16384 0-5% faster at 256 MiB; 2026-11-21, after the fp32 codecs). At W=2 a 32 MiB
 #   message's chunk (8 M elements) takes the large tile: int4 47 us there against 51 on 8192
 #   (2x H200, 32 warps, results/2xH200/tune_quant_w2.md).
-# QUANT_NUM_WARPS: warps per CTA. 32: on 2x H200 (2026-11-26, the same sweep, us at 32 / 256
-#   MiB, 16 -> 32 warps) int4 on 16384 48 / 334 -> 47 / 304, int6 68 / 505 -> 68 / 482, fp8
-#   on 8192 81 / 634 -> 75 / 548, int8 on 16384 72 / 492 -> 73 / 495.
+# QUANT_NUM_WARPS, QUANT_SMALL_NUM_WARPS: warps per CTA on the large and the small tile. 32 on
+#   the large: on 2x H200 (2026-11-26, the same sweep, us at 32 / 256 MiB, 16 -> 32 warps)
+#   int4 on 16384 48 / 334 -> 47 / 304, int6 68 / 505 -> 68 / 482, fp8 on 8192 81 / 634 ->
+#   75 / 548, int8 on 16384 72 / 492 -> 73 / 495. 16 on the small: with 32 there, 1-8 MiB
+#   took 3-9% longer (int4 at 1 MiB 11.9 -> 13.0 us, bench allreduce --quant at 9f16fff).
 # QUANT_MAX_CTAS: CTAs per launch; every CTA must be resident at once (see
 #   tpfuse.kernels.sync), so it stays at or below the SM count (132 on H200).
 QUANT_MIN_BYTES: dict[str, dict[int, int | None]] = {
@@ -84,6 +86,7 @@ QUANT_TILE = (dict.fromkeys(QUANT_CODECS, 8192) if INTERPRETER else
 QUANT_SMALL_TILE = 4096 if INTERPRETER else 8192
 QUANT_SMALL_TILE_MAX_CHUNK = 1 << 14 if INTERPRETER else 1 << 22
 QUANT_NUM_WARPS = 32
+QUANT_SMALL_NUM_WARPS = 16
 QUANT_MAX_CTAS = 4 if INTERPRETER else 128
 
 
@@ -111,13 +114,14 @@ def _cdiv(a: int, b: int) -> int:
 @dataclass(frozen=True)
 class QuantSegment:
     """One launch: elements [start, start + numel) of the message, ``chunk`` elements per
-    rank, tiles of ``block`` elements on ``grid`` CTAs."""
+    rank, tiles of ``block`` elements on ``grid`` CTAs of ``num_warps`` warps."""
 
     start: int
     numel: int
     chunk: int
     block: int
     grid: int
+    num_warps: int
 
 
 @dataclass(frozen=True)
@@ -127,7 +131,8 @@ class QuantPlan:
     seg_chunk: elements per rank of a full segment; planes, scale_offset: byte offsets of the
     packed planes and scales inside every slot (``packed_layout`` of seg_chunk elements);
     block, small_block, small_max_chunk: elements per tile, ``small_block`` for segments of
-    at most ``small_max_chunk`` elements per rank; unit: chunks are multiples of it.
+    at most ``small_max_chunk`` elements per rank; num_warps, small_num_warps: warps per CTA
+    on each; unit: chunks are multiples of it.
     """
 
     codec: str
@@ -140,6 +145,7 @@ class QuantPlan:
     small_max_chunk: int
     unit: int
     num_warps: int
+    small_num_warps: int
     max_ctas: int
 
     @classmethod
@@ -150,12 +156,12 @@ class QuantPlan:
         if codec not in QUANT_CODECS:
             raise ValueError(f"unknown codec {codec!r}")
         return cls._build(layout, dtype, codec, QUANT_TILE[codec], QUANT_SMALL_TILE, QUANT_SMALL_TILE_MAX_CHUNK,
-                          QUANT_NUM_WARPS, QUANT_MAX_CTAS)
+                          QUANT_NUM_WARPS, QUANT_SMALL_NUM_WARPS, QUANT_MAX_CTAS)
 
     @classmethod
     @functools.lru_cache(maxsize=None)
     def _build(cls, layout: WorkspaceLayout, dtype: torch.dtype, codec: str, block: int, small_block: int,
-               small_max_chunk: int, num_warps: int, max_ctas: int) -> "QuantPlan":
+               small_max_chunk: int, num_warps: int, small_num_warps: int, max_ctas: int) -> "QuantPlan":
         unit = max(QUANT_GROUP, ALIGN // dtype.itemsize)
         if block % unit or small_block % unit:
             raise ValueError(f"QUANT_TILE[{codec!r}]={block} and QUANT_SMALL_TILE={small_block} must be multiples of "
@@ -176,7 +182,7 @@ class QuantPlan:
             raise ValueError(f"the workspace slots ({slot} bytes) are too small for a quantized chunk")
         planes, scale_offset, _ = packed_layout(seg_chunk, codec)
         return cls(codec, layout.world_size, seg_chunk, planes, scale_offset, block, small_block, small_max_chunk,
-                   unit, num_warps, max(1, min(max_ctas, layout.max_blocks)))
+                   unit, num_warps, small_num_warps, max(1, min(max_ctas, layout.max_blocks)))
 
     def segments(self, numel: int) -> list[QuantSegment]:
         """The launches of a message of ``numel`` elements, in order."""
@@ -185,6 +191,8 @@ class QuantPlan:
         for start in range(0, numel, full):
             n = min(full, numel - start)
             chunk = self.seg_chunk if n == full else _cdiv(_cdiv(n, self.world_size), self.unit) * self.unit
-            block = self.small_block if chunk <= self.small_max_chunk else self.block
-            out.append(QuantSegment(start, n, chunk, block, max(1, min(_cdiv(chunk, block), self.max_ctas))))
+            small = chunk <= self.small_max_chunk
+            block = self.small_block if small else self.block
+            out.append(QuantSegment(start, n, chunk, block, max(1, min(_cdiv(chunk, block), self.max_ctas)),
+                                    self.small_num_warps if small else self.num_warps))
         return out
