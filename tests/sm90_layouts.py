@@ -177,7 +177,49 @@ def kernel_registers(case: dict) -> dict:
             "spill_bytes": int(re.search(r"(\d+) bytes spill stores", report).group(1))}
 
 
+def guard_reductions(case: dict) -> dict:
+    """The warps of the collective kernel ``case["kernel"]`` and the warps that each of its
+    ``sync.give_up`` reductions (over CTA_LANES int32 lanes) spans: "oneshot", "ll", "lamport",
+    "twoshot" (the all-reduce), "fused_ll", "fused_twoshot" (bf16 rows of ``case["n"]``) or
+    "quant" (``case["num_warps"]`` warps)."""
+    from tpfuse.comm.quant_plan import QuantPlan
+    from tpfuse.kernels.allreduce import all_reduce_into
+    from tpfuse.kernels.quant_allreduce import quant_all_reduce_into
+    from tpfuse.kernels.sync import CTA_LANES
+
+    world, kind = 2, case["kernel"]
+    layout = WorkspaceLayout(world, 1 << 24, 128, ll_max_bytes=1 << 16, lamport_max_bytes=1 << 22)
+    table, addrs = torch.zeros(world, dtype=torch.int64), [(1 << 40) + r * (1 << 30) for r in range(world)]
+    ranks = dict(table=table, table_addrs=addrs, status_addr=1 << 36, rank=1, layout=layout, timeout_ns=10**9)
+    if kind in ("oneshot", "ll", "lamport", "twoshot"):
+        x = torch.empty(8192, dtype=torch.bfloat16)
+        launch = lambda: all_reduce_into(  # noqa: E731
+            x, torch.empty_like(x), algo="twoshot" if kind == "twoshot" else "oneshot", grid=4, block=1024,
+            num_warps=4, chunk=4096, protocol=kind if kind in ("ll", "lamport") else "flags", **ranks)
+    elif kind in ("fused_ll", "fused_twoshot"):
+        x = torch.empty(2, case["n"], dtype=torch.bfloat16)
+        launch = lambda: all_reduce_norm_into(  # noqa: E731
+            x, torch.empty(case["n"], dtype=torch.bfloat16), x.clone(), x.clone(), x.clone(), 1e-6, 0.0,
+            algo="oneshot" if kind == "fused_ll" else "twoshot", grid=4, rows_per_group=1,
+            protocol="ll" if kind == "fused_ll" else "flags", **ranks)
+    else:
+        plan = QuantPlan.for_layout(layout, torch.bfloat16, "int4")
+        x = torch.empty(1 << 16, dtype=torch.bfloat16)
+        launch = lambda: quant_all_reduce_into(  # noqa: E731
+            x, torch.empty_like(x), codec="int4", chunk=1 << 15, grid=4, block=plan.small_block,
+            num_warps=case["num_warps"], planes=plan.planes, scale_offset=plan.scale_offset, **ranks)
+    kernel, kwargs = _launch_args(launch)
+    ttgir = _compile(kernel, kwargs).asm["ttgir"]
+    aliases = dict(re.findall(r"^(#[\w.]+) = (.*)$", ttgir, re.M))
+    spans = []
+    for operands in _reductions(0).findall(ttgir):
+        for alias in re.findall(r"tensor<%dxi32, (#[\w.]+)>" % CTA_LANES.value, operands):
+            spans.append(int(re.search(r"warpsPerCTA = \[(\d+)\]", aliases[alias]).group(1)))
+    return {"case": case, "num_warps": kwargs["num_warps"], "give_up_warps": spans}
+
+
 if __name__ == "__main__":
-    report = {"registers": kernel_registers, "reductions": backward_reductions, "layouts": layouts_for}
+    report = {"registers": kernel_registers, "reductions": backward_reductions, "layouts": layouts_for,
+              "guards": guard_reductions}
     for c in json.loads(sys.argv[1]):
         print(json.dumps(report[c.get("report", "registers" if "kernel" in c else "layouts")](c)), flush=True)
