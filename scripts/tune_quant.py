@@ -26,9 +26,10 @@ CONFIGS = [(2048, 8, 128), (4096, 8, 128), (2048, 16, 128), (4096, 16, 128), (81
 
 
 def _worker(rank: int, world: int, port: int, opts: dict) -> None:
-    tile, quant_plan.QUANT_NUM_WARPS, quant_plan.QUANT_MAX_CTAS = opts["config"]
+    tile, warps, quant_plan.QUANT_MAX_CTAS = opts["config"]
     quant_plan.QUANT_TILE = dict.fromkeys(quant_plan.QUANT_TILE, tile)
-    quant_plan.QUANT_SMALL_TILE_MAX_CHUNK = 0  # every segment on the configuration's tile
+    quant_plan.QUANT_NUM_WARPS = {8: warps}  # W=8's entry serves every world size
+    quant_plan.QUANT_SMALL_TILE_MAX_CHUNK = {8: 0}  # every segment on the configuration's tile
     bench_quant.gpu_worker(rank, world, port, opts)
 
 

@@ -258,13 +258,20 @@ def test_quant_plan_takes_each_codecs_tile(monkeypatch):
     # large segments, the integer codecs take 16384.
     monkeypatch.setattr(QP, "QUANT_TILE", {"int4": 16384, "int6": 16384, "int8": 16384, "fp8": 8192})
     monkeypatch.setattr(QP, "QUANT_SMALL_TILE", 8192)
-    monkeypatch.setattr(QP, "QUANT_SMALL_TILE_MAX_CHUNK", 1 << 16)
+    monkeypatch.setattr(QP, "QUANT_SMALL_TILE_MAX_CHUNK", {2: 1 << 16, 8: 1 << 17})
+    monkeypatch.setattr(QP, "QUANT_NUM_WARPS", {2: 32, 8: 16})
     layout = WorkspaceLayout(2, 16 << 20, max_blocks=128)
     for codec in CODECS:
         plan = QuantPlan.for_layout(layout, torch.bfloat16, codec)
         big = plan.segments(2 * plan.seg_chunk)[0]
         assert big.chunk > plan.small_max_chunk and big.block == (8192 if codec == "fp8" else 16384)
         assert plan.seg_chunk % big.block == 0
+        assert (plan.small_max_chunk, big.num_warps) == (1 << 16, 32)
+        small = plan.segments(2 * 4096)[0]
+        assert (small.block, small.num_warps) == (8192, 16)
+    # W=4 takes W=8's entries (not measured with 32 warps)
+    plan = QuantPlan.for_layout(WorkspaceLayout(4, 16 << 20, max_blocks=128), torch.bfloat16, "int4")
+    assert (plan.small_max_chunk, plan.segments(4 * plan.seg_chunk)[0].num_warps) == (1 << 17, 16)
     with pytest.raises(ValueError, match="unknown codec"):
         QuantPlan.for_layout(layout, torch.bfloat16, "int5")
 

@@ -35,12 +35,15 @@ from tpfuse.reference import QUANT_CODECS, QUANT_GROUP, packed_layout
 MiB = 1024 * 1024
 
 
-# ---- Tunable knobs, all in one place, set on 4x H200 (2026-11-21, bf16, W=4). Tile, warps
-# and CTAs from scripts/tune_quant.py (int4 at 32 / 256 MiB, us; NCCL 175 / 1184), with the
-# fp32 codecs of commit 36cb75f: (4096, 8, 128) 79 / 634, (8192, 8, 128) 72 / 478,
+# ---- Tunable knobs, all in one place, first set on 4x H200 (2026-11-21, bf16, W=4). Tile,
+# warps and CTAs from scripts/tune_quant.py (int4 at 32 / 256 MiB, us; NCCL 175 / 1184), with
+# the fp32 codecs of commit 36cb75f: (4096, 8, 128) 79 / 634, (8192, 8, 128) 72 / 478,
 # (8192, 16, 128) 68 / 449, (16384, 16, 128) 76 / 445, (16384, 32, 128) 75 / 427; the other
 # codecs rank the same except that 32 warps never help them. Before (float64 codecs, commit
 # 1a57e8d): (2048, 8, 128) 224 / 2049, (16384, 16, 128) 135 / 909, 64 CTAs half as fast.
+# W=2's warps and small-tile limit come from 2x H200 (2026-11-26, the codecs of c9cdcd2,
+# results/2xH200/tune_quant_w2.md), where 32 warps did help; W=4 and W=8 keep the 4x H200
+# values (W=8's entries), as 32 warps were not measured there with today's codecs.
 #
 # QUANT_MIN_BYTES: smallest message (input bytes) that takes the quantized path when a
 #   codec is requested, by codec and world size (other world sizes: W=8's); None = never.
@@ -63,16 +66,17 @@ MiB = 1024 * 1024
 #   int4 58 / 54 and 112 / 106 (2026-11-25). The interpreter pays per operation, so it
 #   takes large tiles.
 # QUANT_SMALL_TILE, QUANT_SMALL_TILE_MAX_CHUNK: segments of at most this many elements per
-#   rank use the smaller tile, so that every CTA still gets several tiles (at 32 MiB, W=4,
-#   a chunk of 4 M elements is 2 integer-codec tiles of 16384 per CTA; 8192 was 6-12% faster for every
-#   codec, 16384 0-5% faster at 256 MiB; 2026-11-21, after the fp32 codecs). At W=2 a 32 MiB
-#   message's chunk (8 M elements) takes the large tile: int4 47 us there against 51 on 8192
-#   (2x H200, 32 warps, results/2xH200/tune_quant_w2.md).
-# QUANT_NUM_WARPS, QUANT_SMALL_NUM_WARPS: warps per CTA on the large and the small tile. 32 on
-#   the large: on 2x H200 (2026-11-26, the same sweep, us at 32 / 256 MiB, 16 -> 32 warps)
-#   int4 on 16384 48 / 334 -> 47 / 304, int6 68 / 505 -> 68 / 482, fp8 on 8192 81 / 634 ->
-#   75 / 548, int8 on 16384 72 / 492 -> 73 / 495. 16 on the small: with 32 there, 1-8 MiB
-#   took 3-9% longer (int4 at 1 MiB 11.9 -> 13.0 us, bench allreduce --quant at 9f16fff).
+#   rank (by world size) use the smaller tile, so that every CTA still gets several tiles (at
+#   32 MiB, W=4, a chunk of 4 M elements is 2 integer-codec tiles of 16384 per CTA; 8192 was
+#   6-12% faster for every codec, 16384 0-5% faster at 256 MiB; 2026-11-21, after the fp32
+#   codecs). At W=2, chunks over 4 M elements (a 32 MiB message, or a full segment of the
+#   default workspace) take the large tile: int4 47 us at 32 MiB against 51 on 8192, int8 73
+#   against 74, fp8 (whose large tile is 8192 too) 75 (2x H200, 32 warps).
+# QUANT_NUM_WARPS, QUANT_SMALL_NUM_WARPS: warps per CTA on the large tile (by world size) and
+#   on the small one. W=2 runs 32 on the large: on 2x H200 (us at 32 / 256 MiB, 16 -> 32
+#   warps) int4 on 16384 48 / 334 -> 47 / 304, int6 68 / 505 -> 68 / 482, fp8 on 8192 81 /
+#   634 -> 75 / 548, int8 on 16384 72 / 492 -> 73 / 495. 16 on the small: with 32 there, 1-8
+#   MiB took 3-9% longer (int4 at 1 MiB 11.9 -> 13.0 us, `bench allreduce --quant` at 9f16fff).
 # QUANT_MAX_CTAS: CTAs per launch; every CTA must be resident at once (see
 #   tpfuse.kernels.sync), so it stays at or below the SM count (132 on H200).
 QUANT_MIN_BYTES: dict[str, dict[int, int | None]] = {
@@ -84,8 +88,8 @@ QUANT_MIN_BYTES: dict[str, dict[int, int | None]] = {
 QUANT_TILE = (dict.fromkeys(QUANT_CODECS, 8192) if INTERPRETER else
               {"int4": 16384, "int6": 16384, "int8": 16384, "fp8": 8192})
 QUANT_SMALL_TILE = 4096 if INTERPRETER else 8192
-QUANT_SMALL_TILE_MAX_CHUNK = 1 << 14 if INTERPRETER else 1 << 22
-QUANT_NUM_WARPS = 32
+QUANT_SMALL_TILE_MAX_CHUNK = {8: 1 << 14} if INTERPRETER else {2: 1 << 22, 8: 1 << 23}
+QUANT_NUM_WARPS = {2: 32, 8: 16}
 QUANT_SMALL_NUM_WARPS = 16
 QUANT_MAX_CTAS = 4 if INTERPRETER else 128
 
@@ -155,8 +159,10 @@ class QuantPlan:
         # Cached per knob values too, so that changing a knob (tests, tuning) takes effect.
         if codec not in QUANT_CODECS:
             raise ValueError(f"unknown codec {codec!r}")
-        return cls._build(layout, dtype, codec, QUANT_TILE[codec], QUANT_SMALL_TILE, QUANT_SMALL_TILE_MAX_CHUNK,
-                          QUANT_NUM_WARPS, QUANT_SMALL_NUM_WARPS, QUANT_MAX_CTAS)
+        world = layout.world_size
+        return cls._build(layout, dtype, codec, QUANT_TILE[codec], QUANT_SMALL_TILE,
+                          for_world(QUANT_SMALL_TILE_MAX_CHUNK, world), for_world(QUANT_NUM_WARPS, world),
+                          QUANT_SMALL_NUM_WARPS, QUANT_MAX_CTAS)
 
     @classmethod
     @functools.lru_cache(maxsize=None)
