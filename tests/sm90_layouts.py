@@ -16,7 +16,9 @@ Usage: python tests/sm90_layouts.py '<json list of cases>'; prints one JSON obje
 {"case": ..., "tail_n": NormConfig.tail_n, "norm": [layouts], "oneshot": [layouts], "oneshot_ll": [layouts],
 "oneshot_lamport": [layouts], "oneshot_lamport_whole": [layouts], "twoshot": [layouts]} (oneshot_ll,
 oneshot_lamport: the one-shot kernel over LL and Lamport words; _whole: with whole row tiles), a layout being
-the reduced operand's type with its layout attribute written out. A case with "kernel":
+the reduced operand's type with its layout attribute written out. A case with "report": "guards" reports a
+collective kernel's warps and the layouts of its waits' stop decisions (tests/test_guard_layouts.py,
+``guard_reductions``). A case with "kernel":
 "backward" (or "chunked", the same for rows over 16384) or "forward" reports instead that
 norm kernel's registers and spill bytes per thread from ptxas (tests/test_norm_registers.py);
 one with "report": "reductions", the backward kernel's warps and row-reduction layouts
@@ -178,10 +180,12 @@ def kernel_registers(case: dict) -> dict:
 
 
 def guard_reductions(case: dict) -> dict:
-    """The warps of the collective kernel ``case["kernel"]`` and the warps that each of its
-    ``sync.give_up`` reductions (over CTA_LANES int32 lanes) spans: "oneshot", "ll", "lamport",
-    "twoshot" (the all-reduce), "fused_ll", "fused_twoshot" (bf16 rows of ``case["n"]``) or
-    "quant" (``case["num_warps"]`` warps)."""
+    """The warps of the collective kernel ``case["kernel"]`` and, for each of its
+    ``sync.give_up`` reductions (over CTA_LANES int32 lanes), the warps its layout spans and the
+    lanes one pass of the layout covers (sizePerThread * threadsPerWarp * warpsPerCTA): "oneshot",
+    "ll", "lamport", "twoshot" (the all-reduce), "fused_ll", "fused_twoshot" (bf16 rows of
+    ``case["n"]``) or "quant" (int4 at W=2 on the plan's ``case["tile"]``, "large" or "small",
+    with that tile's warps)."""
     from tpfuse.comm.quant_plan import QuantPlan
     from tpfuse.kernels.allreduce import all_reduce_into
     from tpfuse.kernels.quant_allreduce import quant_all_reduce_into
@@ -204,18 +208,22 @@ def guard_reductions(case: dict) -> dict:
             protocol="ll" if kind == "fused_ll" else "flags", **ranks)
     else:
         plan = QuantPlan.for_layout(layout, torch.bfloat16, "int4")
+        block, warps = (plan.block, plan.num_warps) if case["tile"] == "large" else (plan.small_block,
+                                                                                   plan.small_num_warps)
         x = torch.empty(1 << 16, dtype=torch.bfloat16)
         launch = lambda: quant_all_reduce_into(  # noqa: E731
-            x, torch.empty_like(x), codec="int4", chunk=1 << 15, grid=4, block=plan.small_block,
-            num_warps=case["num_warps"], planes=plan.planes, scale_offset=plan.scale_offset, **ranks)
+            x, torch.empty_like(x), codec="int4", chunk=1 << 15, grid=4, block=block, num_warps=warps,
+            planes=plan.planes, scale_offset=plan.scale_offset, **ranks)
     kernel, kwargs = _launch_args(launch)
     ttgir = _compile(kernel, kwargs).asm["ttgir"]
     aliases = dict(re.findall(r"^(#[\w.]+) = (.*)$", ttgir, re.M))
     spans = []
     for operands in _reductions(0).findall(ttgir):
         for alias in re.findall(r"tensor<%dxi32, (#[\w.]+)>" % CTA_LANES.value, operands):
-            spans.append(int(re.search(r"warpsPerCTA = \[(\d+)\]", aliases[alias]).group(1)))
-    return {"case": case, "num_warps": kwargs["num_warps"], "give_up_warps": spans}
+            per_thread, per_warp, warps = (int(re.search(r"%s = \[(\d+)\]" % key, aliases[alias]).group(1))
+                                           for key in ("sizePerThread", "threadsPerWarp", "warpsPerCTA"))
+            spans.append({"warps": warps, "lanes": per_thread * per_warp * warps})
+    return {"case": case, "num_warps": kwargs["num_warps"], "give_up": spans}
 
 
 if __name__ == "__main__":

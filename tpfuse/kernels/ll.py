@@ -142,7 +142,8 @@ def ll_reduce(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, 
     Lamport words: is not 0); the words are then zeroed.
 
     Gives up, as ``sync.wait`` does, after ``timeout_ns`` or when the abort word is set (both
-    looked at every ``sync.GUARD_POLLS`` polls, and once before the first): it
+    looked at, through ``sync.give_up``, when the first poll finds a word missing and every
+    ``sync.GUARD_POLLS`` polls after it): it
     then records ``(OP, rank, first late peer, epoch)`` and returns whatever it saw."""
     acc, late = _poll(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT)
     if late:  # `late` is a CTA-wide reduction, `stop` too (sync.give_up): all warps loop alike

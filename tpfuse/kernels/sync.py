@@ -25,8 +25,10 @@ load peer-written data with ``cache_modifier=".cg"`` so no stale L1 line is used
 **Bounded waits.** ``wait`` gives up after ``timeout_ns`` (read from ``%globaltimer`` on
 GPUs, from the host's monotonic clock under Triton's interpreter), records
 ``{op, rank, peer, epoch}`` in the host-visible status record and sets the local abort word,
-so every later wait on this rank returns at once instead of spinning (2.6). A GPU kernel
-cannot raise: the host reads the status record (``Communicator`` documents when).
+so every later wait on this rank returns at once instead of spinning (2.6). The decision to
+stop is taken by the whole CTA at once (``give_up``): a poll holds CTA barriers, which warps
+leaving the loop at different polls would mismatch. A GPU kernel cannot raise: the host reads
+the status record (``Communicator`` documents when).
 
 Capacity limits the kernels rely on, checked on the host: a call launches at most
 ``WorkspaceLayout.max_blocks`` blocks (one flag slot per block), and every block of a grid
@@ -154,12 +156,31 @@ def signal(table_ptr, flag_offset, epoch, W: tl.constexpr, PEERS: tl.constexpr):
     tl.atomic_xchg(flags, tl.full([PEERS], 0, tl.int64) + epoch, mask=live, sem="release", scope="sys")
 
 
+CTA_LANES = tl.constexpr(1024)
+"""Lanes of ``give_up``'s reduction: at least the threads of the largest CTA (32 warps), so
+that its layout spans every warp and the reduction goes through shared memory."""
+
+
+@triton.jit
+def give_up(ctrl_ptr, start, now, timeout_ns):
+    """Whether a waiting loop stops: the abort word is set, or ``timeout_ns`` passed since
+    ``start`` (``now_ns`` readings), as the same value in every thread of the CTA.
+
+    Each thread reads the abort word and the clock on its own, so near the deadline, or as
+    another block sets the abort word, warps could disagree and some leave a loop whose polls
+    hold CTA barriers (the atomics' broadcast, an LL poll's reduction) while others stay in
+    it: a barrier mismatch. The decision is or-ed over the CTA instead."""
+    mine = (tl.load(ctrl_ptr + 2, volatile=True) != 0) | (now - start >= timeout_ns)
+    return tl.max(tl.full([CTA_LANES], 0, tl.int32) + mine.to(tl.int32), 0) != 0
+
+
 @triton.jit
 def wait(flags_ptr, ctrl_ptr, status_ptr, epoch, rank, timeout_ns, OP: tl.constexpr,
          W: tl.constexpr, PEERS: tl.constexpr):
     """Wait until every rank's flag in ``flags_ptr[0:W]`` (int64*, this block's local flag
     row) reaches ``epoch``; returns True, or False after a timeout or an earlier abort (both
-    looked at every GUARD_POLLS polls, and once before the first).
+    looked at, through ``give_up``, when the first look at the flags fails and every
+    GUARD_POLLS polls after it).
 
     On timeout, records ``(OP, rank, first late peer, epoch)`` in the status record (the
     first recording wins) and sets the local abort word."""
@@ -186,24 +207,6 @@ def wait(flags_ptr, ctrl_ptr, status_ptr, epoch, rank, timeout_ns, OP: tl.conste
             _record_error(ctrl_ptr, status_ptr, OP, rank, tl.min(tl.where(seen < epoch, peers, PEERS), 0), epoch)
     tl.debug_barrier()
     return ready
-
-
-CTA_LANES = tl.constexpr(1024)
-"""Lanes of ``give_up``'s reduction: at least the threads of the largest CTA (32 warps), so
-that its layout spans every warp and the reduction goes through shared memory."""
-
-
-@triton.jit
-def give_up(ctrl_ptr, start, now, timeout_ns):
-    """Whether a waiting loop stops: the abort word is set, or ``timeout_ns`` passed since
-    ``start`` (``now_ns`` readings), as the same value in every thread of the CTA.
-
-    Each thread reads the abort word and the clock on its own, so near the deadline, or as
-    another block sets the abort word, warps could disagree and some leave a loop whose polls
-    hold CTA barriers (the atomics' broadcast, an LL poll's reduction) while others stay in
-    it: a barrier mismatch. The decision is or-ed over the CTA instead."""
-    mine = (tl.load(ctrl_ptr + 2, volatile=True) != 0) | (now - start >= timeout_ns)
-    return tl.max(tl.full([CTA_LANES], 0, tl.int32) + mine.to(tl.int32), 0) != 0
 
 
 @triton.jit
