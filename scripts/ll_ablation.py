@@ -111,17 +111,15 @@ def _zero_behind(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, ran
     scratch = (ctrl.to(tl.pointer_type(tl.uint8)) + ZB_OFFSET).to(slot0.dtype)
     _zero(scratch, ZB_STRIDE, woffs, wmask, W)
     acc, late = ll._poll(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT)
-    if late:
-        polls = 0
+    if late:  # ll_reduce's loop (without the record, which a timing run does not need)
         start = ll.now_ns()
-        elapsed = start - start
-        aborted = tl.load(ctrl + 2, volatile=True) != 0
-        while late and not aborted and elapsed < timeout_ns:
+        stop = ll.give_up(ctrl, start, start, timeout_ns)
+        polls = 0
+        while late and not stop:
             acc, late = ll._poll(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT)
             polls += 1
             if polls % ll.GUARD_POLLS == 0:
-                aborted = tl.load(ctrl + 2, volatile=True) != 0
-                elapsed = ll.now_ns() - start
+                stop = ll.give_up(ctrl, start, ll.now_ns(), timeout_ns)
     return acc
 
 
@@ -152,7 +150,12 @@ def main():
     with Communicator() as comm:
         global ZB_OFFSET
         ZB_OFFSET = tl.constexpr(comm.layout.reduced_offset)
+        from tpfuse.comm.plan import AllReducePlan
         for nbytes in opts.sizes:
+            protocol = AllReducePlan.from_numel(nbytes // 2, world, torch.bfloat16, comm.layout).protocol
+            if opts.variant == "zero_behind" and (protocol != "ll" or nbytes // 4 > ZB_STRIDE.value):
+                raise SystemExit(f"zero_behind times LL sizes of at most {4 * ZB_STRIDE.value} bytes; "
+                                 f"{nbytes} is {protocol}")
             xs = random_inputs(nbytes // 2, torch.bfloat16, world, "cuda", seed=nbytes)
             want = sum(x.float() for x in xs).to(torch.bfloat16)
             rot = rotation(nbytes)
@@ -170,8 +173,6 @@ def main():
                     return comm.all_reduce(pool[i])
                 exact = same_bits(fn(0), want)
             us = collective_graph_us(fn, rot)
-            from tpfuse.comm.plan import AllReducePlan
-            protocol = AllReducePlan.from_numel(nbytes // 2, world, torch.bfloat16, comm.layout).protocol
             rows.append(dict(variant=opts.variant, size_bytes=nbytes, us=round(us, 2), exact=exact, protocol=protocol))
     if rank == 0:
         for r in rows:
