@@ -68,6 +68,11 @@ POLL_SLEEP_S = 50e-6
 """Under the interpreter, the pause between polls: ranks are processes sharing a few cores,
 and a sleeping poller leaves the core to the peer it waits for."""
 
+CTA_LANES = tl.constexpr(1024)
+"""Lanes of ``cta_any``'s reduction on GPUs: at least the threads of the largest CTA (32 warps), so
+that its layout spans every warp and the reduction goes through shared memory."""
+
+
 if INTERPRETER:
 
     @triton.jit
@@ -83,6 +88,12 @@ if INTERPRETER:
     def system_fence():
         """The interpreter's loads and stores are plain x86 accesses, in program order."""
         pass
+
+    @triton.jit
+    def cta_any(flag):
+        """A program runs as one Python thread: its scalars are one value already (a
+        CTA-wide reduction at every poll made the emulated ranks' slow-peer test take 75 s, not 60)."""
+        return flag
 
 else:
 
@@ -104,6 +115,11 @@ else:
         seen before its later ones."""
         tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tfence.acq_rel.sys;", "=r", [], dtype=tl.int32,
                                   is_pure=False, pack=1)
+
+    @triton.jit
+    def cta_any(flag):
+        """``flag`` (a per-thread scalar) or-ed over the CTA: the same in every thread."""
+        return tl.max(tl.full([CTA_LANES], 0, tl.int32) + flag.to(tl.int32), 0) != 0
 
 
 @triton.jit
@@ -156,11 +172,6 @@ def signal(table_ptr, flag_offset, epoch, W: tl.constexpr, PEERS: tl.constexpr):
     tl.atomic_xchg(flags, tl.full([PEERS], 0, tl.int64) + epoch, mask=live, sem="release", scope="sys")
 
 
-CTA_LANES = tl.constexpr(1024)
-"""Lanes of ``give_up``'s reduction: at least the threads of the largest CTA (32 warps), so
-that its layout spans every warp and the reduction goes through shared memory."""
-
-
 @triton.jit
 def give_up(ctrl_ptr, start, now, timeout_ns):
     """Whether a waiting loop stops: the abort word is set, or ``timeout_ns`` passed since
@@ -170,8 +181,7 @@ def give_up(ctrl_ptr, start, now, timeout_ns):
     another block sets the abort word, warps could disagree and some leave a loop whose polls
     hold CTA barriers (the atomics' broadcast, an LL poll's reduction) while others stay in
     it: a barrier mismatch. The decision is or-ed over the CTA instead."""
-    mine = (tl.load(ctrl_ptr + 2, volatile=True) != 0) | (now - start >= timeout_ns)
-    return tl.max(tl.full([CTA_LANES], 0, tl.int32) + mine.to(tl.int32), 0) != 0
+    return cta_any((tl.load(ctrl_ptr + 2, volatile=True) != 0) | (now - start >= timeout_ns))
 
 
 @triton.jit
