@@ -110,17 +110,8 @@ def _zero_behind(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, ran
                  W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr = False):
     scratch = (ctrl.to(tl.pointer_type(tl.uint8)) + ZB_OFFSET).to(slot0.dtype)
     _zero(scratch, ZB_STRIDE, woffs, wmask, W)
-    acc, late = ll._poll(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT)
-    if late:  # ll_reduce's loop (without the record, which a timing run does not need)
-        start = ll.now_ns()
-        stop = ll.give_up(ctrl, start, start, timeout_ns)
-        polls = 0
-        while late and not stop:
-            acc, late = ll._poll(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT)
-            polls += 1
-            if polls % ll.GUARD_POLLS == 0:
-                stop = ll.give_up(ctrl, start, ll.now_ns(), timeout_ns)
-    return acc
+    return ll.ll_wait(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP, W, ELEM,
+                      LAMPORT)
 
 
 @triton.jit

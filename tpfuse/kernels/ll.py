@@ -137,9 +137,20 @@ def _poll(slot0, slot_words, woffs, wmask, flag, W: tl.constexpr, ELEM: tl.const
 @triton.jit
 def ll_reduce(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP: tl.constexpr,
               W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr = False):
+    """``ll_wait``'s sum of the words at woffs (masked by wmask) of the W local slots; the
+    words are then zeroed."""
+    acc = ll_wait(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP, W, ELEM, LAMPORT)
+    for s in tl.static_range(W):
+        tl.store(slot0 + s * slot_words + woffs, tl.zeros_like(woffs).to(slot0.dtype.element_ty), mask=wmask)
+    return acc
+
+
+@triton.jit
+def ll_wait(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP: tl.constexpr,
+            W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr):
     """The fp32 sum in rank order of the elements in the words at woffs (masked by wmask) of
     the W local slots, once every word has arrived (LL words: carries ``flag``; with LAMPORT,
-    Lamport words: is not 0); the words are then zeroed.
+    Lamport words: is not 0). The words are left as they are.
 
     Gives up, as ``sync.wait`` does, after ``timeout_ns`` or when the abort word is set (both
     looked at, through ``sync.give_up``, when the first poll finds a word missing and every
@@ -159,8 +170,6 @@ def ll_reduce(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, 
         if late:  # records nothing after an abort: the abort word is set already
             _record_error(ctrl, status, OP, rank, _first_late(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT),
                           epoch)
-    for s in tl.static_range(W):
-        tl.store(slot0 + s * slot_words + woffs, tl.zeros_like(woffs).to(slot0.dtype.element_ty), mask=wmask)
     return acc
 
 
