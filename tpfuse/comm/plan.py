@@ -23,7 +23,7 @@ import torch
 from tpfuse._runtime import INTERPRETER
 from tpfuse.comm.workspace import ALIGN, WorkspaceLayout
 from tpfuse.kernels.common import TRITON_DIVISIBILITY
-from tpfuse.kernels.fused import lamport_tiling, ll_pieces, owner_words_per_thread
+from tpfuse.kernels.fused import lamport_tiling, ll_pieces
 from tpfuse.kernels.norm import NormConfig
 
 KiB = 1024
@@ -302,14 +302,6 @@ FUSED_WIDE_LAMPORT_MAX_BYTES = dict(FUSED_LAMPORT_MAX_BYTES)
 FUSED_WIDE_ONESHOT_MAX_BYTES = dict(FUSED_ONESHOT_MAX_BYTES)
 FUSED_WIDE_TWOSHOT_MAX_BYTES = dict(FUSED_TWOSHOT_MAX_BYTES)
 FUSED_MAX_CTAS = 128 if not INTERPRETER else 4
-# FUSED_OWNER_MAX_WORDS: over LL or Lamport words, a row tile's pieces are stored by the
-#   whole grid, but the tile is summed and normalised by one CTA (no handoff count) where
-#   that CTA's threads poll at most this many words each (``owner_words_per_thread``: the
-#   tile's words over the W slots) and the call's pieces are one wave of CTAs (a CTA waits for
-#   other CTAs of its rank, so all must run at once; the interpreter runs them in order, and
-#   the owner is the CTA of the tile's last piece); 0: never, every piece is summed by the CTA
-#   that stored it.
-FUSED_OWNER_MAX_WORDS = {2: 0, 4: 0, 8: 0}
 FUSED_HIDDEN_MULTIPLE = TRITON_DIVISIBILITY
 """The fused kernels serve hidden sizes that are multiples of this, the divisibility Triton
 specialises on: for other sizes the compiler cannot prove rows 16-byte aligned, and the
@@ -357,8 +349,7 @@ class FusedPlan:
     in two-shot (rank g owns rows [g * rows_per_group, (g + 1) * rows_per_group); a multiple
     of the norm's tile rows, so no tile spans two owners); protocol: one-shot's, "ll",
     "lamport" or "flags" (as ``AllReducePlan.protocol``); whole_tiles: over Lamport words, a
-    CTA per whole row tile (``tpfuse.kernels.fused.lamport_tiling``); owner_reduces: over LL
-    or Lamport words, one CTA sums and normalises each row tile (FUSED_OWNER_MAX_WORDS); reason: why "split" was
+    CTA per whole row tile (``tpfuse.kernels.fused.lamport_tiling``); reason: why "split" was
     chosen. From (n_rows, n, dtype, world size, layout) only, like ``AllReducePlan``.
     """
 
@@ -367,7 +358,6 @@ class FusedPlan:
     rows_per_group: int = 0
     protocol: str = "flags"
     whole_tiles: bool = False
-    owner_reduces: bool = False
     reason: str = ""
 
     @classmethod
@@ -427,13 +417,7 @@ class FusedPlan:
         protocol = protocol if algo == "oneshot" else "flags"
         work = _cdiv(rows_per_group[algo], tile_rows)  # row tiles
         whole_tiles = protocol == "lamport" and tiling == "whole"
-        owner_reduces = False
         if protocol != "flags":  # the kernel's pieces (tpfuse.kernels.fused), which any CTA may take
-            pieces = ll_pieces(n, dtype, protocol, whole_tiles)[1]
-            work *= pieces
+            work *= ll_pieces(n, dtype, protocol, whole_tiles)[1]
         grid = max(1, min(work, FUSED_MAX_CTAS, layout.max_blocks))
-        if protocol != "flags":
-            owner_reduces = pieces > 1 and work <= grid and (owner_words_per_thread(n, dtype, protocol, world_size)
-                                                             <= for_world(FUSED_OWNER_MAX_WORDS, world_size))
-        return cls(algo, grid=grid, rows_per_group=rows_per_group[algo], protocol=protocol, whole_tiles=whole_tiles,
-                   owner_reduces=owner_reduces)
+        return cls(algo, grid=grid, rows_per_group=rows_per_group[algo], protocol=protocol, whole_tiles=whole_tiles)

@@ -111,7 +111,7 @@ def ll_oneshot_all_reduce_norm_kernel(
     table_ptr, local, status_addr, rank, timeout_ns, ll_offset, ll_bytes, slot_words, reduced_offset, handoff_offset,
     BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, WORLD: tl.constexpr, PIECE_WORDS: tl.constexpr, PIECES: tl.constexpr,
-    TILE_WORDS: tl.constexpr, OWNER_REDUCES: tl.constexpr, LAMPORT: tl.constexpr,
+    LAMPORT: tl.constexpr,
 ):
     """One-shot over LL words or, with LAMPORT, Lamport words (one element each).
 
@@ -147,29 +147,22 @@ def ll_oneshot_all_reduce_norm_kernel(
     slot0 = _typed(local, region, WORD)
     reduced = _typed(local, reduced_offset, ELEM)
     arrived = (local + handoff_offset).to(tl.pointer_type(tl.int64))
-    SUM_WORDS: tl.constexpr = TILE_WORDS if OWNER_REDUCES else PIECE_WORDS
     for piece in range(pid, n_tiles * PIECES, grid):
+        woffs, wmask = _piece_words(piece, tile_words, n_words, PIECE_WORDS, PIECES)
+        acc = ll_reduce(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns,
+                        OP_FUSED_ONESHOT, WORLD, ELEM, LAMPORT)
+        tl.store(reduced + woffs[:, None] * PACK + packs, tl.reshape(round_to(acc, ELEM), [PIECE_WORDS, PACK]),
+                 mask=wmask[:, None])
+        tl.debug_barrier()  # every thread's stores of the piece precede the count (release)
         tile = piece // PIECES
-        if OWNER_REDUCES:  # the CTA that stored a tile's last piece sums the whole tile
-            woffs, wmask = _piece_words(tile, tile_words, n_words, TILE_WORDS, 1)
-            mine = piece % PIECES == PIECES - 1
-        else:
-            woffs, wmask = _piece_words(piece, tile_words, n_words, PIECE_WORDS, PIECES)
-            mine = True
-        if mine:
-            acc = ll_reduce(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns,
-                            OP_FUSED_ONESHOT, WORLD, ELEM, LAMPORT)
-            tl.store(reduced + woffs[:, None] * PACK + packs, tl.reshape(round_to(acc, ELEM), [SUM_WORDS, PACK]),
-                     mask=wmask[:, None])
-            tl.debug_barrier()  # every thread's stores of the piece precede the count (release) or the norm
-            rows = tile * ROWS + tl.arange(0, ROWS)
-            if PIECES == 1 or OWNER_REDUCES:  # whole tiles: the CTA that summed the tile normalises it
-                norm_tile(reduced, rows.to(tl.int64) * N, 0, RES, W, Y, RES_OUT, rows, rows < n_rows, N, eps,
-                          weight_offset, has_residual, True, BLOCK_N, TAIL_N, NUM_CHUNKS, HAS_WEIGHT, 0)
-            elif tl.atomic_add(arrived + tile, 1, sem="acq_rel", scope="gpu") == PIECES - 1:
-                tl.store(arrived + tile, 0)  # the next call counts after this kernel has ended
-                norm_tile(reduced, rows.to(tl.int64) * N, 0, RES, W, Y, RES_OUT, rows, rows < n_rows, N, eps,
-                          weight_offset, has_residual, True, BLOCK_N, TAIL_N, NUM_CHUNKS, HAS_WEIGHT, 0)
+        rows = tile * ROWS + tl.arange(0, ROWS)
+        if PIECES == 1:  # whole tiles: the CTA that summed the tile normalises it, nothing to count
+            norm_tile(reduced, rows.to(tl.int64) * N, 0, RES, W, Y, RES_OUT, rows, rows < n_rows, N, eps,
+                      weight_offset, has_residual, True, BLOCK_N, TAIL_N, NUM_CHUNKS, HAS_WEIGHT, 0)
+        elif tl.atomic_add(arrived + tile, 1, sem="acq_rel", scope="gpu") == PIECES - 1:
+            tl.store(arrived + tile, 0)  # the next call counts after this kernel has ended
+            norm_tile(reduced, rows.to(tl.int64) * N, 0, RES, W, Y, RES_OUT, rows, rows < n_rows, N, eps,
+                      weight_offset, has_residual, True, BLOCK_N, TAIL_N, NUM_CHUNKS, HAS_WEIGHT, 0)
     end_call(ctrl, epoch)
 
 
@@ -242,14 +235,6 @@ def ll_pieces(n: int, dtype: torch.dtype, protocol: str = "ll", whole_tiles: boo
     return piece_words, triton.cdiv(tile_words, piece_words)
 
 
-def owner_words_per_thread(n: int, dtype: torch.dtype, protocol: str, world: int) -> int:
-    """Words a thread of the norm's warps polls when one CTA sums a whole row tile of hidden
-    size n from the W slots (``all_reduce_norm_into``'s owner_reduces): the tile's words,
-    padded to a power of two as the kernel's block is, times W."""
-    cfg = NormConfig.from_shape(n, dtype)
-    return ll_pieces(n, dtype, protocol, whole_tiles=True)[0] * world // (cfg.num_warps * 32)
-
-
 def lamport_tiling(n: int, dtype: torch.dtype, n_tiles: int, max_ctas: int) -> str | None:
     """How the fused kernel over Lamport words cuts a call of n_tiles row tiles for up to
     max_ctas CTAs: "whole" (a piece per row tile) once the call has a row tile per CTA and a
@@ -268,7 +253,7 @@ def all_reduce_norm_into(x: torch.Tensor, weight: torch.Tensor | None, residual:
                          y: torch.Tensor, residual_out: torch.Tensor, eps: float, weight_offset: float, *, algo: str,
                          grid: int, rows_per_group: int, table: torch.Tensor, table_addrs: list[int],
                          status_addr: int, rank: int, layout, timeout_ns: int, protocol: str = "flags",
-                         whole_tiles: bool = False, owner_reduces: bool = False) -> None:
+                         whole_tiles: bool = False) -> None:
     """Launch one fused all-reduce + (residual add) + RMSNorm over 2-D [n_rows, N]
     contiguous, 16-byte aligned operands.
 
@@ -277,9 +262,7 @@ def all_reduce_norm_into(x: torch.Tensor, weight: torch.Tensor | None, residual:
     residual_out may alias residual (as in ``tpfuse.kernels.norm.rms_norm_fwd``). Every rank must launch the same algo, grid
     and rows_per_group (``tpfuse.comm.plan.FusedPlan``, from the shape only); protocol:
     one-shot's, "flags", "ll" or "lamport" (x must fit the layout's ``ll_max_bytes`` or
-    ``lamport_max_bytes``); whole_tiles: Lamport's pieces are whole row tiles (``ll_pieces``);
-    owner_reduces (LL or Lamport): the pieces are stored by the whole grid, but each row
-    tile is summed and normalised by one CTA, with no handoff count.
+    ``lamport_max_bytes``); whole_tiles: Lamport's pieces are whole row tiles (``ll_pieces``).
     The rest as ``tpfuse.kernels.allreduce.all_reduce_into``.
     """
     n_rows, n = x.shape
@@ -303,17 +286,12 @@ def all_reduce_norm_into(x: torch.Tensor, weight: torch.Tensor | None, residual:
         if whole_tiles and not lamport:
             raise ValueError("whole_tiles is for the one-shot over Lamport words")
         piece_words, pieces = ll_pieces(n, x.dtype, protocol, whole_tiles)
-        if owner_reduces and tiles * pieces > grid:
-            raise ValueError(f"owner_reduces needs a CTA per piece: {tiles * pieces} pieces on {grid} CTAs")
         ll_oneshot_all_reduce_norm_kernel[(grid,)](
             ll_offset=layout.ll_offset(0), ll_bytes=layout.ll_bytes,
             slot_words=layout.ll_slot_bytes // (x.element_size() if lamport else 8),
             reduced_offset=layout.reduced_offset, handoff_offset=layout.handoff_offset, PIECE_WORDS=piece_words,
-            PIECES=pieces, TILE_WORDS=ll_pieces(n, x.dtype, protocol, True)[0], OWNER_REDUCES=owner_reduces,
-            LAMPORT=lamport, **common)
+            PIECES=pieces, LAMPORT=lamport, **common)
         return
-    if owner_reduces:
-        raise ValueError("owner_reduces is for the one-shot over LL or Lamport words")
     if protocol != "flags":
         raise ValueError(f"protocol must be 'flags', 'll' or 'lamport' (one-shot only), got {protocol!r} for {algo!r}")
     common.update(flags_offset=layout.flag_offset(0), data_offset=layout.data_offset(0), data_bytes=layout.data_bytes,
