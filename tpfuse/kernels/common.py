@@ -24,6 +24,15 @@ def round_to(x, DTYPE: tl.constexpr):
     return x.to(DTYPE)
 
 
+@triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 for the lines holding ``ptrs`` (``prefetch.global.L2``): a hint, no result.
+    Addresses must be valid. The interpreter has no cache, so there it does nothing."""
+    if not _INTERPRETER:
+        tl.inline_asm_elementwise("mov.u32 $0, 0;\nprefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
 TRITON_DIVISIBILITY = 16
 """Triton specialises integer arguments on divisibility by this: a row length that is a
 multiple of it lets the compiler prove every row 16-byte aligned (vector loads and stores, and

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from tpfuse.kernels.allreduce import _begin, _flag_row, _push, _typed, sum_in_rank_order
-from tpfuse.kernels.common import EXACT_FP, round_to
+from tpfuse.kernels.common import EXACT_FP, prefetch_l2, round_to
 from tpfuse.kernels.ll import lamport_pack, lamport_word, ll_flag, ll_pack, ll_reduce
 from tpfuse.kernels.norm import NormConfig, norm_tile
 from tpfuse.kernels.sync import end_call, signal, wait
@@ -69,6 +69,18 @@ def _copy_rows(X, dst, N, src_rows, dst_rows, row_ok, BLOCK_N: tl.constexpr, NUM
         tl.store(dst + dst_rows.to(tl.int64)[:, None] * N + ccols, vals, mask=mask)
 
 
+@triton.jit
+def _prefetch_norm_operands(RES, W, first, n_elems, N, ELEMS: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+    """Start moving the residual and weight under elements [first, first + ELEMS) of the
+    [*, N] operands (n_elems in all) into L2, a 128-byte line per lane, so that the norm after
+    the wait finds them there rather than in HBM."""
+    LINE: tl.constexpr = 128 // (RES.dtype.element_ty.primitive_bitwidth // 8)  # elements per line
+    elems = tl.minimum(first + tl.arange(0, max(ELEMS // LINE, 1)) * LINE, n_elems - 1).to(tl.int64)
+    prefetch_l2(RES + elems)
+    if HAS_WEIGHT:
+        prefetch_l2(W + elems % N)
+
+
 @triton.jit(do_not_specialize=_UNSPECIALISED)
 def oneshot_all_reduce_norm_kernel(
     X, RES, W, Y, RES_OUT, n_rows, N, eps, weight_offset, has_residual,
@@ -80,6 +92,8 @@ def oneshot_all_reduce_norm_kernel(
     pid, grid, ctrl, status, epoch, data, n_tiles = _begin(local, status_addr, data_offset, data_bytes, n_rows, ROWS)
     for tile in range(pid, n_tiles, grid):
         rows = tile * ROWS + tl.arange(0, ROWS)
+        if NUM_CHUNKS == 1:  # a tile held in registers: its residual and weight are a few lines
+            _prefetch_norm_operands(RES, W, tile * ROWS * N, n_rows * N, N, ROWS * BLOCK_N, HAS_WEIGHT)
         cols = tl.arange(0, BLOCK_N)[None, :]
         for c in range(NUM_CHUNKS):
             ccols = c * BLOCK_N + cols
@@ -138,6 +152,8 @@ def ll_oneshot_all_reduce_norm_kernel(
     packs = tl.arange(0, PACK)[None, :]
     for piece in range(pid, n_tiles * PIECES, grid):
         woffs, wmask = _piece_words(piece, tile_words, n_words, PIECE_WORDS, PIECES)
+        first = ((piece // PIECES) * tile_words + (piece % PIECES) * PIECE_WORDS) * PACK  # woffs[0] * PACK
+        _prefetch_norm_operands(RES, W, first, n_rows * N, N, PIECE_WORDS * PACK, HAS_WEIGHT)
         vals = tl.reshape(tl.load(X + woffs[:, None] * PACK + packs, mask=wmask[:, None]), [PIECE_WORDS * PACK])
         if LAMPORT:
             words = lamport_pack(vals)

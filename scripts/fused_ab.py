@@ -1,0 +1,83 @@
+"""The fused one-shot over LL / Lamport words with one of its parts left out, timed as
+`tpfuse bench fused` times (graph replay), with split (all_reduce, then add_rms_norm) as
+the control that no variant touches.
+
+    torchrun --nproc-per-node 2 scripts/fused_ab.py --variant base --out DIR
+
+One variant per process: Triton refuses a kernel whose globals changed after it compiled.
+Variants (the outputs stay bitwise equal to split's in all; checked every run):
+  base         the kernel as it is;
+  no_prefetch  the residual and weight are not prefetched into L2 before the wait, in the
+               LL / Lamport and the flag one-shot kernels
+               (``tpfuse.kernels.fused._prefetch_norm_operands`` a no-op).
+"""
+
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+import triton
+
+import tpfuse
+import tpfuse.kernels.fused as fused
+from tpfuse.bench.common import collective_graph_us, layer_inputs, rotation, run_header, same_bits
+
+SHAPES = [(1, 4096), (2, 4096), (16, 4096), (64, 4096), (128, 4096), (256, 4096), (1, 2880), (16, 2880),
+          (1, 5120), (1, 8192), (16, 8192), (64, 8192)]
+EPS = 1e-6
+
+
+@triton.jit
+def _no_prefetch(RES, W, first, n_elems, N, ELEMS, HAS_WEIGHT):
+    pass
+
+
+VARIANTS = {"base": None, "no_prefetch": ("_prefetch_norm_operands", _no_prefetch)}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--variant", choices=VARIANTS, required=True)
+    p.add_argument("--tag", default="", help="appended to the result file's name (repeated runs)")
+    p.add_argument("--out", default=".")
+    opts = p.parse_args()
+    if VARIANTS[opts.variant] is not None:
+        name, fn = VARIANTS[opts.variant]
+        setattr(fused, name, fn)
+    from tpfuse.comm import Communicator
+    from tpfuse.comm.plan import FusedPlan
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    rows = []
+    with Communicator() as comm:
+        for tokens, hidden in SHAPES:
+            xs, residual, weight = layer_inputs(tokens, hidden, world, "cuda", seed=tokens * 100_003 + hidden + 11)
+            x = xs[rank]
+            rot = rotation(2 * x.numel() * x.element_size())
+            pool = [(x.clone(), residual.clone()) for _ in range(rot)]
+            methods = {
+                "split": lambda i: tpfuse.add_rms_norm(comm.all_reduce(pool[i][0]), pool[i][1], weight, EPS),
+                "oneshot": lambda i: comm.all_reduce_add_rms_norm(pool[i][0], pool[i][1], weight, EPS,
+                                                                  algo="oneshot"),
+            }
+            want = methods["split"](0)
+            plan = FusedPlan.from_shape(tokens, hidden, world, x.dtype, comm.layout, "oneshot")
+            for method, fn in methods.items():
+                exact = all(same_bits(a, b) for a, b in zip(fn(0), want))
+                us = collective_graph_us(fn, rot)
+                rows.append(dict(variant=opts.variant, tag=opts.tag, method=method, tokens=tokens, hidden=hidden, us=round(us, 2),
+                                 exact=exact, protocol=plan.protocol, grid=plan.grid))
+                if rank == 0:
+                    print(json.dumps(rows[-1]), flush=True)
+    if rank == 0:
+        with open(os.path.join(opts.out, f"fused_ab_{opts.variant}{opts.tag}.json"), "w") as f:
+            json.dump(dict(header=run_header(), records=rows), f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
