@@ -5,11 +5,15 @@ the control that no variant touches.
     torchrun --nproc-per-node 2 scripts/fused_ab.py --variant base --out DIR
 
 One variant per process: Triton refuses a kernel whose globals changed after it compiled.
-Variants (the outputs stay bitwise equal to split's in all; checked every run):
+Variants (checked against split's bits every run):
   base         the kernel as it is;
   no_prefetch  the residual and weight are not prefetched into L2 before the wait, in the
                LL / Lamport and the flag one-shot kernels
-               (``tpfuse.kernels.fused._prefetch_norm_operands`` a no-op).
+               (``tpfuse.kernels.fused._prefetch_norm_operands`` a no-op);
+  relaxed_count  the handoff count of the pieces of a tile is a relaxed atomic, not acq_rel
+               (``_count_piece``): measurement only, the last CTA may read a piece before it
+               is visible;
+  double_pieces  LL / Lamport pieces of twice the words (half the CTAs; whole tiles as they are).
 """
 
 import argparse
@@ -19,8 +23,10 @@ import os
 import torch
 import torch.distributed as dist
 import triton
+import triton.language as tl
 
 import tpfuse
+import tpfuse.comm.plan as plan
 import tpfuse.kernels.fused as fused
 from tpfuse.bench.common import collective_graph_us, layer_inputs, rotation, run_header, same_bits
 
@@ -34,7 +40,21 @@ def _no_prefetch(RES, W, first, n_elems, N, ELEMS, HAS_WEIGHT):
     pass
 
 
-VARIANTS = {"base": None, "no_prefetch": ("_prefetch_norm_operands", _no_prefetch)}
+@triton.jit
+def _relaxed_count(counter):
+    return tl.atomic_add(counter, 1, sem="relaxed", scope="gpu")
+
+
+_ll_pieces = fused.ll_pieces
+
+
+def _double_pieces(n, dtype, protocol="ll", whole_tiles=False):
+    piece_words, pieces = _ll_pieces(n, dtype, protocol, whole_tiles)
+    return (piece_words, pieces) if pieces == 1 else (2 * piece_words, triton.cdiv(pieces, 2))
+
+
+VARIANTS = {"base": None, "no_prefetch": ("_prefetch_norm_operands", _no_prefetch),
+            "relaxed_count": ("_count_piece", _relaxed_count), "double_pieces": ("ll_pieces", _double_pieces)}
 
 
 def main():
@@ -46,8 +66,9 @@ def main():
     if VARIANTS[opts.variant] is not None:
         name, fn = VARIANTS[opts.variant]
         setattr(fused, name, fn)
+        if name == "ll_pieces":  # the plan sizes the grid by the pieces too
+            setattr(plan, name, fn)
     from tpfuse.comm import Communicator
-    from tpfuse.comm.plan import FusedPlan
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(rank)
@@ -65,12 +86,12 @@ def main():
                                                                   algo="oneshot"),
             }
             want = methods["split"](0)
-            plan = FusedPlan.from_shape(tokens, hidden, world, x.dtype, comm.layout, "oneshot")
+            fplan = plan.FusedPlan.from_shape(tokens, hidden, world, x.dtype, comm.layout, "oneshot")
             for method, fn in methods.items():
                 exact = all(same_bits(a, b) for a, b in zip(fn(0), want))
                 us = collective_graph_us(fn, rot)
                 rows.append(dict(variant=opts.variant, tag=opts.tag, method=method, tokens=tokens, hidden=hidden, us=round(us, 2),
-                                 exact=exact, protocol=plan.protocol, grid=plan.grid))
+                                 exact=exact, protocol=fplan.protocol, grid=fplan.grid))
                 if rank == 0:
                     print(json.dumps(rows[-1]), flush=True)
     if rank == 0:

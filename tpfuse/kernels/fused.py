@@ -92,8 +92,6 @@ def oneshot_all_reduce_norm_kernel(
     pid, grid, ctrl, status, epoch, data, n_tiles = _begin(local, status_addr, data_offset, data_bytes, n_rows, ROWS)
     for tile in range(pid, n_tiles, grid):
         rows = tile * ROWS + tl.arange(0, ROWS)
-        if NUM_CHUNKS == 1:  # a tile held in registers: its residual and weight are a few lines
-            _prefetch_norm_operands(RES, W, tile * ROWS * N, n_rows * N, N, ROWS * BLOCK_N, HAS_WEIGHT)
         cols = tl.arange(0, BLOCK_N)[None, :]
         for c in range(NUM_CHUNKS):
             ccols = c * BLOCK_N + cols
@@ -101,6 +99,9 @@ def oneshot_all_reduce_norm_kernel(
             offs = rows.to(tl.int64)[:, None] * N + ccols
             _push(table_ptr, data, tl.load(X + offs, mask=mask), rank * slot_elems + offs, mask, rank, WORLD, True)
     signal(table_ptr, flags_offset + (pid * WORLD + rank) * 8, epoch, WORLD, PEERS)
+    if NUM_CHUNKS == 1:  # tiles held in registers: their residual and weight are a few lines
+        for tile in range(pid, n_tiles, grid):
+            _prefetch_norm_operands(RES, W, tile * ROWS * N, n_rows * N, N, ROWS * BLOCK_N, HAS_WEIGHT)
     if wait(_flag_row(local, flags_offset, WORLD), ctrl, status, epoch, rank, timeout_ns, OP_FUSED_ONESHOT, WORLD,
             PEERS):
         slot0 = _typed(local, data, ELEM)
@@ -117,6 +118,14 @@ def _piece_words(piece, tile_words, n_words, PIECE_WORDS: tl.constexpr, PIECES: 
     lanes = (piece % PIECES) * PIECE_WORDS + tl.arange(0, PIECE_WORDS)
     woffs = (piece // PIECES) * tile_words + lanes
     return woffs, (woffs < n_words) & (lanes < tile_words)
+
+
+@triton.jit
+def _count_piece(counter):
+    """Count one more summed piece of a tile; returns the count before it. acq_rel: this
+    CTA's stores of the piece precede the count, and the CTA that takes the last count sees
+    every piece's."""
+    return tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
 
 
 @triton.jit(do_not_specialize=_UNSPECIALISED)
@@ -152,8 +161,6 @@ def ll_oneshot_all_reduce_norm_kernel(
     packs = tl.arange(0, PACK)[None, :]
     for piece in range(pid, n_tiles * PIECES, grid):
         woffs, wmask = _piece_words(piece, tile_words, n_words, PIECE_WORDS, PIECES)
-        first = ((piece // PIECES) * tile_words + (piece % PIECES) * PIECE_WORDS) * PACK  # woffs[0] * PACK
-        _prefetch_norm_operands(RES, W, first, n_rows * N, N, PIECE_WORDS * PACK, HAS_WEIGHT)
         vals = tl.reshape(tl.load(X + woffs[:, None] * PACK + packs, mask=wmask[:, None]), [PIECE_WORDS * PACK])
         if LAMPORT:
             words = lamport_pack(vals)
@@ -163,6 +170,9 @@ def ll_oneshot_all_reduce_norm_kernel(
     slot0 = _typed(local, region, WORD)
     reduced = _typed(local, reduced_offset, ELEM)
     arrived = (local + handoff_offset).to(tl.pointer_type(tl.int64))
+    for piece in range(pid, n_tiles * PIECES, grid):  # after the stores, which the peers wait on
+        first = ((piece // PIECES) * tile_words + (piece % PIECES) * PIECE_WORDS) * PACK  # woffs[0] * PACK
+        _prefetch_norm_operands(RES, W, first, n_rows * N, N, PIECE_WORDS * PACK, HAS_WEIGHT)
     for piece in range(pid, n_tiles * PIECES, grid):
         woffs, wmask = _piece_words(piece, tile_words, n_words, PIECE_WORDS, PIECES)
         acc = ll_reduce(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns,
@@ -175,7 +185,7 @@ def ll_oneshot_all_reduce_norm_kernel(
         if PIECES == 1:  # whole tiles: the CTA that summed the tile normalises it, nothing to count
             norm_tile(reduced, rows.to(tl.int64) * N, 0, RES, W, Y, RES_OUT, rows, rows < n_rows, N, eps,
                       weight_offset, has_residual, True, BLOCK_N, TAIL_N, NUM_CHUNKS, HAS_WEIGHT, 0)
-        elif tl.atomic_add(arrived + tile, 1, sem="acq_rel", scope="gpu") == PIECES - 1:
+        elif _count_piece(arrived + tile) == PIECES - 1:
             tl.store(arrived + tile, 0)  # the next call counts after this kernel has ended
             norm_tile(reduced, rows.to(tl.int64) * N, 0, RES, W, Y, RES_OUT, rows, rows < n_rows, N, eps,
                       weight_offset, has_residual, True, BLOCK_N, TAIL_N, NUM_CHUNKS, HAS_WEIGHT, 0)
