@@ -5,13 +5,14 @@ the control that no variant touches.
     torchrun --nproc-per-node 2 scripts/fused_ab.py --variant base --out DIR
 
 One variant per process: Triton refuses a kernel whose globals changed after it compiled.
-(Its variant relaxed_count, at 24bfc2f, timed the handoff count without acq_rel: the kernel's
-own since, with the reduced rows handed over as Lamport words.)
 Variants (checked against split's bits every run):
   base         the kernel as it is;
   no_prefetch  the residual and weight are not prefetched into L2 before the wait, in the
                LL / Lamport and the flag one-shot kernels
                (``tpfuse.kernels.fused._prefetch_norm_operands`` a no-op);
+  relaxed_count  the handoff count of the pieces of a tile is a relaxed atomic, not acq_rel
+               (``_count_piece``): measurement only, the last CTA may read a piece before it
+               is visible;
   double_pieces  LL / Lamport pieces of twice the words (half the CTAs; whole tiles as they are).
 """
 
@@ -22,6 +23,7 @@ import os
 import torch
 import torch.distributed as dist
 import triton
+import triton.language as tl
 
 import tpfuse
 import tpfuse.comm.plan as plan
@@ -38,6 +40,11 @@ def _no_prefetch(RES, W, first, n_elems, N, ELEMS, HAS_WEIGHT):
     pass
 
 
+@triton.jit
+def _relaxed_count(counter):
+    return tl.atomic_add(counter, 1, sem="relaxed", scope="gpu")
+
+
 _ll_pieces = fused.ll_pieces
 
 
@@ -47,7 +54,7 @@ def _double_pieces(n, dtype, protocol="ll", whole_tiles=False):
 
 
 VARIANTS = {"base": None, "no_prefetch": ("_prefetch_norm_operands", _no_prefetch),
-            "double_pieces": ("ll_pieces", _double_pieces)}
+            "relaxed_count": ("_count_piece", _relaxed_count), "double_pieces": ("ll_pieces", _double_pieces)}
 
 
 def main():

@@ -49,15 +49,11 @@ class PoolChecker(MismatchTally):
 
 
 def ll_regions_not_zeroed(comm) -> list[str]:
-    """Every LL and Lamport word read is zeroed (tpfuse.kernels.ll), and so is every reduced row
-    the fused one-shot hands over as Lamport words (tpfuse.kernels.fused): once this rank's calls
-    are done, its LL regions and its reduced region must be all zeros. Failure messages, or none."""
+    """Every LL and Lamport word read is zeroed (tpfuse.kernels.ll): once this rank's calls are done,
+    its LL regions must be all zeros. A failure message, or none."""
     if comm.device.type == "cuda":
         torch.cuda.synchronize()
     layout = comm.layout
     assert layout.ll_max_bytes > 0
-    local = comm._peer.local
-    nonzero = int((local[layout.ll_offset(0):layout.ll_offset(1) + layout.ll_bytes] != 0).sum())
-    handoff = int((local[layout.reduced_offset:layout.reduced_offset + layout.reduced_bytes] != 0).sum())
-    return ([f"{nonzero} bytes of the LL regions are not zero after the calls"] if nonzero else []) + (
-        [f"{handoff} bytes of the reduced region are not zero after the calls"] if handoff else [])
+    nonzero = int((comm._peer.local[layout.ll_offset(0):layout.ll_offset(1) + layout.ll_bytes] != 0).sum())
+    return [f"{nonzero} bytes of the LL regions are not zero after the calls"] if nonzero else []

@@ -45,7 +45,7 @@ import triton.language as tl
 from tpfuse.kernels.allreduce import _begin, _flag_row, _push, _typed, sum_in_rank_order
 from tpfuse.kernels.common import EXACT_FP, prefetch_l2, round_to
 from tpfuse.kernels.ll import lamport_pack, lamport_word, ll_flag, ll_pack, ll_reduce
-from tpfuse.kernels.norm import LAMPORT_SOURCE, NormConfig, norm_tile
+from tpfuse.kernels.norm import NormConfig, norm_tile
 from tpfuse.kernels.sync import end_call, signal, wait
 
 # Operation codes of the status record; their names are in allreduce.OP_NAMES.
@@ -122,28 +122,10 @@ def _piece_words(piece, tile_words, n_words, PIECE_WORDS: tl.constexpr, PIECES: 
 
 @triton.jit
 def _count_piece(counter):
-    """Count one more summed piece of a tile; returns the count before it. Relaxed: the
-    count only elects the CTA that normalises the tile, which polls the pieces' words
-    (``norm.LAMPORT_SOURCE``), so no release has to wait for this CTA's stores (acq_rel cost
-    0.3 us per call, results/2xH200/fused_ab.md)."""
-    return tl.atomic_add(counter, 1, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _norm_reduced_tile(reduced, rows, RES, W, Y, RES_OUT, n_rows, N, eps, weight_offset, has_residual,
-                       BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, NUM_CHUNKS: tl.constexpr,
-                       HAS_WEIGHT: tl.constexpr):
-    """``norm_tile`` of the rows ``rows`` from their Lamport words in ``reduced``, which are
-    then zeroed (every thread has read them first), so the region holds zeros between calls."""
-    offs = rows.to(tl.int64) * N
-    norm_tile(reduced, offs, 0, RES, W, Y, RES_OUT, rows, rows < n_rows, N, eps, weight_offset, has_residual, True,
-              BLOCK_N, TAIL_N, NUM_CHUNKS, HAS_WEIGHT, LAMPORT_SOURCE)
-    tl.debug_barrier()
-    cols = tl.arange(0, BLOCK_N)[None, :]
-    for c in range(NUM_CHUNKS):
-        ccols = c * BLOCK_N + cols
-        tl.store(reduced + offs[:, None] + ccols, tl.zeros([rows.shape[0], BLOCK_N], reduced.dtype.element_ty),
-                 mask=(rows < n_rows)[:, None] & (ccols < N))
+    """Count one more summed piece of a tile; returns the count before it. acq_rel: this
+    CTA's stores of the piece precede the count, and the CTA that takes the last count sees
+    every piece's."""
+    return tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
 
 
 @triton.jit(do_not_specialize=_UNSPECIALISED)
@@ -186,7 +168,7 @@ def ll_oneshot_all_reduce_norm_kernel(
             words = ll_pack(vals, flag)
         _push(table_ptr, region, words, rank * slot_words + woffs, wmask, rank, WORLD, True)
     slot0 = _typed(local, region, WORD)
-    reduced = _typed(local, reduced_offset, lamport_word(ELEM))
+    reduced = _typed(local, reduced_offset, ELEM)
     arrived = (local + handoff_offset).to(tl.pointer_type(tl.int64))
     for piece in range(pid, n_tiles * PIECES, grid):  # after the stores, which the peers wait on
         first = ((piece // PIECES) * tile_words + (piece % PIECES) * PIECE_WORDS) * PACK  # woffs[0] * PACK
@@ -195,17 +177,18 @@ def ll_oneshot_all_reduce_norm_kernel(
         woffs, wmask = _piece_words(piece, tile_words, n_words, PIECE_WORDS, PIECES)
         acc = ll_reduce(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns,
                         OP_FUSED_ONESHOT, WORLD, ELEM, LAMPORT)
-        tl.store(reduced + woffs[:, None] * PACK + packs,
-                 tl.reshape(lamport_pack(round_to(acc, ELEM)), [PIECE_WORDS, PACK]), mask=wmask[:, None])
+        tl.store(reduced + woffs[:, None] * PACK + packs, tl.reshape(round_to(acc, ELEM), [PIECE_WORDS, PACK]),
+                 mask=wmask[:, None])
+        tl.debug_barrier()  # every thread's stores of the piece precede the count (release)
         tile = piece // PIECES
         rows = tile * ROWS + tl.arange(0, ROWS)
         if PIECES == 1:  # whole tiles: the CTA that summed the tile normalises it, nothing to count
-            _norm_reduced_tile(reduced, rows, RES, W, Y, RES_OUT, n_rows, N, eps, weight_offset, has_residual,
-                               BLOCK_N, TAIL_N, NUM_CHUNKS, HAS_WEIGHT)
+            norm_tile(reduced, rows.to(tl.int64) * N, 0, RES, W, Y, RES_OUT, rows, rows < n_rows, N, eps,
+                      weight_offset, has_residual, True, BLOCK_N, TAIL_N, NUM_CHUNKS, HAS_WEIGHT, 0)
         elif _count_piece(arrived + tile) == PIECES - 1:
             tl.store(arrived + tile, 0)  # the next call counts after this kernel has ended
-            _norm_reduced_tile(reduced, rows, RES, W, Y, RES_OUT, n_rows, N, eps, weight_offset, has_residual,
-                               BLOCK_N, TAIL_N, NUM_CHUNKS, HAS_WEIGHT)
+            norm_tile(reduced, rows.to(tl.int64) * N, 0, RES, W, Y, RES_OUT, rows, rows < n_rows, N, eps,
+                      weight_offset, has_residual, True, BLOCK_N, TAIL_N, NUM_CHUNKS, HAS_WEIGHT, 0)
     end_call(ctrl, epoch)
 
 

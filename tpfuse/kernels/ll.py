@@ -106,20 +106,6 @@ def lamport_pack(vals):
 
 
 @triton.jit
-def lamport_load(words_ptr, offs, mask, ELEM: tl.constexpr):
-    """The ELEM values in the Lamport words at offs (masked by mask), which CTAs of this
-    kernel on this GPU store (``lamport_pack``'s words, never 0): polls until none is 0. No
-    guard: every writer is a CTA of this launch that has stored its words or will (the
-    interpreter runs the writers first). Masked lanes read as +0.0. The words are left as
-    they are."""
-    ZERO: tl.constexpr = 0xFFFFFFFF if ELEM.primitive_bitwidth == 32 else 0xFFFF  # the word of +0.0
-    words = tl.load(words_ptr + offs, mask=mask, other=ZERO, volatile=True)
-    while tl.max((words == 0).to(tl.int32)) != 0:  # a CTA-wide reduction: every warp loops alike
-        words = tl.load(words_ptr + offs, mask=mask, other=ZERO, volatile=True)
-    return _complement(words).to(ELEM, bitcast=True)
-
-
-@triton.jit
 def _arrived_f32(words, flag, ELEM: tl.constexpr, LAMPORT: tl.constexpr):
     """(whether each word has arrived, its elements widened to fp32 in element order)."""
     if LAMPORT:

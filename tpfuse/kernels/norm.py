@@ -33,7 +33,6 @@ import triton.language as tl
 
 from tpfuse.kernels.allreduce import sum_in_rank_order
 from tpfuse.kernels.common import EXACT_FP, TRITON_DIVISIBILITY, round_to, to_f32
-from tpfuse.kernels.ll import lamport_load
 
 # A row of up to 16384 elements is held in registers and read from memory once (fp32 rows of
 # 16384 in 8 KiB chunks instead reached 69% of copy bandwidth forward and 44% backward on H200,
@@ -274,26 +273,18 @@ def row_inv_rms(sq, N, eps):
     return inv_rms(tl.sum(sq, axis=1), N, eps)
 
 
-LAMPORT_SOURCE = tl.constexpr(-1)
-"""``norm_tile``'s SLOTS for a source of Lamport words that other CTAs of the launch store
-(the fused one-shot's handoff of reduced rows, ``tpfuse.kernels.fused``)."""
-
-
 @triton.jit
 def _load_norm_input(SRC, src_offs, slot_elems, RES, RES_OUT, offs, mask, has_residual, store_out,
                      SLOTS: tl.constexpr, EVICT: tl.constexpr):
-    """The values to normalise at offs, in RES_OUT's dtype (element offsets into RES and RES_OUT).
+    """The values to normalise at offs, in SRC's dtype (element offsets into RES and RES_OUT).
 
     x is SRC[src_offs] (SLOTS == 0: the norm's own input), or (the fused all-reduce) the sum
     of SLOTS workspace slots ``SRC + s * slot_elems`` in rank order, rounded once: exactly
-    tpfuse's all-reduce result, or (SLOTS == LAMPORT_SOURCE) the values of the Lamport words
-    SRC[src_offs], polled until stored (``tpfuse.kernels.ll.lamport_load``). With
-    has_residual x becomes round(x + RES[offs]); x is stored to RES_OUT[offs] when
-    store_out. EVICT: the L2 eviction policy of the loads of SRC (SLOTS == 0) and RES."""
+    tpfuse's all-reduce result. With has_residual x becomes round(x + RES[offs]); x is
+    stored to RES_OUT[offs] when store_out. EVICT: the L2 eviction policy of the loads of SRC
+    (SLOTS == 0) and RES."""
     if SLOTS == 0:
         x = tl.load(SRC + src_offs, mask=mask, other=0.0, eviction_policy=EVICT)
-    elif SLOTS == LAMPORT_SOURCE:
-        x = lamport_load(SRC, src_offs, mask, RES_OUT.dtype.element_ty)
     else:
         x = round_to(sum_in_rank_order(SRC, slot_elems, src_offs, mask, SLOTS), SRC.dtype.element_ty)
     if has_residual:
