@@ -7,9 +7,9 @@ the control that no variant touches.
 One variant per process: Triton refuses a kernel whose globals changed after it compiled.
 Variants (checked against split's bits every run):
   base         the kernel as it is;
-  no_prefetch  the residual and weight are not prefetched into L2 before the wait, in the
-               LL / Lamport and the flag one-shot kernels
-               (``tpfuse.kernels.fused._prefetch_norm_operands`` a no-op);
+  no_prefetch  the residual and weight are not prefetched into L2 before the wait
+               (``tpfuse.kernels.fused._prefetch_norm_operands`` a no-op; at 24bfc2f the LL /
+               Lamport kernel prefetched too, since only the flag one-shot does);
   relaxed_count  the handoff count of the pieces of a tile is a relaxed atomic, not acq_rel
                (``_count_piece``): measurement only, the last CTA may read a piece before it
                is visible;

@@ -99,9 +99,8 @@ def oneshot_all_reduce_norm_kernel(
             offs = rows.to(tl.int64)[:, None] * N + ccols
             _push(table_ptr, data, tl.load(X + offs, mask=mask), rank * slot_elems + offs, mask, rank, WORLD, True)
     signal(table_ptr, flags_offset + (pid * WORLD + rank) * 8, epoch, WORLD, PEERS)
-    if NUM_CHUNKS == 1:  # tiles held in registers: their residual and weight are a few lines
-        for tile in range(pid, n_tiles, grid):
-            _prefetch_norm_operands(RES, W, tile * ROWS * N, n_rows * N, N, ROWS * BLOCK_N, HAS_WEIGHT)
+    if NUM_CHUNKS == 1:  # the first tile's residual and weight (a tile held in registers: a few lines)
+        _prefetch_norm_operands(RES, W, pid * ROWS * N, n_rows * N, N, ROWS * BLOCK_N, HAS_WEIGHT)
     if wait(_flag_row(local, flags_offset, WORLD), ctrl, status, epoch, rank, timeout_ns, OP_FUSED_ONESHOT, WORLD,
             PEERS):
         slot0 = _typed(local, data, ELEM)
@@ -170,9 +169,6 @@ def ll_oneshot_all_reduce_norm_kernel(
     slot0 = _typed(local, region, WORD)
     reduced = _typed(local, reduced_offset, ELEM)
     arrived = (local + handoff_offset).to(tl.pointer_type(tl.int64))
-    for piece in range(pid, n_tiles * PIECES, grid):  # after the stores, which the peers wait on
-        first = ((piece // PIECES) * tile_words + (piece % PIECES) * PIECE_WORDS) * PACK  # woffs[0] * PACK
-        _prefetch_norm_operands(RES, W, first, n_rows * N, N, PIECE_WORDS * PACK, HAS_WEIGHT)
     for piece in range(pid, n_tiles * PIECES, grid):
         woffs, wmask = _piece_words(piece, tile_words, n_words, PIECE_WORDS, PIECES)
         acc = ll_reduce(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns,
