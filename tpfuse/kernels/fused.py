@@ -123,7 +123,9 @@ def _piece_words(piece, tile_words, n_words, PIECE_WORDS: tl.constexpr, PIECES: 
 def _count_piece(counter):
     """Count one more summed piece of a tile; returns the count before it. acq_rel: this
     CTA's stores of the piece precede the count, and the CTA that takes the last count sees
-    every piece's."""
+    every piece's. The release costs about 0.3 us a call (2x H200, results/2xH200/fused_ab.md,
+    relaxed_count); handing the pieces over as Lamport words instead, with a relaxed count,
+    measured slower (benchmarks/NOTES.md, 2026-11-26)."""
     return tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
 
 
