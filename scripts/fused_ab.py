@@ -1,19 +1,22 @@
-"""The fused one-shot over LL / Lamport words with one of its parts left out, timed as
-`tpfuse bench fused` times (graph replay), with split (all_reduce, then add_rms_norm) as
-the control that no variant touches.
+"""The fused one-shot (explicit algo="oneshot": over LL or Lamport words or flags, as the plan
+picks for the shape) with one of its parts left out or changed, timed as `tpfuse bench fused`
+times (graph replay), with split (all_reduce, then add_rms_norm) as the control that no
+variant touches.
 
-    torchrun --nproc-per-node 2 scripts/fused_ab.py --variant base --out DIR
+    torchrun --nproc-per-node 2 scripts/fused_ab.py --variant base --tag _r1 --out DIR
 
 One variant per process: Triton refuses a kernel whose globals changed after it compiled.
 Variants (checked against split's bits every run):
-  base         the kernel as it is;
-  no_prefetch  the residual and weight are not prefetched into L2 before the wait
-               (``tpfuse.kernels.fused._prefetch_norm_operands`` a no-op; at 24bfc2f the LL /
-               Lamport kernel prefetched too, since only the flag one-shot does);
+  base           the kernels as they are;
+  no_prefetch    the residual and weight are not prefetched into L2 before the wait
+                 (``tpfuse.kernels.fused._prefetch_norm_operands`` a no-op; since d626dcc only
+                 the flag one-shot prefetches, so only its shapes change; at 24bfc2f the LL /
+                 Lamport kernel did too);
   relaxed_count  the handoff count of the pieces of a tile is a relaxed atomic, not acq_rel
-               (``_count_piece``): measurement only, the last CTA may read a piece before it
-               is visible;
-  double_pieces  LL / Lamport pieces of twice the words (half the CTAs; whole tiles as they are).
+                 (``_count_piece``): measurement only, the last CTA may read a piece before it
+                 is visible;
+  double_pieces  LL / Lamport pieces of twice the words (half the CTAs; whole tiles as they
+                 are); the plan's Lamport tiling rule sees the doubled pieces too.
 """
 
 import argparse

@@ -17,6 +17,8 @@ rank its own split result.
 
 - one-shot: each rank stores its rows into slot ``rank`` of every rank's data region,
   signals, waits for all W, and normalises every row from the sum of its W local slots.
+  Between the signal and the wait each CTA asks L2 for its first tile's residual and weight
+  (``_prefetch_norm_operands``), which the norm reads next.
   Small messages use the LL protocol (``tpfuse.kernels.ll``), mid-size ones Lamport words,
   and a different split of the work: row tiles are cut into pieces spread over the grid,
   each piece is summed into the workspace's local ``reduced`` region, and the CTA that
@@ -99,7 +101,10 @@ def oneshot_all_reduce_norm_kernel(
             offs = rows.to(tl.int64)[:, None] * N + ccols
             _push(table_ptr, data, tl.load(X + offs, mask=mask), rank * slot_elems + offs, mask, rank, WORLD, True)
     signal(table_ptr, flags_offset + (pid * WORLD + rank) * 8, epoch, WORLD, PEERS)
-    if NUM_CHUNKS == 1:  # the first tile's residual and weight (a tile held in registers: a few lines)
+    # The first tile's residual and weight, after the stores the peers wait on (before them it
+    # delayed the peers), for tiles held in registers (up to 1024 lines each). Prefetching every
+    # tile of a CTA made one-shot calls of 2048+ tokens up to 49% slower (benchmarks/NOTES.md).
+    if NUM_CHUNKS == 1:
         _prefetch_norm_operands(RES, W, pid * ROWS * N, n_rows * N, N, ROWS * BLOCK_N, HAS_WEIGHT)
     if wait(_flag_row(local, flags_offset, WORLD), ctrl, status, epoch, rank, timeout_ns, OP_FUSED_ONESHOT, WORLD,
             PEERS):
@@ -125,7 +130,8 @@ def _count_piece(counter):
     CTA's stores of the piece precede the count, and the CTA that takes the last count sees
     every piece's. The release costs about 0.3 us a call (2x H200, results/2xH200/fused_ab.md,
     relaxed_count); handing the pieces over as Lamport words instead, with a relaxed count,
-    measured slower (benchmarks/NOTES.md, 2026-11-26)."""
+    measured slower (benchmarks/NOTES.md, 2026-11-26). A function of its own so that
+    scripts/fused_ab.py can swap it."""
     return tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
 
 
