@@ -17,8 +17,9 @@ rank its own split result.
 
 - one-shot: each rank stores its rows into slot ``rank`` of every rank's data region,
   signals, waits for all W, and normalises every row from the sum of its W local slots.
-  Between the signal and the wait each CTA asks L2 for its first tile's residual and weight
-  (``_prefetch_norm_operands``), which the norm reads next.
+  The flag kernel (``oneshot_all_reduce_norm_kernel``), between its signal and its wait,
+  asks L2 for each CTA's first tile of residual and weight, which its norm reads next
+  (``_prefetch_norm_operands``).
   Small messages use the LL protocol (``tpfuse.kernels.ll``), mid-size ones Lamport words,
   and a different split of the work: row tiles are cut into pieces spread over the grid,
   each piece is summed into the workspace's local ``reduced`` region, and the CTA that
