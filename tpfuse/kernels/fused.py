@@ -104,7 +104,7 @@ def oneshot_all_reduce_norm_kernel(
     signal(table_ptr, flags_offset + (pid * WORLD + rank) * 8, epoch, WORLD, PEERS)
     # The first tile's residual and weight, after the stores the peers wait on (before them it
     # delayed the peers), for tiles held in registers (up to 1024 lines each). Prefetching every
-    # tile of a CTA made one-shot calls of 2048+ tokens up to 49% slower (benchmarks/NOTES.md).
+    # tile of a CTA made one-shot calls of 1024+ tokens up to 49% slower (benchmarks/NOTES.md).
     if NUM_CHUNKS == 1:
         _prefetch_norm_operands(RES, W, pid * ROWS * N, n_rows * N, N, ROWS * BLOCK_N, HAS_WEIGHT)
     if wait(_flag_row(local, flags_offset, WORLD), ctrl, status, epoch, rank, timeout_ns, OP_FUSED_ONESHOT, WORLD,
