@@ -16,7 +16,13 @@ Variants (checked against split's bits every run):
                  (``_count_piece``): measurement only, the last CTA may read a piece before it
                  is visible;
   double_pieces  LL / Lamport pieces of twice the words (half the CTAs; whole tiles as they
-                 are); the plan's Lamport tiling rule sees the doubled pieces too.
+                 are); the plan's Lamport tiling rule sees the doubled pieces too;
+  early_release, release_before_wait
+                 an extra acq_rel atomic that changes nothing (adds 0 to the block count) at
+                 the start of every fused kernel, or in the LL / Lamport kernel after the
+                 stores to the peers and before each poll: whether the handoff count's 0.3 us
+                 (relaxed_count) is the release itself or its wait for this CTA's NVLink stores.
+                 Not run yet (compiled for sm_90 only).
 """
 
 import argparse
@@ -48,7 +54,22 @@ def _relaxed_count(counter):
     return tl.atomic_add(counter, 1, sem="relaxed", scope="gpu")
 
 
-_ll_pieces = fused.ll_pieces
+@triton.jit
+def _early_release(local, status_addr, data_offset, data_bytes, n, BLOCK: tl.constexpr):
+    pid, grid, ctrl, status, epoch, data, n_tiles = _begin(local, status_addr, data_offset, data_bytes, n, BLOCK)
+    tl.atomic_add(ctrl + 1, 0, sem="acq_rel", scope="gpu")  # adds 0 to the block count: a release, nothing else
+    return pid, grid, ctrl, status, epoch, data, n_tiles
+
+
+@triton.jit
+def _release_before_wait(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns,
+                         OP: tl.constexpr, W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr = False):
+    tl.atomic_add(ctrl + 1, 0, sem="acq_rel", scope="gpu")  # as _early_release, after this CTA's stores
+    return _ll_reduce(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP, W, ELEM,
+                      LAMPORT)
+
+
+_begin, _ll_reduce, _ll_pieces = fused._begin, fused.ll_reduce, fused.ll_pieces
 
 
 def _double_pieces(n, dtype, protocol="ll", whole_tiles=False):
@@ -57,7 +78,8 @@ def _double_pieces(n, dtype, protocol="ll", whole_tiles=False):
 
 
 VARIANTS = {"base": None, "no_prefetch": ("_prefetch_norm_operands", _no_prefetch),
-            "relaxed_count": ("_count_piece", _relaxed_count), "double_pieces": ("ll_pieces", _double_pieces)}
+            "relaxed_count": ("_count_piece", _relaxed_count), "double_pieces": ("ll_pieces", _double_pieces),
+            "early_release": ("_begin", _early_release), "release_before_wait": ("ll_reduce", _release_before_wait)}
 
 
 def main():
