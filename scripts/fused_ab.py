@@ -20,7 +20,7 @@ Variants (checked against split's bits every run):
   early_release, release_before_wait
                  an extra acq_rel atomic that changes nothing (adds 0 to the block count) at
                  the start of every fused kernel, or in the LL / Lamport kernel after the
-                 stores to the peers and before each poll: whether the handoff count's 0.3 us
+                 stores to the peers and before each piece's poll: whether the handoff count's 0.3 us
                  (relaxed_count) is the release itself or its wait for this CTA's NVLink stores.
                  Not run yet (compiled for sm_90 only).
 """
@@ -115,8 +115,8 @@ def main():
             for method, fn in methods.items():
                 exact = all(same_bits(a, b) for a, b in zip(fn(0), want))
                 us = collective_graph_us(fn, rot)
-                rows.append(dict(variant=opts.variant, tag=opts.tag, method=method, tokens=tokens, hidden=hidden, us=round(us, 2),
-                                 exact=exact, protocol=fplan.protocol, grid=fplan.grid))
+                rows.append(dict(variant=opts.variant, tag=opts.tag, method=method, tokens=tokens, hidden=hidden,
+                                 us=round(us, 2), exact=exact, protocol=fplan.protocol, grid=fplan.grid))
                 if rank == 0:
                     print(json.dumps(rows[-1]), flush=True)
     if rank == 0:
