@@ -11,6 +11,8 @@
 #        tpfuse/comm/tables/ after review). TUNE_ARGS passes arguments to it (e.g. --sizes).
 #        tune_allreduce (2+ GPUs; not in "all"): scripts/tune_allreduce.py, the launch knobs'
 #        sweep, with TUNE_ALLREDUCE_ARGS (e.g. --algos oneshot --knobs '{...}').
+#        fused_ab (2 GPUs; not in "all"): scripts/fused_ab.py, one process per variant of
+#        FUSED_AB_VARIANTS (default "base"), each timed with split beside it.
 # Run from the repository root (the device tool does). Wheels missing on the machine
 # (liger-kernel, quack-kernels and its CuTe DSL) and bundles (.whl/*.tgz) travel in .whl/
 # (carry it), wheels over a call's 64 MiB as parts in .whlparts/ over several calls, and are
@@ -63,6 +65,11 @@ want test_codecs && run test_codecs 240 python3 -m pytest -q -x -m gpu tests/tes
 want bench_codecs && run bench_codecs 120 python3 scripts/bench_codecs.py --out "$OUT"
 want test_models && multi test_models && run test_models 360 python3 -m pytest -q -x -m multigpu tests/test_models_gpu.py
 want tune_allreduce && multi tune_allreduce && run tune_allreduce 420 python3 scripts/tune_allreduce.py --out "$OUT" --budget-s 360 ${TUNE_ALLREDUCE_ARGS:-}
+if want fused_ab && multi fused_ab; then
+  for variant in ${FUSED_AB_VARIANTS:-base}; do
+    run "fused_ab_$variant" 150 torchrun --nproc-per-node 2 scripts/fused_ab.py --variant "$variant" --tag "_$variant" --out "$OUT"
+  done
+fi
 want tune && multi tune && run tune 540 python3 -m tpfuse.cli tune --out "$OUT" --write-table --table-dir "$OUT" --budget-s 480 ${TUNE_ARGS:-}
 # Every visible GPU is one rank: TP=2 on two GPUs, the TP=1 baseline on one.
 want bench_decode && run bench_decode 540 python3 -m tpfuse.cli bench decode --out "$OUT" --plot ${DECODE_ARGS:-}
