@@ -13,6 +13,8 @@
 #        sweep, with TUNE_ALLREDUCE_ARGS (e.g. --algos oneshot --knobs '{...}').
 #        fused_ab (2 GPUs; not in "all"): scripts/fused_ab.py, one process per variant of
 #        FUSED_AB_VARIANTS (default "base"), each timed with split beside it.
+#        nvlink_probe (2+ GPUs; not in "all"): scripts/nvlink_probe.py, the copy engines' and
+#        SM kernels' rates between GPUs 0 and 1.
 # Run from the repository root (the device tool does). Wheels missing on the machine
 # (liger-kernel, quack-kernels and its CuTe DSL) and bundles (.whl/*.tgz) travel in .whl/
 # (carry it), wheels over a call's 64 MiB as parts in .whlparts/ over several calls, and are
@@ -70,6 +72,7 @@ if want fused_ab && multi fused_ab; then
     run "fused_ab_$variant" 150 torchrun --nproc-per-node 2 scripts/fused_ab.py --variant "$variant" --tag "_$variant" --out "$OUT"
   done
 fi
+want nvlink_probe && multi nvlink_probe && run nvlink_probe 300 python3 scripts/nvlink_probe.py --out "$OUT"
 want tune && multi tune && run tune 540 python3 -m tpfuse.cli tune --out "$OUT" --write-table --table-dir "$OUT" --budget-s 480 ${TUNE_ARGS:-}
 # Every visible GPU is one rank: TP=2 on two GPUs, the TP=1 baseline on one.
 want bench_decode && run bench_decode 540 python3 -m tpfuse.cli bench decode --out "$OUT" --plot ${DECODE_ARGS:-}
