@@ -6,6 +6,7 @@ all-reduce whose bytes move on the copy engines beat the SM-driven two-shot's bu
 
     python3 scripts/nvlink_probe.py --out DIR
 
+Small messages are not probed: each launch is a Python call, so their time is the host's.
 Rates are bytes crossing the link in one direction per second (for both directions at once,
 each direction's bytes over the time both take).
 """
@@ -55,10 +56,12 @@ def _time_us(launch, streams, reps=20):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=".")
-    p.add_argument("--mib", type=int, nargs="+", default=[4, 32, 128])
+    p.add_argument("--mib", type=int, nargs="+", default=[32, 128])
     opts = p.parse_args()
     assert torch.cuda.device_count() >= 2 and torch.cuda.can_device_access_peer(0, 1)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for d in (0, 1):  # a peer copy each way: torch then enables the peer access a kernel needs
+        torch.ones(1, device=f"cuda:{1 - d}").copy_(torch.ones(1, device=f"cuda:{d}"))
     rows = []
     for mib in opts.mib:
         n = mib * 2**20 // 2
