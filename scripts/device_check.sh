@@ -12,7 +12,8 @@
 #        tune_allreduce (2+ GPUs; not in "all"): scripts/tune_allreduce.py, the launch knobs'
 #        sweep, with TUNE_ALLREDUCE_ARGS (e.g. --algos oneshot --knobs '{...}').
 #        fused_ab (2 GPUs; not in "all"): scripts/fused_ab.py, one process per variant of
-#        FUSED_AB_VARIANTS (default "base"), each timed with split beside it.
+#        FUSED_AB_VARIANTS (default "base"), each timed with split beside it, in FUSED_AB_ROUNDS
+#        rounds (default 1).
 #        nvlink_probe (2+ GPUs; not in "all"): scripts/nvlink_probe.py, the copy engines' and
 #        SM kernels' rates between GPUs 0 and 1.
 # Run from the repository root (the device tool does). Wheels missing on the machine
@@ -68,8 +69,11 @@ want bench_codecs && run bench_codecs 120 python3 scripts/bench_codecs.py --out 
 want test_models && multi test_models && run test_models 360 python3 -m pytest -q -x -m multigpu tests/test_models_gpu.py
 want tune_allreduce && multi tune_allreduce && run tune_allreduce 420 python3 scripts/tune_allreduce.py --out "$OUT" --budget-s 360 ${TUNE_ALLREDUCE_ARGS:-}
 if want fused_ab && multi fused_ab; then
-  for variant in ${FUSED_AB_VARIANTS:-base}; do
-    run "fused_ab_$variant" 150 torchrun --nproc-per-node 2 scripts/fused_ab.py --variant "$variant" --tag "_$variant" --out "$OUT"
+  for round in $(seq "${FUSED_AB_ROUNDS:-1}"); do
+    for variant in ${FUSED_AB_VARIANTS:-base}; do
+      run "fused_ab_${variant}_r$round" 150 torchrun --nproc-per-node 2 scripts/fused_ab.py --variant "$variant" \
+        --tag "_r$round" --out "$OUT"
+    done
   done
 fi
 want nvlink_probe && multi nvlink_probe && run nvlink_probe 300 python3 scripts/nvlink_probe.py --out "$OUT"
