@@ -14,6 +14,8 @@
 #        fused_ab (2 GPUs; not in "all"): scripts/fused_ab.py, one process per variant of
 #        FUSED_AB_VARIANTS (default "base"), each timed with split beside it, in FUSED_AB_ROUNDS
 #        rounds (default 1).
+#        ll_ablation (2 GPUs; not in "all"): scripts/ll_ablation.py once per VARIANT:MAX_BYTES item
+#        of LL_ABLATION_RUNS (default "base:16777216"), in that order.
 #        nvlink_probe (2+ GPUs; not in "all"): scripts/nvlink_probe.py, the copy engines' and
 #        SM kernels' rates between GPUs 0 and 1.
 # Run from the repository root (the device tool does). Wheels missing on the machine
@@ -74,6 +76,14 @@ if want fused_ab && multi fused_ab; then
       run "fused_ab_${variant}_r$round" 150 torchrun --nproc-per-node 2 scripts/fused_ab.py --variant "$variant" \
         --tag "_r$round" --out "$OUT"
     done
+  done
+fi
+if want ll_ablation && multi ll_ablation; then
+  i=0
+  for item in ${LL_ABLATION_RUNS:-base:16777216}; do
+    i=$((i + 1))
+    run "ll_ablation_$i" 150 torchrun --nproc-per-node 2 scripts/ll_ablation.py --variant "${item%%:*}" \
+      --max-bytes "${item##*:}" --tag "_${item##*:}_$i" --out "$OUT"
   done
 fi
 want nvlink_probe && multi nvlink_probe && run nvlink_probe 300 python3 scripts/nvlink_probe.py --out "$OUT"

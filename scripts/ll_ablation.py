@@ -1,7 +1,7 @@
 """Where the small all-reduce's time goes: `tpfuse.kernels.ll.ll_reduce` swapped for variants
 that each leave one part out, timed as `tpfuse bench allreduce` times (graph replay).
 
-    torchrun --nproc-per-node 2 scripts/ll_ablation.py --variant base --out DIR
+    torchrun --nproc-per-node 2 scripts/ll_ablation.py --variant base [--max-bytes B] [--tag T] --out DIR
 
 One variant per process: Triton refuses a kernel whose globals changed after it compiled.
 (Its variants guard64 and relaxed_end, at 407a231, are the kernels' own since: sync.GUARD_POLLS
@@ -128,6 +128,9 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--variant", choices=VARIANTS, required=True)
     p.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192, 16384, 65536])
+    p.add_argument("--max-bytes", type=int, default=None,
+                   help="the Communicator's max_bytes (its workspace is about 4x; default: its own default)")
+    p.add_argument("--tag", default="", help="appended to the result file's name (repeated runs)")
     p.add_argument("--out", default=".")
     opts = p.parse_args()
     if VARIANTS[opts.variant] is not None:
@@ -138,7 +141,7 @@ def main():
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
     rows = []
-    with Communicator() as comm:
+    with Communicator(max_bytes=opts.max_bytes) as comm:
         global ZB_OFFSET
         ZB_OFFSET = tl.constexpr(comm.layout.reduced_offset)
         from tpfuse.comm.plan import AllReducePlan
@@ -164,11 +167,12 @@ def main():
                     return comm.all_reduce(pool[i])
                 exact = same_bits(fn(0), want)
             us = collective_graph_us(fn, rot)
-            rows.append(dict(variant=opts.variant, size_bytes=nbytes, us=round(us, 2), exact=exact, protocol=protocol))
+            rows.append(dict(variant=opts.variant, max_bytes=comm.max_bytes, size_bytes=nbytes, us=round(us, 2),
+                             exact=exact, protocol=protocol))
     if rank == 0:
         for r in rows:
             print(json.dumps(r), flush=True)
-        with open(os.path.join(opts.out, f"ll_ablation_{opts.variant}.json"), "w") as f:
+        with open(os.path.join(opts.out, f"ll_ablation_{opts.variant}{opts.tag}.json"), "w") as f:
             json.dump(rows, f)
     dist.destroy_process_group()
 
