@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 import tpfuse.kernels.allreduce as ar
-from tpfuse.bench.common import collective_graph_us, random_inputs, rotation, same_bits
+from tpfuse.bench.common import collective_graph_us, random_inputs, rotation, run_header, same_bits
 from tpfuse.kernels import ll
 
 
@@ -173,7 +173,7 @@ def main():
         for r in rows:
             print(json.dumps(r), flush=True)
         with open(os.path.join(opts.out, f"ll_ablation_{opts.variant}{opts.tag}.json"), "w") as f:
-            json.dump(rows, f)
+            json.dump(dict(header=run_header(), records=rows), f)
     dist.destroy_process_group()
 
 
