@@ -99,16 +99,6 @@ def test_ll_regions_are_disjoint_and_hold_ll_and_lamport_messages(world, ll_max_
     assert layout.reduced_bytes >= ll_max_bytes
 
 
-@pytest.mark.parametrize("max_bytes", [1 << 20, 256 << 20])
-def test_small_call_regions_come_before_the_data_regions(max_bytes):
-    """ctrl, flags, ll, reduced and handoff lie in front of the data regions, at offsets that
-    do not grow with max_bytes (a small call's latency grew with their distance, workspace.py)."""
-    layout = WorkspaceLayout(2, max_bytes, max_blocks=128, ll_max_bytes=65536, lamport_max_bytes=262144)
-    small = [r for r in layout.regions() if not r[0].startswith("data")]
-    assert max(offset + size for _, offset, size in small) == layout.data_offset(0) < 2 << 20
-    assert layout.data_offset(1) + layout.data_bytes == layout.total_bytes
-
-
 def test_workspace_layout_does_not_depend_on_messages_and_default_is_tens_of_mib():
     layout = WorkspaceLayout(4, 16 << 20, max_blocks=128)
     assert 16 << 20 < layout.total_bytes < 100 << 20

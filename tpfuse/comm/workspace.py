@@ -13,19 +13,13 @@ Layout of one rank's buffer (every region starts at a multiple of ``ALIGN``)::
     flags[0]  phase-0 arrival flags: int64 word (block b, source rank s) at
               flags[0] + (b * world_size + s) * 8, written only by rank s's block b
     flags[1]  phase-1 arrival flags (two-shot all-gather), same shape
+    data[0]   message data of calls with even epoch
+    data[1]   message data of calls with odd epoch
     ll[0]     low-latency (LL) or Lamport words of one-shot calls with even epoch:
               ``world_size`` slots of ``ll_slot_bytes``, slot s written only by rank s
     ll[1]     the same for odd epochs
     reduced   local only: the fused one-shot LL and Lamport kernel's reduced rows
     handoff   local only: that kernel's int64 arrival counters, one per row tile
-    data[0]   message data of calls with even epoch
-    data[1]   message data of calls with odd epoch
-
-The regions of small calls (ctrl, flags, ll, reduced, handoff) come first and the data
-regions, about 4 * max_bytes, last, so a small call touches only the first few MiB of the
-buffer whatever its size: with the ll regions behind 1 GiB of data (max_bytes 256 MiB), a 4
-KiB all-reduce took 2.81 us where it took 2.56 with them 4 MiB in (max_bytes 1 MiB; 2x H200,
-benchmarks/NOTES.md, 2026-11-26).
 
 Each data region (``data_bytes``) is cut into ``world_size`` one-shot slots (slot s holds
 rank s's whole input), or, for two-shot, into ``world_size`` scatter slots (slot s holds
@@ -138,7 +132,7 @@ class WorkspaceLayout:
         """Start of the data region of calls whose epoch has this parity."""
         if not 0 <= parity < NUM_PARITIES:
             raise ValueError(f"parity must be 0 or 1, got {parity}")
-        return self.handoff_offset + self.handoff_bytes + parity * self.data_bytes
+        return self.flag_offset(NUM_PHASES - 1) + self.flag_region_bytes + parity * self.data_bytes
 
     @property
     def ll_slot_bytes(self) -> int:
@@ -155,7 +149,7 @@ class WorkspaceLayout:
         """Start of the LL region of calls whose epoch has this parity."""
         if not 0 <= parity < NUM_PARITIES:
             raise ValueError(f"parity must be 0 or 1, got {parity}")
-        return self.flag_offset(NUM_PHASES - 1) + self.flag_region_bytes + parity * self.ll_bytes
+        return self.data_offset(NUM_PARITIES - 1) + self.data_bytes + parity * self.ll_bytes
 
     @property
     def reduced_offset(self) -> int:
@@ -181,7 +175,7 @@ class WorkspaceLayout:
 
     @property
     def total_bytes(self) -> int:
-        return self.data_offset(NUM_PARITIES - 1) + self.data_bytes
+        return self.handoff_offset + self.handoff_bytes
 
     def regions(self) -> list[tuple[str, int, int]]:
         """Every region and slot as (name, offset, size), for checks and debugging."""
