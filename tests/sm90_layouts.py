@@ -48,7 +48,7 @@ from triton.runtime.jit import JITFunction, create_function_from_signature  # no
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tpfuse.comm.workspace import WorkspaceLayout  # noqa: E402
-from tpfuse.kernels.fused import all_reduce_norm_into  # noqa: E402
+from tpfuse.kernels.fused import all_reduce_norm_into, rows_pieces  # noqa: E402
 from tpfuse.kernels import norm_bwd_chunked  # noqa: E402
 from tpfuse.kernels.norm import NormConfig, rms_norm_fwd  # noqa: E402
 from tpfuse.kernels.norm_bwd import rms_norm_bwd  # noqa: E402
@@ -108,7 +108,8 @@ def layouts_for(case: dict) -> dict:
     kernel, kwargs = _launch_args(lambda: rms_norm_fwd(x, weight, y, 1e-6, 0.0, res, res_out))
     out["norm"] = row_reduction_layouts(_compile(kernel, kwargs).asm["ttgir"])
     # offsets only: nothing is allocated
-    layout = WorkspaceLayout(world, 1 << 24, 128, ll_max_bytes=1 << 24, lamport_max_bytes=1 << 24)
+    layout = WorkspaceLayout(world, 1 << 24, 128, ll_max_bytes=1 << 24, lamport_max_bytes=1 << 24,
+                             rows_max_bytes=1 << 24)
     table = torch.zeros(world, dtype=torch.int64)
     addrs = [(1 << 40) + r * (1 << 30) for r in range(world)]
     for name, algo, protocol, whole in (("oneshot", "oneshot", "flags", False), ("oneshot_ll", "oneshot", "ll", False),
@@ -122,6 +123,14 @@ def layouts_for(case: dict) -> dict:
             table_addrs=addrs, status_addr=1 << 36, rank=1, layout=layout, timeout_ns=10**9,
             protocol=protocol, whole_tiles=whole))
         out[name] = row_reduction_layouts(_compile(kernel, kwargs).asm["ttgir"])
+    cfg = NormConfig.from_shape(n, dtype)
+    if n % 16 == 0 and not cfg.tail_n and cfg.num_chunks == 1:  # what the row-wise kernel serves
+        piece, pieces = rows_pieces(n, dtype, 1024)
+        kernel, kwargs = _launch_args(lambda: all_reduce_norm_into(
+            x, weight, res, y, res_out, 1e-6, 0.0, algo="oneshot", grid=-(-rows // cfg.rows) * pieces,
+            rows_per_group=rows, table=table, table_addrs=addrs, status_addr=1 << 36, rank=1, layout=layout,
+            timeout_ns=10**9, protocol="rows", piece_elems=piece))
+        out["oneshot_rows"] = row_reduction_layouts(_compile(kernel, kwargs).asm["ttgir"])
     return out
 
 
@@ -183,8 +192,8 @@ def guard_reductions(case: dict) -> dict:
     """The warps of the collective kernel ``case["kernel"]`` and, for each of its
     ``sync.give_up`` reductions (over CTA_LANES int32 lanes), the warps its layout spans and the
     lanes one pass of the layout covers (sizePerThread * threadsPerWarp * warpsPerCTA): "oneshot",
-    "ll", "lamport", "twoshot" (the all-reduce), "fused_ll", "fused_twoshot" (bf16 rows of
-    ``case["n"]``) or "quant" (int4 at W=2 on the plan's ``case["tile"]``, "large" or "small",
+    "ll", "lamport", "twoshot" (the all-reduce), "fused_ll", "fused_rows", "fused_twoshot" (bf16
+    rows of ``case["n"]``) or "quant" (int4 at W=2 on the plan's ``case["tile"]``, "large" or "small",
     with that tile's warps)."""
     from tpfuse.comm.quant_plan import QuantPlan
     from tpfuse.kernels.allreduce import all_reduce_into
@@ -192,7 +201,8 @@ def guard_reductions(case: dict) -> dict:
     from tpfuse.kernels.sync import CTA_LANES
 
     world, kind = 2, case["kernel"]
-    layout = WorkspaceLayout(world, 1 << 24, 128, ll_max_bytes=1 << 16, lamport_max_bytes=1 << 22)
+    layout = WorkspaceLayout(world, 1 << 24, 128, ll_max_bytes=1 << 16, lamport_max_bytes=1 << 22,
+                             rows_max_bytes=1 << 16)
     table, addrs = torch.zeros(world, dtype=torch.int64), [(1 << 40) + r * (1 << 30) for r in range(world)]
     ranks = dict(table=table, table_addrs=addrs, status_addr=1 << 36, rank=1, layout=layout, timeout_ns=10**9)
     if kind in ("oneshot", "ll", "lamport", "twoshot"):
@@ -200,12 +210,15 @@ def guard_reductions(case: dict) -> dict:
         launch = lambda: all_reduce_into(  # noqa: E731
             x, torch.empty_like(x), algo="twoshot" if kind == "twoshot" else "oneshot", grid=4, block=1024,
             num_warps=4, chunk=4096, protocol=kind if kind in ("ll", "lamport") else "flags", **ranks)
-    elif kind in ("fused_ll", "fused_twoshot"):
+    elif kind in ("fused_ll", "fused_rows", "fused_twoshot"):
         x = torch.empty(2, case["n"], dtype=torch.bfloat16)
+        piece, pieces = rows_pieces(case["n"], torch.bfloat16, 1024)
+        rows = dict(protocol="rows", piece_elems=piece, grid=2 * pieces)  # one-row tiles (n >= 4096)
         launch = lambda: all_reduce_norm_into(  # noqa: E731
             x, torch.empty(case["n"], dtype=torch.bfloat16), x.clone(), x.clone(), x.clone(), 1e-6, 0.0,
-            algo="oneshot" if kind == "fused_ll" else "twoshot", grid=4, rows_per_group=1,
-            protocol="ll" if kind == "fused_ll" else "flags", **ranks)
+            algo="twoshot" if kind == "fused_twoshot" else "oneshot", rows_per_group=1,
+            **(rows if kind == "fused_rows" else dict(grid=4, protocol="ll" if kind == "fused_ll" else "flags")),
+            **ranks)
     else:
         plan = QuantPlan.for_layout(layout, torch.bfloat16, "int4")
         block, warps = (plan.block, plan.num_warps) if case["tile"] == "large" else (plan.small_block,

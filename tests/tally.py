@@ -2,6 +2,8 @@
 
 import torch
 
+from tpfuse.comm.workspace import CTRL_ROWS_CALLS, NUM_ROWS_ROTATIONS
+
 
 class MismatchTally:
     """Counts mismatches on the device over many calls; ``failures()`` is the one host read,
@@ -50,10 +52,20 @@ class PoolChecker(MismatchTally):
 
 def ll_regions_not_zeroed(comm) -> list[str]:
     """Every LL and Lamport word read is zeroed (tpfuse.kernels.ll): once this rank's calls are done,
-    its LL regions must be all zeros. A failure message, or none."""
+    its LL regions must be all zeros, and so must the rows regions (tpfuse.comm.workspace) but the
+    rotation of the last row-wise call, which the next one zeroes. Failure messages, or none."""
     if comm.device.type == "cuda":
         torch.cuda.synchronize()
-    layout = comm.layout
+    layout, local = comm.layout, comm._peer.local
     assert layout.ll_max_bytes > 0
-    nonzero = int((comm._peer.local[layout.ll_offset(0):layout.ll_offset(1) + layout.ll_bytes] != 0).sum())
-    return [f"{nonzero} bytes of the LL regions are not zero after the calls"] if nonzero else []
+    failures = []
+    nonzero = int((local[layout.ll_offset(0):layout.ll_offset(1) + layout.ll_bytes] != 0).sum())
+    if nonzero:
+        failures.append(f"{nonzero} bytes of the LL regions are not zero after the calls")
+    calls = int(local[CTRL_ROWS_CALLS * 8:CTRL_ROWS_CALLS * 8 + 8].view(torch.int64).item())
+    for rotation in range(NUM_ROWS_ROTATIONS if layout.rows_slot_bytes else 0):
+        start = layout.rows_offset(rotation)
+        nonzero = int((local[start:start + layout.rows_bytes] != 0).sum())
+        if nonzero and rotation != (calls - 1) % NUM_ROWS_ROTATIONS:
+            failures.append(f"{nonzero} bytes of rows rotation {rotation} are not zero after {calls} row-wise calls")
+    return failures

@@ -85,11 +85,13 @@ def test_workspace_regions_are_disjoint_aligned_and_inside(world, max_bytes):
 @pytest.mark.parametrize("ll_max_bytes, lamport_max_bytes", [(1, 0), (4096, 0), (300_000, 0), (4096, 1 << 20)])
 def test_ll_regions_are_disjoint_and_hold_ll_and_lamport_messages(world, ll_max_bytes, lamport_max_bytes):
     layout = WorkspaceLayout(world, 1 << 20, max_blocks=128, ll_max_bytes=ll_max_bytes,
-                             lamport_max_bytes=lamport_max_bytes)
+                             lamport_max_bytes=lamport_max_bytes, rows_max_bytes=ll_max_bytes)
     regions = sorted(layout.regions(), key=lambda r: r[1])
     for (n0, o0, s0), (n1, o1, _) in zip(regions, regions[1:]):
         assert o0 + s0 <= o1, f"{n0} overlaps {n1}"
     assert regions[-1][1] + regions[-1][2] == layout.total_bytes
+    rows = [size for name, _, size in regions if name.startswith("rows")]
+    assert len(rows) == 3 * world and all(size == layout.rows_slot_bytes >= ll_max_bytes for size in rows)
     slots = {name: (offset, size) for name, offset, size in regions if name.startswith("ll")}
     assert len(slots) == 2 * world
     # an LL word carries 4 data bytes in 8, a Lamport word its own bytes

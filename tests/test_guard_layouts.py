@@ -14,9 +14,10 @@ from tests.conftest import compile_for_sm90
 from tpfuse.kernels.sync import CTA_LANES
 
 CASES = [dict(kernel=k) for k in ("oneshot", "ll", "lamport", "twoshot")]
-CASES += [dict(kernel="fused_ll", n=8192), dict(kernel="fused_twoshot", n=65536)]  # 8 and 32 warps
+CASES += [dict(kernel="fused_ll", n=8192), dict(kernel="fused_rows", n=4096), dict(kernel="fused_twoshot", n=65536)]
 CASES += [dict(kernel="quant", tile=t) for t in ("large", "small")]  # W=2: 32 and 16 warps
-WAITS = {"oneshot": 1, "ll": 1, "lamport": 1, "twoshot": 2, "fused_ll": 1, "fused_twoshot": 2, "quant": 2}
+WAITS = {"oneshot": 1, "ll": 1, "lamport": 1, "twoshot": 2, "fused_ll": 1, "fused_rows": 1, "fused_twoshot": 2,
+         "quant": 2}
 
 
 @pytest.fixture(scope="module")

@@ -357,7 +357,7 @@ class Communicator:
         all_reduce_norm_into(x2, None if weight is None else _runtime.aligned_contiguous(weight), res2,
                              y.view(-1, n), res_out, float(eps), float(weight_offset), algo=plan.algo, grid=plan.grid,
                              rows_per_group=plan.rows_per_group, protocol=plan.protocol,
-                             whole_tiles=plan.whole_tiles, table=self._table,
+                             whole_tiles=plan.whole_tiles, piece_elems=plan.piece_elems, table=self._table,
                              table_addrs=self._peer.buffer_ptrs, status_addr=self._status.data_ptr(), rank=self.rank,
                              layout=self.layout, timeout_ns=int(self.timeout_s * 1e9))
         if _runtime.INTERPRETER:

@@ -23,7 +23,7 @@ import torch
 from tpfuse._runtime import INTERPRETER
 from tpfuse.comm.workspace import ALIGN, WorkspaceLayout
 from tpfuse.kernels.common import TRITON_DIVISIBILITY
-from tpfuse.kernels.fused import lamport_tiling, ll_pieces
+from tpfuse.kernels.fused import lamport_tiling, ll_pieces, rows_pieces
 from tpfuse.kernels.norm import NormConfig
 
 KiB = 1024
@@ -119,12 +119,13 @@ def for_world(knob: dict, world_size: int):
 def workspace_layout(world_size: int, max_bytes: int) -> WorkspaceLayout:
     """A communicator's workspace: two-shot to max_bytes, one-shot to its slots' capacity, and
     LL regions for LL words up to the largest of LL_MAX_BYTES and the fused LL knobs and for
-    Lamport words up to LAMPORT_MAX_BYTES, as the knobs are now (each at most the one-shot
-    capacity)."""
+    Lamport words up to LAMPORT_MAX_BYTES, and rows regions up to FUSED_ROWS_MAX_BYTES, as the
+    knobs are now (each at most the one-shot capacity)."""
     oneshot_capacity = WorkspaceLayout(world_size, max_bytes, MAX_BLOCKS).oneshot_slot_bytes
     ll = max(for_world(knob, world_size) for knob in (LL_MAX_BYTES, FUSED_LL_MAX_BYTES, FUSED_WIDE_LL_MAX_BYTES))
     return WorkspaceLayout(world_size, max_bytes, MAX_BLOCKS, min(ll, oneshot_capacity),
-                           min(for_world(LAMPORT_MAX_BYTES, world_size), oneshot_capacity))
+                           min(for_world(LAMPORT_MAX_BYTES, world_size), oneshot_capacity),
+                           min(for_world(FUSED_ROWS_MAX_BYTES, world_size), oneshot_capacity))
 
 
 def uses_ll(nbytes: int, world_size: int, layout: WorkspaceLayout) -> bool:
@@ -285,6 +286,25 @@ FUSED_LL_MAX_BYTES = ({2: 128 * KiB, 4: 128 * KiB, 8: 64 * KiB} if not INTERPRET
                       {2: 16 * KiB, 4: 16 * KiB, 8: 16 * KiB})
 FUSED_LAMPORT_MAX_BYTES = {2: 0, 4: 0, 8: 0} if not INTERPRETER else {2: 128 * KiB, 4: 128 * KiB, 8: 128 * KiB}
 FUSED_TWOSHOT_MAX_BYTES = {2: 0, 4: 0, 8: 0}
+# FUSED_ROWS_MAX_BYTES: largest message the fused one-shot runs row-wise (protocol "rows",
+#   before LL's and Lamport's): the CTAs that store the pieces of a row tile, as Lamport words,
+#   each poll the whole tile and normalise it, storing only their own piece of y and
+#   residual_out. No handoff count between them (its acq_rel release cost 0.3 us on a small
+#   call wherever it stood) and no round trip through the reduced region; each CTA polls the
+#   whole tile instead, so only tiles of at most FUSED_ROWS_MAX_TILE_BYTES held in registers
+#   without a tail (NormConfig) run row-wise, one piece per CTA within FUSED_MAX_CTAS. 2x H200,
+#   the measurement-only fused_ab variant redundant_norm (LL words, acd19a5): hidden 4096 x 1
+#   token 4.48 us against the LL kernel's 4.87, x 2 4.75 against 4.98, 2880 x 1 4.35 against
+#   4.70 (a tail: not row-wise here), 5120 x 1 8.45 against 5.54 (20 CTAs of 4 warps, each
+#   polling a padded 8192-element row). Measured at W=2 only: 0 (never) at other world sizes.
+#   Not swept by `tpfuse tune`, which times the other protocols with it off.
+# FUSED_ROWS_PIECE_BYTES: bytes of x each CTA of a row-wise call stores, 1 KiB: the LL kernel's
+#   pieces at hidden 4096 (8 CTAs a row), as in the measurement above. The interpreter runs
+#   CTAs one after another, so a CTA waiting for pieces of its own rank that a later CTA stores
+#   would wait for ever: there a piece is a whole tile.
+FUSED_ROWS_MAX_BYTES = {2: 16 * KiB, 4: 0, 8: 0} if not INTERPRETER else {2: 1 * KiB, 4: 1 * KiB, 8: 1 * KiB}
+FUSED_ROWS_MAX_TILE_BYTES = 8 * KiB
+FUSED_ROWS_PIECE_BYTES = 1 * KiB if not INTERPRETER else 64 * KiB
 # FUSED_WIDE_TILE: (hidden, dtype) of the row on which `tpfuse tune` measures the FUSED_WIDE_*
 #   thresholds; calls whose norm tile is that row's (the same bytes, chunks, rows and warps:
 #   bf16 and fp16 hidden 6160-8192, fp32 2064-4096) take them in place of the four above,
@@ -348,9 +368,11 @@ class FusedPlan:
     algo: "oneshot", "twoshot" or "split"; grid: CTAs; rows_per_group: rows each rank reduces
     in two-shot (rank g owns rows [g * rows_per_group, (g + 1) * rows_per_group); a multiple
     of the norm's tile rows, so no tile spans two owners); protocol: one-shot's, "ll",
-    "lamport" or "flags" (as ``AllReducePlan.protocol``); whole_tiles: over Lamport words, a
-    CTA per whole row tile (``tpfuse.kernels.fused.lamport_tiling``); reason: why "split" was
-    chosen. From (n_rows, n, dtype, world size, layout) only, like ``AllReducePlan``.
+    "lamport" or "flags" (as ``AllReducePlan.protocol``), or "rows" (FUSED_ROWS_MAX_BYTES);
+    whole_tiles: over Lamport words, a CTA per whole row tile
+    (``tpfuse.kernels.fused.lamport_tiling``); piece_elems: row-wise, the elements of x each
+    CTA stores; reason: why "split" was chosen. From (n_rows, n, dtype, world size, layout)
+    only, like ``AllReducePlan``.
     """
 
     algo: str
@@ -358,12 +380,14 @@ class FusedPlan:
     rows_per_group: int = 0
     protocol: str = "flags"
     whole_tiles: bool = False
+    piece_elems: int = 0
     reason: str = ""
 
     @classmethod
     def from_shape(cls, n_rows: int, n: int, world_size: int, dtype: torch.dtype, layout: WorkspaceLayout | None,
                    algo: str = "auto") -> "FusedPlan":
-        """"auto" picks one-shot up to FUSED_ONESHOT_MAX_BYTES (over LL up to FUSED_LL_MAX_BYTES,
+        """"auto" picks one-shot up to FUSED_ONESHOT_MAX_BYTES (row-wise up to FUSED_ROWS_MAX_BYTES
+        where the tile allows, over LL up to FUSED_LL_MAX_BYTES,
         over Lamport words up to FUSED_LAMPORT_MAX_BYTES; above those with flags, for hidden
         sizes with at most FUSED_ONESHOT_MAX_VECTORS vectors per thread, or once the call has
         FUSED_MAX_CTAS row tiles),
@@ -394,7 +418,14 @@ class FusedPlan:
             fits = {"oneshot": False, "twoshot": False}
         tiling = lamport_tiling(n, dtype, _cdiv(n_rows, tile_rows), FUSED_MAX_CTAS)
         ll_max, lamport_max, oneshot_max, twoshot_max = fused_thresholds(world_size, n, dtype)
-        if nbytes <= min(layout.ll_max_bytes, ll_max):
+        piece_elems, pieces = rows_pieces(n, dtype, FUSED_ROWS_PIECE_BYTES)
+        row_wise = (nbytes <= min(layout.rows_max_bytes, for_world(FUSED_ROWS_MAX_BYTES, world_size))
+                    and cfg.tail_n == 0 and cfg.num_chunks == 1
+                    and cfg.rows * cfg.block_n * esize <= FUSED_ROWS_MAX_TILE_BYTES
+                    and _cdiv(n_rows, tile_rows) * pieces <= min(FUSED_MAX_CTAS, layout.max_blocks))
+        if row_wise:
+            protocol = "rows"
+        elif nbytes <= min(layout.ll_max_bytes, ll_max):
             protocol = "ll"
         elif nbytes <= min(layout.lamport_max_bytes, lamport_max) and tiling is not None:
             protocol = "lamport"
@@ -417,6 +448,8 @@ class FusedPlan:
         protocol = protocol if algo == "oneshot" else "flags"
         work = _cdiv(rows_per_group[algo], tile_rows)  # row tiles
         whole_tiles = protocol == "lamport" and tiling == "whole"
+        if protocol == "rows":  # one piece per CTA
+            return cls(algo, grid=work * pieces, rows_per_group=n_rows, protocol=protocol, piece_elems=piece_elems)
         if protocol != "flags":  # the kernel's pieces (tpfuse.kernels.fused), which any CTA may take
             work *= ll_pieces(n, dtype, protocol, whole_tiles)[1]
         grid = max(1, min(work, FUSED_MAX_CTAS, layout.max_blocks))

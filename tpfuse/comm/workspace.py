@@ -9,7 +9,8 @@ so a larger call after a smaller one can never land on a slot that a slow peer s
 Layout of one rank's buffer (every region starts at a multiple of ``ALIGN``)::
 
     ctrl      local words: [0] epoch of the last finished call, [1] blocks finished in
-              the current call, [2] abort word (non-zero once any wait timed out)
+              the current call, [2] abort word (non-zero once any wait timed out), [3]
+              row-wise fused calls finished, [4] words per slot of the last of them
     flags[0]  phase-0 arrival flags: int64 word (block b, source rank s) at
               flags[0] + (b * world_size + s) * 8, written only by rank s's block b
     flags[1]  phase-1 arrival flags (two-shot all-gather), same shape
@@ -20,6 +21,10 @@ Layout of one rank's buffer (every region starts at a multiple of ``ALIGN``)::
     ll[1]     the same for odd epochs
     reduced   local only: the fused one-shot LL and Lamport kernel's reduced rows
     handoff   local only: that kernel's int64 arrival counters, one per row tile
+    rows[0..2]  Lamport words of the row-wise fused one-shot (every CTA of a row tile
+              normalises the whole tile, ``tpfuse.kernels.fused``): ``world_size`` slots of
+              ``rows_slot_bytes`` each, used by row-wise call c (ctrl[3] before it) in
+              rotation c % 3
 
 Each data region (``data_bytes``) is cut into ``world_size`` one-shot slots (slot s holds
 rank s's whole input), or, for two-shot, into ``world_size`` scatter slots (slot s holds
@@ -34,6 +39,14 @@ The LL regions are used by nothing but the one-shot calls over LL or Lamport wor
 the current call, which another use of the bytes would break. An LL word carries 4 bytes of
 data in 8 and a Lamport word carries its own bytes, so a slot holds the larger of twice
 ``ll_max_bytes`` and ``lamport_max_bytes``.
+
+The rows regions hold that kernel's Lamport words only. Every CTA of a row tile reads all
+of the tile's words, so no CTA can zero them after reading without waiting for the others;
+row-wise call c zeroes, instead, the words of call c - 1 (their count per slot is ctrl[4]) in
+rotation (c - 1) % 3. Every CTA of this rank read them before call c began (kernel order),
+and the peers write that rotation next in their call c + 2, which waits for this rank's call
+c + 1, which starts after call c ended. So between row-wise calls the rotation of the last
+one holds its words and the other two hold zeros.
 """
 
 from __future__ import annotations
@@ -48,11 +61,12 @@ FLAG_BYTES = 8
 """Flags are int64 epochs: an int32 epoch would wrap after 2**31 calls (hours at 4 us per
 call), and the one writer per word rules out sub-word flags sharing a word."""
 
-CTRL_EPOCH, CTRL_DONE, CTRL_ABORT = 0, 1, 2
+CTRL_EPOCH, CTRL_DONE, CTRL_ABORT, CTRL_ROWS_CALLS, CTRL_ROWS_WORDS = 0, 1, 2, 3, 4
 """Indices of the int64 control words at the start of the buffer."""
 
 NUM_PHASES = 2
 NUM_PARITIES = 2
+NUM_ROWS_ROTATIONS = 3
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -71,6 +85,8 @@ class WorkspaceLayout:
         ll_max_bytes: the largest message the LL one-shot serves (0: none).
         lamport_max_bytes: the largest message the Lamport one-shot serves (0: none). With
             both 0 there are no LL regions.
+        rows_max_bytes: the largest message the row-wise fused one-shot serves (0: none,
+            and no rows regions).
     """
 
     world_size: int
@@ -78,6 +94,7 @@ class WorkspaceLayout:
     max_blocks: int
     ll_max_bytes: int = 0
     lamport_max_bytes: int = 0
+    rows_max_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.world_size < 2:
@@ -86,9 +103,9 @@ class WorkspaceLayout:
             raise ValueError(f"max_bytes must be at least {ALIGN}, got {self.max_bytes}")
         if self.max_blocks < 1:
             raise ValueError(f"max_blocks must be >= 1, got {self.max_blocks}")
-        if self.ll_max_bytes < 0 or self.lamport_max_bytes < 0:
-            raise ValueError(f"ll_max_bytes and lamport_max_bytes must be >= 0, got {self.ll_max_bytes} and "
-                             f"{self.lamport_max_bytes}")
+        if min(self.ll_max_bytes, self.lamport_max_bytes, self.rows_max_bytes) < 0:
+            raise ValueError(f"ll_max_bytes, lamport_max_bytes and rows_max_bytes must be >= 0, got "
+                             f"{self.ll_max_bytes}, {self.lamport_max_bytes} and {self.rows_max_bytes}")
 
     @property
     def ctrl_offset(self) -> int:
@@ -174,8 +191,24 @@ class WorkspaceLayout:
         return _round_up((largest // 1024 + 1) * FLAG_BYTES, ALIGN) if largest else 0
 
     @property
+    def rows_slot_bytes(self) -> int:
+        """Bytes of one rows slot: one rank's message of up to rows_max_bytes as Lamport words."""
+        return _round_up(self.rows_max_bytes, ALIGN)
+
+    @property
+    def rows_bytes(self) -> int:
+        """Bytes of one rows rotation: world_size slots."""
+        return self.world_size * self.rows_slot_bytes
+
+    def rows_offset(self, rotation: int) -> int:
+        """Start of rows rotation ``rotation`` (0, 1 or 2)."""
+        if not 0 <= rotation < NUM_ROWS_ROTATIONS:
+            raise ValueError(f"rotation must be 0, 1 or 2, got {rotation}")
+        return self.handoff_offset + self.handoff_bytes + rotation * self.rows_bytes
+
+    @property
     def total_bytes(self) -> int:
-        return self.handoff_offset + self.handoff_bytes
+        return self.rows_offset(NUM_ROWS_ROTATIONS - 1) + self.rows_bytes
 
     def regions(self) -> list[tuple[str, int, int]]:
         """Every region and slot as (name, offset, size), for checks and debugging."""
@@ -192,4 +225,7 @@ class WorkspaceLayout:
                 out += [(f"ll[{parity}].slot[{r}]", base + r * s, s) for r in range(w)]
             out.append(("reduced", self.reduced_offset, self.reduced_bytes))
             out.append(("handoff", self.handoff_offset, self.handoff_bytes))
+        for rotation in range(NUM_ROWS_ROTATIONS if self.rows_slot_bytes else 0):
+            base, s = self.rows_offset(rotation), self.rows_slot_bytes
+            out += [(f"rows[{rotation}].slot[{r}]", base + r * s, s) for r in range(w)]
         return out

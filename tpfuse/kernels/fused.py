@@ -46,10 +46,10 @@ import triton
 import triton.language as tl
 
 from tpfuse.kernels.allreduce import _begin, _flag_row, _push, _typed, sum_in_rank_order
-from tpfuse.kernels.common import EXACT_FP, prefetch_l2, round_to
-from tpfuse.kernels.ll import lamport_pack, lamport_word, ll_flag, ll_pack, ll_reduce
-from tpfuse.kernels.norm import NormConfig, norm_tile
-from tpfuse.kernels.sync import end_call, signal, wait
+from tpfuse.kernels.common import EXACT_FP, prefetch_l2, round_to, to_f32
+from tpfuse.kernels.ll import lamport_pack, lamport_word, ll_flag, ll_pack, ll_reduce, ll_wait
+from tpfuse.kernels.norm import NormConfig, _store_normed, norm_tile, row_inv_rms
+from tpfuse.kernels.sync import begin_call, end_call, signal, wait
 
 # Operation codes of the status record; their names are in allreduce.OP_NAMES.
 OP_FUSED_ONESHOT = tl.constexpr(4)
@@ -198,6 +198,66 @@ def ll_oneshot_all_reduce_norm_kernel(
 
 
 @triton.jit(do_not_specialize=_UNSPECIALISED)
+def rows_oneshot_all_reduce_norm_kernel(
+    X, RES, W, Y, RES_OUT, n_rows, N, eps, weight_offset, has_residual,
+    table_ptr, local, status_addr, rank, timeout_ns, rows_offset, rows_bytes, slot_words,
+    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_WEIGHT: tl.constexpr, WORLD: tl.constexpr,
+    PIECE: tl.constexpr, PIECES: tl.constexpr,
+):
+    """One-shot, row-wise: every CTA that stores a piece of a row tile normalises the whole tile.
+
+    The grid is one CTA per piece: CTA p stores piece p % PIECES (PIECE elements; N is a
+    multiple of 16) of row tile p // PIECES as Lamport words into slot ``rank`` of every
+    rank's rows region, then polls all W slots of the whole tile in the norm kernel's layout
+    (tiles held in registers without a tail, ``NormConfig``), sums them in rank order, rounds,
+    adds the residual and normalises, as ``norm_tile`` does, and stores only its own piece of
+    y and residual_out. Nothing passes between CTAs of a rank but the Lamport words, so there
+    is no handoff count and no release (``ll_oneshot_all_reduce_norm_kernel`` has both); each
+    CTA reads the whole tile instead of a piece. A word is read by every CTA of its tile, so it
+    is zeroed by the next row-wise call, not by a reader (``tpfuse.comm.workspace``: the rows
+    regions rotate by row-wise call, ctrl[3], and the last call's words per slot are
+    ctrl[4]). A CTA waits for pieces other CTAs store, so the grid must be resident at once,
+    and under the interpreter, which runs CTAs one after another, a piece is a whole tile."""
+    ELEM: tl.constexpr = X.dtype.element_ty
+    WORD: tl.constexpr = lamport_word(ELEM)
+    pid = tl.program_id(0)
+    ctrl = local.to(tl.pointer_type(tl.int64))
+    status = status_addr.to(tl.pointer_type(tl.int64))
+    epoch = begin_call(ctrl)
+    calls = tl.load(ctrl + 3, volatile=True)  # row-wise calls finished: this call's rotation
+    stale_words = tl.load(ctrl + 4, volatile=True)  # the last one's words per slot
+    n_words = n_rows * N
+    tile_elems = ROWS * N
+    tile = pid // PIECES
+    lanes = (pid % PIECES) * PIECE + tl.arange(0, PIECE)
+    offs = tile * tile_elems + lanes
+    pmask = (lanes < tile_elems) & (offs < n_words)
+    region = rows_offset + (calls % 3) * rows_bytes
+    _push(table_ptr, region, lamport_pack(tl.load(X + offs, mask=pmask)), rank * slot_words + offs, pmask, rank,
+          WORLD, True)
+    # The last row-wise call's words, in the rotation before this one's, a share per CTA.
+    stale = _typed(local, rows_offset + ((calls + 2) % 3) * rows_bytes, WORD)
+    for start in range(pid * PIECE, stale_words, tl.num_programs(0) * PIECE):
+        zoffs = start + tl.arange(0, PIECE)
+        for s in tl.static_range(WORLD):
+            tl.store(stale + s * slot_words + zoffs, tl.zeros([PIECE], WORD), mask=zoffs < stale_words)
+    rows = tile * ROWS + tl.arange(0, ROWS)
+    row_offs = rows.to(tl.int64)[:, None] * N
+    cols = tl.arange(0, BLOCK_N)[None, :]
+    mask = (rows < n_rows)[:, None] & (cols < N)
+    acc = ll_wait(_typed(local, region, WORD), slot_words, row_offs + cols, mask, 0, ctrl, status, epoch, rank,
+                  timeout_ns, OP_FUSED_ONESHOT, WORLD, ELEM, True)
+    x = round_to(acc, ELEM)
+    if has_residual:
+        x = round_to(to_f32(x) + to_f32(tl.load(RES + row_offs + cols, mask=mask, other=0.0)), ELEM)
+    mine = mask & ((tl.arange(0, ROWS)[:, None] * N + cols) // PIECE == pid % PIECES)
+    tl.store(RES_OUT + row_offs + cols, x, mask=mine)
+    xf = to_f32(x)
+    _store_normed(xf, row_inv_rms(xf * xf, N, eps), W, Y, row_offs, cols, mine, N, weight_offset, HAS_WEIGHT, "")
+    end_call(ctrl, epoch, n_words)
+
+
+@triton.jit(do_not_specialize=_UNSPECIALISED)
 def twoshot_all_reduce_norm_kernel(
     X, RES, W, Y, RES_OUT, n_rows, rows_per_group, N, eps, weight_offset, has_residual,
     table_ptr, local, status_addr, rank, timeout_ns, flags_offset, flags_bytes, data_offset, data_bytes,
@@ -266,6 +326,14 @@ def ll_pieces(n: int, dtype: torch.dtype, protocol: str = "ll", whole_tiles: boo
     return piece_words, triton.cdiv(tile_words, piece_words)
 
 
+def rows_pieces(n: int, dtype: torch.dtype, piece_bytes: int) -> tuple[int, int]:
+    """(elements per piece, pieces per row tile) of the row-wise kernel for hidden size n:
+    pieces of piece_bytes (a power of two), or one piece where the tile is smaller."""
+    cfg = NormConfig.from_shape(n, dtype)
+    piece = min(piece_bytes // dtype.itemsize, triton.next_power_of_2(cfg.rows * n))
+    return piece, triton.cdiv(cfg.rows * n, piece)
+
+
 def lamport_tiling(n: int, dtype: torch.dtype, n_tiles: int, max_ctas: int) -> str | None:
     """How the fused kernel over Lamport words cuts a call of n_tiles row tiles for up to
     max_ctas CTAs: "whole" (a piece per row tile) once the call has a row tile per CTA and a
@@ -284,7 +352,7 @@ def all_reduce_norm_into(x: torch.Tensor, weight: torch.Tensor | None, residual:
                          y: torch.Tensor, residual_out: torch.Tensor, eps: float, weight_offset: float, *, algo: str,
                          grid: int, rows_per_group: int, table: torch.Tensor, table_addrs: list[int],
                          status_addr: int, rank: int, layout, timeout_ns: int, protocol: str = "flags",
-                         whole_tiles: bool = False) -> None:
+                         whole_tiles: bool = False, piece_elems: int = 0) -> None:
     """Launch one fused all-reduce + (residual add) + RMSNorm over 2-D [n_rows, N]
     contiguous, 16-byte aligned operands.
 
@@ -293,7 +361,10 @@ def all_reduce_norm_into(x: torch.Tensor, weight: torch.Tensor | None, residual:
     residual_out may alias residual (as in ``tpfuse.kernels.norm.rms_norm_fwd``). Every rank must launch the same algo, grid
     and rows_per_group (``tpfuse.comm.plan.FusedPlan``, from the shape only); protocol:
     one-shot's, "flags", "ll" or "lamport" (x must fit the layout's ``ll_max_bytes`` or
-    ``lamport_max_bytes``); whole_tiles: Lamport's pieces are whole row tiles (``ll_pieces``).
+    ``lamport_max_bytes``), or "rows" (``rows_oneshot_all_reduce_norm_kernel``: x must fit
+    ``rows_max_bytes``, rows be held in registers without a tail, and grid be one CTA per
+    piece of piece_elems elements, ``rows_pieces``); whole_tiles: Lamport's pieces are whole
+    row tiles (``ll_pieces``).
     The rest as ``tpfuse.kernels.allreduce.all_reduce_into``.
     """
     n_rows, n = x.shape
@@ -307,6 +378,20 @@ def all_reduce_norm_into(x: torch.Tensor, weight: torch.Tensor | None, residual:
         BLOCK_N=cfg.block_n, TAIL_N=cfg.tail_n, NUM_CHUNKS=cfg.num_chunks, ROWS=cfg.rows,
         HAS_WEIGHT=weight is not None, WORLD=world,
         num_warps=cfg.num_warps, **EXACT_FP)
+    if algo == "oneshot" and protocol == "rows":
+        tiles = triton.cdiv(n_rows, cfg.rows)
+        pieces = triton.cdiv(cfg.rows * n, piece_elems) if piece_elems > 0 else 0
+        if (x.numel() * x.element_size() > layout.rows_max_bytes or n % 16 or cfg.tail_n or cfg.num_chunks != 1
+                or piece_elems & (piece_elems - 1) or pieces == 0 or grid != tiles * pieces):
+            raise ValueError(f"the row-wise one-shot cannot serve {n_rows} x {n} {x.dtype} on {grid} CTAs with "
+                             f"pieces of {piece_elems} elements (capacity {layout.rows_max_bytes} bytes; hidden "
+                             "sizes must be multiples of 16 whose rows are held in registers without a tail)")
+        for key in ("TAIL_N", "NUM_CHUNKS"):
+            del common[key]
+        rows_oneshot_all_reduce_norm_kernel[(grid,)](
+            rows_offset=layout.rows_offset(0), rows_bytes=layout.rows_bytes,
+            slot_words=layout.rows_slot_bytes // x.element_size(), PIECE=piece_elems, PIECES=pieces, **common)
+        return
     if algo == "oneshot" and protocol in ("ll", "lamport"):
         lamport = protocol == "lamport"
         tiles = triton.cdiv(n_rows, cfg.rows)
@@ -324,7 +409,8 @@ def all_reduce_norm_into(x: torch.Tensor, weight: torch.Tensor | None, residual:
             PIECES=pieces, LAMPORT=lamport, **common)
         return
     if protocol != "flags":
-        raise ValueError(f"protocol must be 'flags', 'll' or 'lamport' (one-shot only), got {protocol!r} for {algo!r}")
+        raise ValueError(f"protocol must be 'flags', 'll', 'lamport' or 'rows' (one-shot only), got {protocol!r} for "
+                         f"{algo!r}")
     common.update(flags_offset=layout.flag_offset(0), data_offset=layout.data_offset(0), data_bytes=layout.data_bytes,
                   PEERS=triton.next_power_of_2(world))
     if algo == "oneshot":

@@ -131,7 +131,16 @@ def _poll(slot0, slot_words, woffs, wmask, flag, W: tl.constexpr, ELEM: tl.const
         arrived, vals = _arrived_f32(words, flag, ELEM, LAMPORT)
         late = late | ~arrived
         acc += vals
-    return acc, tl.max((late & wmask).to(tl.int32), 0) != 0
+    return acc, _any(late & wmask)
+
+
+@triton.jit
+def _any(flags):
+    """Whether any lane of the 1-D or 2-D boolean ``flags`` is set, as one CTA-wide value."""
+    lanes = flags.to(tl.int32)
+    if len(flags.shape) == 2:
+        lanes = tl.max(lanes, 1)
+    return tl.max(lanes, 0) != 0
 
 
 @triton.jit
@@ -148,8 +157,8 @@ def ll_reduce(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, 
 @triton.jit
 def ll_wait(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP: tl.constexpr,
             W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr):
-    """The fp32 sum in rank order of the elements in the words at woffs (masked by wmask) of
-    the W local slots, once every word has arrived (LL words: carries ``flag``; with LAMPORT,
+    """The fp32 sum in rank order of the elements in the words at woffs (1-D, or 2-D for
+    Lamport words; masked by wmask) of the W local slots, once every word has arrived (LL words: carries ``flag``; with LAMPORT,
     Lamport words: is not 0). The words are left as they are.
 
     Gives up, as ``sync.wait`` does, after ``timeout_ns`` or when the abort word is set (both
@@ -180,6 +189,6 @@ def _first_late(slot0, slot_words, woffs, wmask, flag, W: tl.constexpr, ELEM: tl
     for s in tl.static_range(W):
         words = tl.load(slot0 + s * slot_words + woffs, mask=wmask, other=0, volatile=True)
         arrived, _ = _arrived_f32(words, flag, ELEM, LAMPORT)
-        late = tl.max((~arrived & wmask).to(tl.int32), 0) != 0
+        late = _any(~arrived & wmask)
         first = tl.minimum(first, tl.where(late, s, W))
     return first
