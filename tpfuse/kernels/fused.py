@@ -247,7 +247,7 @@ def rows_oneshot_all_reduce_norm_kernel(
     mask = (rows < n_rows)[:, None] & (cols < N)
     acc = ll_wait(_typed(local, region, WORD), slot_words, row_offs + cols, mask, 0, ctrl, status, epoch, rank,
                   timeout_ns, OP_FUSED_ONESHOT, WORLD, ELEM, True)
-    x = round_to(acc, ELEM)
+    x = round_to(tl.where(mask, acc, 0.0), ELEM)  # padding lanes as norm_tile's: 0, not an absent word's NaN
     if has_residual:
         x = round_to(to_f32(x) + to_f32(tl.load(RES + row_offs + cols, mask=mask, other=0.0)), ELEM)
     mine = mask & ((tl.arange(0, ROWS)[:, None] * N + cols) // PIECE == pid % PIECES)
