@@ -10,7 +10,7 @@ Layout of one rank's buffer (every region starts at a multiple of ``ALIGN``)::
 
     ctrl      local words: [0] epoch of the last finished call, [1] blocks finished in
               the current call, [2] abort word (non-zero once any wait timed out), [3]
-              row-wise fused calls finished, [4] words per slot of the last of them
+              row-wise fused calls finished, [4] bytes per slot of the last of them
     flags[0]  phase-0 arrival flags: int64 word (block b, source rank s) at
               flags[0] + (b * world_size + s) * 8, written only by rank s's block b
     flags[1]  phase-1 arrival flags (two-shot all-gather), same shape
@@ -42,7 +42,7 @@ data in 8 and a Lamport word carries its own bytes, so a slot holds the larger o
 
 The rows regions hold that kernel's Lamport words only. Every CTA of a row tile reads all
 of the tile's words, so no CTA can zero them after reading without waiting for the others;
-row-wise call c zeroes, instead, the words of call c - 1 (their count per slot is ctrl[4]) in
+row-wise call c zeroes, instead, the words of call c - 1 (their bytes per slot are ctrl[4]) in
 rotation (c - 1) % 3. Every CTA of this rank read them before call c began (kernel order),
 and the peers write that rotation next in their call c + 2, which waits for this rank's call
 c + 1, which starts after call c ended. So between row-wise calls the rotation of the last

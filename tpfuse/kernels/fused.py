@@ -215,7 +215,7 @@ def rows_oneshot_all_reduce_norm_kernel(
     is no handoff count and no release (``ll_oneshot_all_reduce_norm_kernel`` has both); each
     CTA reads the whole tile instead of a piece. A word is read by every CTA of its tile, so it
     is zeroed by the next row-wise call, not by a reader (``tpfuse.comm.workspace``: the rows
-    regions rotate by row-wise call, ctrl[3], and the last call's words per slot are
+    regions rotate by row-wise call, ctrl[3], and the last call's bytes per slot are
     ctrl[4]). A CTA waits for pieces other CTAs store, so the grid must be resident at once,
     and under the interpreter, which runs CTAs one after another, a piece is a whole tile."""
     ELEM: tl.constexpr = X.dtype.element_ty
@@ -225,7 +225,7 @@ def rows_oneshot_all_reduce_norm_kernel(
     status = status_addr.to(tl.pointer_type(tl.int64))
     epoch = begin_call(ctrl)
     calls = tl.load(ctrl + 3, volatile=True)  # row-wise calls finished: this call's rotation
-    stale_words = tl.load(ctrl + 4, volatile=True)  # the last one's words per slot
+    stale_bytes = tl.load(ctrl + 4, volatile=True)  # the last one's bytes per slot
     n_words = n_rows * N
     tile_elems = ROWS * N
     tile = pid // PIECES
@@ -233,28 +233,33 @@ def rows_oneshot_all_reduce_norm_kernel(
     offs = tile * tile_elems + lanes
     pmask = (lanes < tile_elems) & (offs < n_words)
     region = rows_offset + (calls % 3) * rows_bytes
-    _push(table_ptr, region, lamport_pack(tl.load(X + offs, mask=pmask)), rank * slot_words + offs, pmask, rank,
-          WORLD, True)
-    # The last row-wise call's words, in the rotation before this one's, a share per CTA.
-    stale = _typed(local, rows_offset + ((calls + 2) % 3) * rows_bytes, WORD)
-    for start in range(pid * PIECE, stale_words, tl.num_programs(0) * PIECE):
-        zoffs = start + tl.arange(0, PIECE)
-        for s in tl.static_range(WORLD):
-            tl.store(stale + s * slot_words + zoffs, tl.zeros([PIECE], WORD), mask=zoffs < stale_words)
     rows = tile * ROWS + tl.arange(0, ROWS)
     row_offs = rows.to(tl.int64)[:, None] * N
     cols = tl.arange(0, BLOCK_N)[None, :]
     mask = (rows < n_rows)[:, None] & (cols < N)
+    # The tile's residual, read before this CTA stores its piece: residual_out may alias it,
+    # and the other CTAs of the tile store their pieces of it only once they have seen this one.
+    res = tl.load(RES + row_offs + cols, mask=mask & (has_residual != 0), other=0.0)
+    _push(table_ptr, region, lamport_pack(tl.load(X + offs, mask=pmask)), rank * slot_words + offs, pmask, rank,
+          WORLD, True)
+    # The last row-wise call's words (of any dtype: counted in bytes), in the rotation before
+    # this one's, a share per CTA.
+    stale = _typed(local, rows_offset + ((calls + 2) % 3) * rows_bytes, WORD)
+    stale_words = stale_bytes // (WORD.primitive_bitwidth // 8)
+    for start in range(pid * PIECE, stale_words, tl.num_programs(0) * PIECE):
+        zoffs = start + tl.arange(0, PIECE)
+        for s in tl.static_range(WORLD):
+            tl.store(stale + s * slot_words + zoffs, tl.zeros([PIECE], WORD), mask=zoffs < stale_words)
     acc = ll_wait(_typed(local, region, WORD), slot_words, row_offs + cols, mask, 0, ctrl, status, epoch, rank,
                   timeout_ns, OP_FUSED_ONESHOT, WORLD, ELEM, True)
     x = round_to(tl.where(mask, acc, 0.0), ELEM)  # padding lanes as norm_tile's: 0, not an absent word's NaN
     if has_residual:
-        x = round_to(to_f32(x) + to_f32(tl.load(RES + row_offs + cols, mask=mask, other=0.0)), ELEM)
+        x = round_to(to_f32(x) + to_f32(res), ELEM)
     mine = mask & ((tl.arange(0, ROWS)[:, None] * N + cols) // PIECE == pid % PIECES)
     tl.store(RES_OUT + row_offs + cols, x, mask=mine)
     xf = to_f32(x)
     _store_normed(xf, row_inv_rms(xf * xf, N, eps), W, Y, row_offs, cols, mine, N, weight_offset, HAS_WEIGHT, "")
-    end_call(ctrl, epoch, n_words)
+    end_call(ctrl, epoch, n_words * (WORD.primitive_bitwidth // 8))
 
 
 @triton.jit(do_not_specialize=_UNSPECIALISED)

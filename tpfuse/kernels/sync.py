@@ -132,10 +132,10 @@ def begin_call(ctrl_ptr):
 
 
 @triton.jit
-def end_call(ctrl_ptr, epoch, rows_words=-1):
+def end_call(ctrl_ptr, epoch, rows_bytes=-1):
     """Count this block as finished; the last block of the grid publishes ``epoch`` and, for
-    a row-wise fused call (rows_words >= 0: its Lamport words per slot), counts the call in
-    ctrl[3] and stores rows_words in ctrl[4] (``tpfuse.comm.workspace``), which blocks read
+    a row-wise fused call (rows_bytes >= 0: its Lamport bytes per slot), counts the call in
+    ctrl[3] and stores rows_bytes in ctrl[4] (``tpfuse.comm.workspace``), which blocks read
     at their start as they read the epoch.
 
     The count is a relaxed atomic. Only the last block to count writes ``ctrl``, after its
@@ -153,21 +153,21 @@ def end_call(ctrl_ptr, epoch, rows_words=-1):
     without the atomic's round trip to L2."""
     if tl.num_programs(0) == 1:
         tl.store(ctrl_ptr, epoch)
-        _count_rows_call(ctrl_ptr, rows_words)
+        _count_rows_call(ctrl_ptr, rows_bytes)
     else:
         finished = tl.atomic_add(ctrl_ptr + 1, 1, sem="relaxed", scope="gpu")
         if finished == tl.num_programs(0) - 1:
             tl.store(ctrl_ptr + 1, 0)
             tl.store(ctrl_ptr, epoch)
-            _count_rows_call(ctrl_ptr, rows_words)
+            _count_rows_call(ctrl_ptr, rows_bytes)
 
 
 @triton.jit
-def _count_rows_call(ctrl_ptr, rows_words):
-    """``end_call``'s bookkeeping of a row-wise fused call (nothing for rows_words < 0)."""
-    if rows_words >= 0:
+def _count_rows_call(ctrl_ptr, rows_bytes):
+    """``end_call``'s bookkeeping of a row-wise fused call (nothing for rows_bytes < 0)."""
+    if rows_bytes >= 0:
         tl.store(ctrl_ptr + 3, tl.load(ctrl_ptr + 3, volatile=True) + 1)
-        tl.store(ctrl_ptr + 4, rows_words)
+        tl.store(ctrl_ptr + 4, rows_bytes)
 
 
 @triton.jit
