@@ -17,6 +17,7 @@ from tests.multiproc import run_ranks
 from tests.tally import MismatchTally, ll_regions_not_zeroed
 from tests.test_quant import _poisoned_empty
 from tpfuse.comm import tables
+from tpfuse.comm.plan import FusedPlan
 
 pytestmark = pytest.mark.multigpu
 
@@ -29,10 +30,12 @@ HIDDEN = [256, 1000, 2880, 4096, 5120, 7168, 8192, 16384, 20000]
 TOKENS = [1, 2, 3, 16, 17, 128, 513, 2048]
 ALGOS = ["oneshot", "twoshot", "auto", "split"]
 PROTOCOL_KNOBS = {"LAMPORT_MAX_BYTES": 4 << 20, "FUSED_LAMPORT_MAX_BYTES": 4 << 20,
-                  "FUSED_WIDE_LL_MAX_BYTES": 32 << 10, "FUSED_WIDE_LAMPORT_MAX_BYTES": 4 << 20}
-"""The fused one-shot over LL words to the table's FUSED_LL_MAX_BYTES (rows on the wide tile:
-to 32 KiB, as W=2's table sends them none), Lamport words to 4 MiB, flags above, whatever the
-world size's table says (it may not use Lamport words at all)."""
+                  "FUSED_WIDE_LL_MAX_BYTES": 32 << 10, "FUSED_WIDE_LAMPORT_MAX_BYTES": 4 << 20,
+                  "FUSED_ROWS_MAX_BYTES": 16 << 10}
+"""The fused one-shot row-wise to 16 KiB where the tile allows (plan.FUSED_ROWS_MAX_BYTES,
+off by default), over LL words to the table's FUSED_LL_MAX_BYTES (rows on the wide tile: to 32
+KiB, as W=2's table sends them none), Lamport words to 4 MiB, flags above, whatever the world
+size's table says (it may not use Lamport words at all)."""
 
 
 class _Layer(MismatchTally):
@@ -97,7 +100,8 @@ def _grid():
                     for algo in ALGOS if hidden % 16 == 0 else ["auto", "split"]:  # others: split only
                         seed += 1
                         layer.check(tokens, hidden, dtype, algo, seed)
-        return layer.failures()
+        row_wise = FusedPlan.from_shape(1, 4096, dist.get_world_size(), torch.bfloat16, comm.layout).protocol
+        return layer.failures() + ([] if row_wise == "rows" else [f"1 x 4096 ran {row_wise}, not row-wise"])
 
 
 def _stress(calls, seed):

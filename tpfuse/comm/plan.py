@@ -296,13 +296,18 @@ FUSED_TWOSHOT_MAX_BYTES = {2: 0, 4: 0, 8: 0}
 #   the measurement-only fused_ab variant redundant_norm (LL words, acd19a5): hidden 4096 x 1
 #   token 4.48 us against the LL kernel's 4.87, x 2 4.75 against 4.98, 2880 x 1 4.35 against
 #   4.70 (a tail: not row-wise here), 5120 x 1 8.45 against 5.54 (20 CTAs of 4 warps, each
-#   polling a padded 8192-element row). Measured at W=2 only: 0 (never) at other world sizes.
+#   polling a padded 8192-element row). The kernel itself, 2x H200 at e16d3e1: hidden 4096 x 1
+#   token 4.17 us against 4.66 without it, x 2 4.64 against 4.97 (scripts/fused_ab.py, no_rows).
+#   That version had two faults the GPU suite found, fixed since (a padding lane read an absent
+#   word as NaN; a call of another dtype left part of the last call's words unzeroed), and the
+#   fixed kernel has not run on a GPU yet: 0 (never) at every world size until the GPU suite
+#   passes with it (tests/test_fused_gpu.py turns it on, PROTOCOL_KNOBS); then W=2's is 16 KiB.
 #   Not swept by `tpfuse tune`, which times the other protocols with it off.
 # FUSED_ROWS_PIECE_BYTES: bytes of x each CTA of a row-wise call stores, 1 KiB: the LL kernel's
 #   pieces at hidden 4096 (8 CTAs a row), as in the measurement above. The interpreter runs
 #   CTAs one after another, so a CTA waiting for pieces of its own rank that a later CTA stores
 #   would wait for ever: there a piece is a whole tile.
-FUSED_ROWS_MAX_BYTES = {2: 16 * KiB, 4: 0, 8: 0} if not INTERPRETER else {2: 1 * KiB, 4: 1 * KiB, 8: 1 * KiB}
+FUSED_ROWS_MAX_BYTES = {2: 0, 4: 0, 8: 0} if not INTERPRETER else {2: 1 * KiB, 4: 1 * KiB, 8: 1 * KiB}
 FUSED_ROWS_MAX_TILE_BYTES = 8 * KiB
 FUSED_ROWS_PIECE_BYTES = 1 * KiB if not INTERPRETER else 64 * KiB
 # FUSED_WIDE_TILE: (hidden, dtype) of the row on which `tpfuse tune` measures the FUSED_WIDE_*
