@@ -24,7 +24,10 @@ rank its own split result.
   and a different split of the work: row tiles are cut into pieces spread over the grid,
   each piece is summed into the workspace's local ``reduced`` region, and the CTA that
   finishes a tile's last piece normalises the tile from there
-  (``ll_oneshot_all_reduce_norm_kernel``).
+  (``ll_oneshot_all_reduce_norm_kernel``). Row-wise (``rows_oneshot_all_reduce_norm_kernel``,
+  small tiles, off by default on GPUs: ``tpfuse.comm.plan.FUSED_ROWS_MAX_BYTES``), every CTA
+  that stores a piece of a tile as Lamport words polls the whole tile and normalises it,
+  storing only its piece: no count between CTAs.
 - two-shot: rows are cut into W groups of ``rows_per_group`` (whole tiles); rank s stores
   group g into scatter slot s of rank g; rank g sums its W scatter slots, rounds once and
   stores the reduced group into gather slot g of every rank; after the gather flags every
