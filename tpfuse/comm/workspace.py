@@ -61,7 +61,7 @@ FLAG_BYTES = 8
 """Flags are int64 epochs: an int32 epoch would wrap after 2**31 calls (hours at 4 us per
 call), and the one writer per word rules out sub-word flags sharing a word."""
 
-CTRL_EPOCH, CTRL_DONE, CTRL_ABORT, CTRL_ROWS_CALLS, CTRL_ROWS_WORDS = 0, 1, 2, 3, 4
+CTRL_EPOCH, CTRL_DONE, CTRL_ABORT, CTRL_ROWS_CALLS, CTRL_ROWS_BYTES = 0, 1, 2, 3, 4
 """Indices of the int64 control words at the start of the buffer."""
 
 NUM_PHASES = 2
