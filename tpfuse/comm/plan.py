@@ -298,7 +298,7 @@ FUSED_TWOSHOT_MAX_BYTES = {2: 0, 4: 0, 8: 0}
 #   to 4096 lanes) 4.35 against 4.70, 5120 x 1 (a tail: not row-wise here) 8.45 against 5.54 (20
 #   CTAs of 4 warps, each polling an 8192-lane row). The kernel itself, 2x H200 at e16d3e1: hidden 4096 x 1
 #   token 4.17 us against 4.66 without it, x 2 4.64 against 4.97, 2880 x 1 4.09 against 4.56
-#   (scripts/fused_ab.py, no_rows).
+#   (with wrong bits there: the first fault below; scripts/fused_ab.py, no_rows).
 #   That version had two faults the GPU suite found, fixed since (a padding lane read an absent
 #   word as NaN; a call of another dtype left part of the last call's words unzeroed), and the
 #   fixed kernel has not run on a GPU yet: 0 (never) at every world size until the GPU suite
