@@ -167,6 +167,25 @@ def _decode_layers(layers, tokens, hidden, seed):
     return failures, digests
 
 
+def _row_wise_dtypes(dtypes, tokens, hidden):
+    """Row-wise calls (interpreter knobs: up to 1 KiB) of the given dtypes in turn, against the
+    split path; each zeroes the words the one before left, whose bytes a call of another dtype
+    must count alike (an fp32 call leaves twice a bf16 call's bytes)."""
+    world, rank, failures, digests = dist.get_world_size(), dist.get_rank(), [], []
+    with Communicator(max_bytes=1 << 20, timeout_s=30) as comm:
+        for call, dtype in enumerate(dtypes):
+            protocol = FusedPlan.from_shape(tokens, hidden, world, dtype, comm.layout).protocol
+            if protocol != "rows":
+                failures.append(f"call {call}: {tokens} x {hidden} {dtype} ran {protocol}, not row-wise")
+            xs, residuals, weight = _layer_inputs(call, tokens, hidden, dtype, world)
+            got = comm.all_reduce_add_rms_norm(xs[rank], residuals[0], weight)
+            split = tpfuse.add_rms_norm(comm.all_reduce(xs[rank]), residuals[0], weight)
+            _compare(f"call {call} ({dtype})", got, split, failures)
+            digests.append(_digest(got[0]))
+        failures += ll_regions_not_zeroed(comm)
+    return failures, digests
+
+
 def _changing_calls(calls, seed):
     """The calls of _changing_shapes_without_barriers: (tokens, hidden, dtype, fused algo, the
     algo of a plain all-reduce before it or None)."""
@@ -367,6 +386,11 @@ def test_missing_peer_ends_fused_call_in_timeout_error(algo, numel):
     """One-shot row-wise (128 fp32 elements), over LL (1024) and over flags (20000), and two-shot."""
     failures = run_ranks(2, _missing_peer, algo, numel, True, timeout_s=60)
     assert not [f for fs in failures for f in fs], failures
+
+
+def test_row_wise_calls_of_mixed_dtypes_zero_what_the_last_one_left():
+    f32, bf16 = torch.float32, torch.bfloat16
+    _assert_ok(run_ranks(2, _row_wise_dtypes, [f32, bf16, bf16, bf16, f32, f32, bf16], 2, 128, timeout_s=300))
 
 
 # Seeds whose shorter runs take every launch kind, and at least as many distinct transitions
