@@ -24,8 +24,9 @@ Variants (checked against split's bits every run):
                  (relaxed_count) is the release itself or its wait for this CTA's NVLink stores.
                  (results/2xH200/fused_ab.md: each costs 0.25-0.6 us at 1-16 tokens, so it is the
                  release itself.)
-  no_rows        the fused one-shot never row-wise (FUSED_ROWS_MAX_BYTES 0 at this world size):
-                 the LL / Lamport kernel serves those calls, as before the row-wise kernel;
+  rows, no_rows  the fused one-shot row-wise up to 16 KiB, or never (FUSED_ROWS_MAX_BYTES at this
+                 world size; the default is 0 until the GPU suite passes with the kernel, so
+                 compare rows against no_rows, not base);
   redundant_norm measurement only: over LL words (row tiles of one row), every CTA that
                  stores a piece of a row polls the whole row and normalises it, storing only its
                  pieces of y and residual_out: no handoff count, no ``reduced`` round trip. Its
@@ -150,7 +151,8 @@ def _double_pieces(n, dtype, protocol="ll", whole_tiles=False):
 VARIANTS = {"base": None, "no_prefetch": ("_prefetch_norm_operands", _no_prefetch),
             "relaxed_count": ("_count_piece", _relaxed_count), "double_pieces": ("ll_pieces", _double_pieces),
             "early_release": ("_begin", _early_release), "release_before_wait": ("ll_reduce", _release_before_wait),
-            "redundant_norm": ("ll_oneshot_all_reduce_norm_kernel", _RedundantNormLaunch()), "no_rows": None}
+            "redundant_norm": ("ll_oneshot_all_reduce_norm_kernel", _RedundantNormLaunch()), "rows": None,
+            "no_rows": None}
 
 
 def main():
@@ -167,8 +169,8 @@ def main():
     from tpfuse.comm import Communicator
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if opts.variant == "no_rows":  # before the Communicator sizes its workspace from the knobs
-        plan.FUSED_ROWS_MAX_BYTES[world] = 0
+    if opts.variant in ("rows", "no_rows"):  # before the Communicator sizes its workspace from the knobs
+        plan.FUSED_ROWS_MAX_BYTES[world] = 16 << 10 if opts.variant == "rows" else 0
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
     rows = []

@@ -213,7 +213,7 @@ def guard_reductions(case: dict) -> dict:
     elif kind in ("fused_ll", "fused_rows", "fused_twoshot"):
         x = torch.empty(2, case["n"], dtype=torch.bfloat16)
         piece, pieces = rows_pieces(case["n"], torch.bfloat16, 1024)
-        rows = dict(protocol="rows", piece_elems=piece, grid=2 * pieces)  # one-row tiles (n >= 4096)
+        rows = dict(protocol="rows", piece_elems=piece, grid=2 * pieces)  # one-row tiles (bf16 n >= 1024)
         launch = lambda: all_reduce_norm_into(  # noqa: E731
             x, torch.empty(case["n"], dtype=torch.bfloat16), x.clone(), x.clone(), x.clone(), 1e-6, 0.0,
             algo="twoshot" if kind == "fused_twoshot" else "oneshot", rows_per_group=1,

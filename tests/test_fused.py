@@ -21,7 +21,7 @@ from tests.test_allreduce import _assert_ok, _digest, _inputs, _missing_peer, _s
 from tests.test_quant import _poisoned_empty
 from tpfuse import reference
 from tpfuse.comm import Communicator
-from tpfuse.comm import plan
+from tpfuse.comm import plan, tables
 from tpfuse.comm.plan import AllReducePlan, FusedPlan, workspace_layout
 from tpfuse.comm.workspace import WorkspaceLayout
 from tpfuse.kernels.fused import ll_pieces
@@ -167,20 +167,33 @@ def _decode_layers(layers, tokens, hidden, seed):
     return failures, digests
 
 
-def _row_wise_dtypes(dtypes, tokens, hidden):
-    """Row-wise calls (interpreter knobs: up to 1 KiB) of the given dtypes in turn, against the
-    split path; each zeroes the words the one before left, whose bytes a call of another dtype
-    must count alike (an fp32 call leaves twice a bf16 call's bytes)."""
+def _row_wise_calls(calls):
+    """Row-wise calls (tokens, hidden, dtype, mode) in turn, against the split path, with the
+    knob at 16 KiB, so that calls take up to FUSED_MAX_CTAS (4 here) row tiles. Modes: "res",
+    "inplace" (residual_out is the residual), "nores" (all_reduce_rms_norm), "f32w" (an fp32
+    weight with offset 1). Each call zeroes the words the one before left, whose bytes a call of
+    another dtype must count alike (an fp32 call leaves twice a bf16 call's bytes)."""
     world, rank, failures, digests = dist.get_world_size(), dist.get_rank(), [], []
-    with Communicator(max_bytes=1 << 20, timeout_s=30) as comm:
-        for call, dtype in enumerate(dtypes):
-            protocol = FusedPlan.from_shape(tokens, hidden, world, dtype, comm.layout).protocol
-            if protocol != "rows":
-                failures.append(f"call {call}: {tokens} x {hidden} {dtype} ran {protocol}, not row-wise")
+    with tables.applied(world, {"FUSED_ROWS_MAX_BYTES": 16 << 10}), Communicator(max_bytes=1 << 20,
+                                                                                   timeout_s=30) as comm:
+        for call, (tokens, hidden, dtype, mode) in enumerate(calls):
+            p = FusedPlan.from_shape(tokens, hidden, world, dtype, comm.layout)
+            if p.protocol != "rows":
+                failures.append(f"call {call}: {tokens} x {hidden} {dtype} ran {p.protocol}, not row-wise")
             xs, residuals, weight = _layer_inputs(call, tokens, hidden, dtype, world)
-            got = comm.all_reduce_add_rms_norm(xs[rank], residuals[0], weight)
-            split = tpfuse.add_rms_norm(comm.all_reduce(xs[rank]), residuals[0], weight)
-            _compare(f"call {call} ({dtype})", got, split, failures)
+            what = f"call {call}: {tokens} x {hidden} {dtype} {mode} on {p.grid} CTAs"
+            if mode == "nores":
+                reduced = comm.all_reduce(xs[rank])
+                got, want = comm.all_reduce_rms_norm(xs[rank], weight), (tpfuse.rms_norm(reduced, weight), reduced)
+            elif mode == "inplace":
+                want = tpfuse.add_rms_norm(comm.all_reduce(xs[rank]), residuals[0], weight)
+                residual = residuals[0].clone()
+                got = (comm.all_reduce_add_rms_norm(xs[rank], residual, weight, inplace=True)[0], residual)
+            else:
+                w, offset = (weight.float(), 1.0) if mode == "f32w" else (weight, 0.0)
+                want = tpfuse.add_rms_norm(comm.all_reduce(xs[rank]), residuals[0], w, weight_offset=offset)
+                got = comm.all_reduce_add_rms_norm(xs[rank], residuals[0], w, weight_offset=offset)
+            _compare(what, got, want, failures)
             digests.append(_digest(got[0]))
         failures += ll_regions_not_zeroed(comm)
     return failures, digests
@@ -325,10 +338,10 @@ def test_fused_plan_runs_small_tiles_row_wise(monkeypatch):
         assert (p.algo, p.protocol, p.grid, p.piece_elems) == ("oneshot", "rows", 8 * tokens, 512)
     assert FusedPlan.from_shape(4, 4096, 2, bf16, layout).protocol == "ll"  # 32 KiB: above the knob
     assert FusedPlan.from_shape(1, 2880, 2, bf16, layout).grid == 6  # a padded row: 5 full pieces and 320 elements
-    assert FusedPlan.from_shape(1, 5120, 2, bf16, layout).protocol == "ll"  # a row in two pieces (a tail)
+    assert FusedPlan.from_shape(1, 5120, 2, bf16, layout).protocol == "ll"  # a 16 KiB tile (and a tail)
     assert FusedPlan.from_shape(1, 8192, 2, bf16, layout).protocol == "ll"  # a 16 KiB tile
     assert FusedPlan.from_shape(1, 4096, 2, bf16, layout, "twoshot").protocol == "flags"
-    small = FusedPlan.from_shape(3, 256, 2, bf16, layout)  # a tile of 16 rows (8 KiB) holds all three
+    small = FusedPlan.from_shape(3, 256, 2, bf16, layout)  # one tile (NormConfig's rows) holds all three
     assert (small.protocol, small.grid) == ("rows", NormConfig.from_shape(256, bf16).rows * 256 * 2 // 1024)
     no_rows = WorkspaceLayout(2, 1 << 20, 128, ll_max_bytes=64 << 10)
     assert FusedPlan.from_shape(1, 4096, 2, bf16, no_rows).protocol == "ll"
@@ -388,9 +401,14 @@ def test_missing_peer_ends_fused_call_in_timeout_error(algo, numel):
     assert not [f for fs in failures for f in fs], failures
 
 
-def test_row_wise_calls_of_mixed_dtypes_zero_what_the_last_one_left():
-    f32, bf16 = torch.float32, torch.bfloat16
-    _assert_ok(run_ranks(2, _row_wise_dtypes, [f32, bf16, bf16, bf16, f32, f32, bf16], 2, 128, timeout_s=300))
+def test_row_wise_calls_of_mixed_dtypes_modes_and_tiles():
+    """1-4 row tiles a call (a CTA each under the interpreter), every mode, and calls of other
+    dtypes in turn (an fp32 call, then 2-byte ones: its words must all be zeroed)."""
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    calls = [(6, 128, fp32, "res"), (12, 256, bf16, "res"), (10, 256, fp16, "inplace"), (3, 48, fp16, "nores"),
+             (13, 128, fp32, "f32w"), (9, 256, bf16, "res"), (1, 64, fp32, "res"), (14, 256, bf16, "inplace"),
+             (16, 96, fp32, "res"), (2, 512, bf16, "nores")]
+    _assert_ok(run_ranks(2, _row_wise_calls, calls, timeout_s=300))
 
 
 # Seeds whose shorter runs take every launch kind, and at least as many distinct transitions

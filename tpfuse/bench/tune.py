@@ -259,13 +259,14 @@ class _Sweeper:
         rot = rotation(2 * nbytes)
         pool = [(xs[self.rank].clone(), residual.clone()) for _ in range(rot)]
         # One-shot's protocol is the sweep's FUSED_*LL_MAX_BYTES's and FUSED_*LAMPORT_MAX_BYTES's
-        # choice (within the workspace's LL regions).
+        # choice (within the workspace's LL regions), never row-wise, which the chain has no
+        # place for (plan.FUSED_ROWS_MAX_BYTES: measured by scripts/fused_ab.py).
         ll, lamport = f"{prefix}LL_MAX_BYTES", f"{prefix}LAMPORT_MAX_BYTES"
         knobs = {"oneshot_ll": {ll: nbytes}, "oneshot_lamport": {ll: 0, lamport: nbytes},
                  "oneshot_flags": {ll: 0, lamport: 0}}
         for method in FUSED_CHAIN:
             algo = method.split("_")[0]
-            with tables.applied(self.world, knobs.get(method, {})):
+            with tables.applied(self.world, {**knobs.get(method, {}), "FUSED_ROWS_MAX_BYTES": 0}):
                 try:
                     plan = FusedPlan.from_shape(tokens, hidden, self.world, DTYPE, self.comm.layout, algo)
                 except ValueError:

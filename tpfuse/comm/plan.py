@@ -299,9 +299,10 @@ FUSED_TWOSHOT_MAX_BYTES = {2: 0, 4: 0, 8: 0}
 #   CTAs of 4 warps, each polling an 8192-lane row). The kernel itself, 2x H200 at e16d3e1: hidden 4096 x 1
 #   token 4.17 us against 4.66 without it, x 2 4.64 against 4.97, 2880 x 1 4.09 against 4.56
 #   (with wrong bits there: the first fault below; scripts/fused_ab.py, no_rows).
-#   That version had two faults the GPU suite found, fixed since (a padding lane read an absent
-#   word as NaN; a call of another dtype left part of the last call's words unzeroed), and the
-#   fixed kernel has not run on a GPU yet: 0 (never) at every world size until the GPU suite
+#   That version had two faults, fixed since: a padding lane read an absent word as NaN (the
+#   GPU suite found it) and, found by reading the code after the suite still failed, a call of
+#   another dtype left part of the last call's words unzeroed. The fixed kernel has not run on
+#   a GPU yet: 0 (never) at every world size until the GPU suite
 #   passes with it (tests/test_fused_gpu.py turns it on, PROTOCOL_KNOBS); then W=2's is 16 KiB.
 #   Not swept by `tpfuse tune`, which times the other protocols with it off.
 # FUSED_ROWS_PIECE_BYTES: bytes of x each CTA of a row-wise call stores, 1 KiB: the LL kernel's

@@ -242,6 +242,9 @@ def rows_oneshot_all_reduce_norm_kernel(
     mask = (rows < n_rows)[:, None] & (cols < N)
     # The tile's residual, read before this CTA stores its piece: residual_out may alias it,
     # and the other CTAs of the tile store their pieces of it only once they have seen this one.
+    # That rests on the load being served before the later stores are seen, with no fence
+    # between them (the PTX model alone would allow the reverse; the load is issued an L2 round
+    # trip and a peer's poll before any such store, as end_call's count rests on its reads).
     res = tl.load(RES + row_offs + cols, mask=mask & (has_residual != 0), other=0.0)
     _push(table_ptr, region, lamport_pack(tl.load(X + offs, mask=pmask)), rank * slot_words + offs, pmask, rank,
           WORLD, True)

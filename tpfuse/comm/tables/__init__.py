@@ -170,11 +170,13 @@ def table_dir() -> str | None:
 
 def effective_knobs(world_size: int) -> dict:
     """The table-controlled knobs as the plans use them at ``world_size`` (a world size
-    without an entry uses W=8's): what every rank of a group must agree on, which
+    without an entry uses W=8's), and FUSED_ROWS_MAX_BYTES, which no table sets but which sizes
+    the workspace and picks plans too: what every rank of a group must agree on, which
     ``Communicator`` checks when it is created."""
     from tpfuse.comm import plan, quant_plan
 
     knobs = {key: plan.for_world(getattr(plan, key), world_size) for key in SIZE_KNOBS}
+    knobs["FUSED_ROWS_MAX_BYTES"] = plan.for_world(plan.FUSED_ROWS_MAX_BYTES, world_size)
     knobs[QUANT_KNOB] = {c: quant_plan.default_quant_min_bytes(c, world_size) for c in QUANT_CODECS}
     return knobs
 
