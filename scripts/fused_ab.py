@@ -27,12 +27,8 @@ Variants (checked against split's bits every run):
   rows, no_rows  the fused one-shot row-wise up to 16 KiB, or never (FUSED_ROWS_MAX_BYTES at this
                  world size; the default is 0 until the GPU suite passes with the kernel, so
                  compare rows against no_rows, not base);
-  redundant_norm measurement only: over LL words (row tiles of one row), every CTA that
-                 stores a piece of a row polls the whole row and normalises it, storing only its
-                 pieces of y and residual_out: no handoff count, no ``reduced`` round trip. Its
-                 words are not zeroed (an LL flag names the call, so stale words are not taken
-                 for new ones until the flag wraps) and its row reduction need not have the norm
-                 kernel's layout, so the column exact says whether its bits happened to agree.
+  (redundant_norm, at acd19a5 only: every CTA of a one-row LL tile normalising the whole row,
+                 the measurement that led to the row-wise kernel; removed once that kernel came.)
 """
 
 import argparse
@@ -47,11 +43,6 @@ import triton.language as tl
 import tpfuse
 import tpfuse.comm.plan as plan
 import tpfuse.kernels.fused as fused
-from tpfuse.kernels.allreduce import _push, _typed
-from tpfuse.kernels.common import round_to, to_f32
-from tpfuse.kernels.ll import ll_flag, ll_pack, ll_wait
-from tpfuse.kernels.norm import inv_rms
-from tpfuse.kernels.sync import end_call
 from tpfuse.bench.common import collective_graph_us, layer_inputs, rotation, run_header, same_bits
 
 SHAPES = [(1, 4096), (2, 4096), (16, 4096), (64, 4096), (128, 4096), (256, 4096), (1, 2880), (16, 2880),
@@ -85,62 +76,6 @@ def _release_before_wait(slot0, slot_words, woffs, wmask, flag, ctrl, status, ep
 
 
 _begin, _ll_reduce, _ll_pieces = fused._begin, fused.ll_reduce, fused.ll_pieces
-_piece_words, _ll_kernel = fused._piece_words, fused.ll_oneshot_all_reduce_norm_kernel
-OP_FUSED_ONESHOT = fused.OP_FUSED_ONESHOT
-
-
-@triton.jit(do_not_specialize=fused._UNSPECIALISED)
-def _redundant_norm_kernel(
-    X, RES, W, Y, RES_OUT, n_rows, N, eps, weight_offset, has_residual,
-    table_ptr, local, status_addr, rank, timeout_ns, ll_offset, ll_bytes, slot_words, reduced_offset, handoff_offset,
-    BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr, WORLD: tl.constexpr, PIECE_WORDS: tl.constexpr, PIECES: tl.constexpr,
-    LAMPORT: tl.constexpr,
-):
-    tl.static_assert(ROWS == 1 and not LAMPORT and NUM_CHUNKS == 1)
-    ELEM: tl.constexpr = X.dtype.element_ty
-    PACK: tl.constexpr = 32 // ELEM.primitive_bitwidth
-    ROW_WORDS: tl.constexpr = BLOCK_N // PACK  # BLOCK_N >= N, also with a tail (NormConfig)
-    pid, grid, ctrl, status, epoch, region, n_tiles = _begin(local, status_addr, ll_offset, ll_bytes, n_rows, ROWS)
-    flag = ll_flag(epoch)
-    tile_words = N // PACK
-    n_words = n_rows * N // PACK
-    packs = tl.arange(0, PACK)[None, :]
-    for piece in range(pid, n_tiles * PIECES, grid):
-        woffs, wmask = _piece_words(piece, tile_words, n_words, PIECE_WORDS, PIECES)
-        vals = tl.reshape(tl.load(X + woffs[:, None] * PACK + packs, mask=wmask[:, None]), [PIECE_WORDS * PACK])
-        _push(table_ptr, region, ll_pack(vals, flag), rank * slot_words + woffs, wmask, rank, WORLD, True)
-    slot0 = _typed(local, region, tl.uint64)
-    words = tl.arange(0, ROW_WORDS)
-    cols = tl.arange(0, ROW_WORDS * PACK)
-    for row in range(n_rows):
-        if (pid - row * PIECES % grid + grid) % grid < PIECES:  # this CTA stored a piece of the row
-            acc = ll_wait(slot0, slot_words, row * tile_words + words, words < tile_words, flag, ctrl, status, epoch,
-                          rank, timeout_ns, OP_FUSED_ONESHOT, WORLD, ELEM, False)
-            x = round_to(acc, ELEM)
-            cmask = cols < N
-            offs = row.to(tl.int64) * N + cols
-            if has_residual:
-                x = round_to(to_f32(x) + to_f32(tl.load(RES + offs, mask=cmask, other=0.0)), ELEM)
-            mine = cmask & ((row * PIECES + cols // PACK // PIECE_WORDS) % grid == pid)
-            tl.store(RES_OUT + offs, x, mask=mine)
-            xf = to_f32(x)
-            y = xf * inv_rms(tl.sum(xf * xf, 0), N, eps)
-            if HAS_WEIGHT:
-                y = y * (to_f32(tl.load(W + cols, mask=cmask, other=0.0)) + weight_offset)
-            tl.store(Y + offs, round_to(y, ELEM), mask=mine)
-    end_call(ctrl, epoch)
-
-
-class _RedundantNormLaunch:
-    """Stands in for the LL / Lamport fused kernel: LL calls of one-row tiles run
-    _redundant_norm_kernel, the rest the kernel as it is."""
-
-    def __getitem__(self, grid):
-        def launch(**kwargs):
-            redundant = not kwargs["LAMPORT"] and kwargs["ROWS"] == 1 and kwargs["NUM_CHUNKS"] == 1
-            return (_redundant_norm_kernel if redundant else _ll_kernel)[grid](**kwargs)
-        return launch
 
 
 def _double_pieces(n, dtype, protocol="ll", whole_tiles=False):
@@ -151,8 +86,7 @@ def _double_pieces(n, dtype, protocol="ll", whole_tiles=False):
 VARIANTS = {"base": None, "no_prefetch": ("_prefetch_norm_operands", _no_prefetch),
             "relaxed_count": ("_count_piece", _relaxed_count), "double_pieces": ("ll_pieces", _double_pieces),
             "early_release": ("_begin", _early_release), "release_before_wait": ("ll_reduce", _release_before_wait),
-            "redundant_norm": ("ll_oneshot_all_reduce_norm_kernel", _RedundantNormLaunch()), "rows": None,
-            "no_rows": None}
+            "rows": None, "no_rows": None}
 
 
 def main():

@@ -158,8 +158,9 @@ def ll_reduce(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, 
 def ll_wait(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP: tl.constexpr,
             W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr):
     """The fp32 sum in rank order of the elements in the words at woffs (1-D, or 2-D for
-    Lamport words; masked by wmask) of the W local slots, once every word has arrived (LL words: carries ``flag``; with LAMPORT,
-    Lamport words: is not 0). The words are left as they are.
+    Lamport words; masked by wmask) of the W local slots, once every word has arrived (LL
+    words: carries ``flag``; with LAMPORT, Lamport words: is not 0). The words are left as
+    they are.
 
     Gives up, as ``sync.wait`` does, after ``timeout_ns`` or when the abort word is set (both
     looked at, through ``sync.give_up``, when the first poll finds a word missing and every
