@@ -301,15 +301,14 @@ FUSED_TWOSHOT_MAX_BYTES = {2: 0, 4: 0, 8: 0}
 #   (with wrong bits there: the first fault below; scripts/fused_ab.py, no_rows).
 #   That version had two faults, fixed since: a padding lane read an absent word as NaN (the
 #   GPU suite found it) and, found by reading the code after the suite still failed, a call of
-#   another dtype left part of the last call's words unzeroed. The fixed kernel has not run on
-#   a GPU yet: 0 (never) at every world size until the GPU suite
-#   passes with it (tests/test_fused_gpu.py turns it on, PROTOCOL_KNOBS); then W=2's is 16 KiB.
-#   Not swept by `tpfuse tune`, which times the other protocols with it off.
+#   another dtype left part of the last call's words unzeroed. W=2: 16 KiB (1-2 tokens at
+#   hidden 4096); W=4 and W=8: 0 (never) until measured there. Not swept by `tpfuse tune`,
+#   which times the other protocols with it off.
 # FUSED_ROWS_PIECE_BYTES: bytes of x each CTA of a row-wise call stores, 1 KiB: the LL kernel's
 #   pieces at hidden 4096 (8 CTAs a row), as in the measurement above. The interpreter runs
 #   CTAs one after another, so a CTA waiting for pieces of its own rank that a later CTA stores
 #   would wait for ever: there a piece is a whole tile.
-FUSED_ROWS_MAX_BYTES = {2: 0, 4: 0, 8: 0} if not INTERPRETER else {2: 1 * KiB, 4: 1 * KiB, 8: 1 * KiB}
+FUSED_ROWS_MAX_BYTES = {2: 16 * KiB, 4: 0, 8: 0} if not INTERPRETER else {2: 1 * KiB, 4: 1 * KiB, 8: 1 * KiB}
 FUSED_ROWS_MAX_TILE_BYTES = 8 * KiB
 FUSED_ROWS_PIECE_BYTES = 1 * KiB if not INTERPRETER else 64 * KiB
 # FUSED_WIDE_TILE: (hidden, dtype) of the row on which `tpfuse tune` measures the FUSED_WIDE_*
