@@ -11,9 +11,9 @@
 #        tpfuse/comm/tables/ after review). TUNE_ARGS passes arguments to it (e.g. --sizes).
 #        tune_allreduce (2+ GPUs; not in "all"): scripts/tune_allreduce.py, the launch knobs'
 #        sweep, with TUNE_ALLREDUCE_ARGS (e.g. --algos oneshot --knobs '{...}').
-#        fused_ab (2 GPUs; not in "all"): scripts/fused_ab.py, one process per variant of
+#        fused_ab (2+ GPUs; not in "all"): scripts/fused_ab.py, one process group per variant of
 #        FUSED_AB_VARIANTS (default "base"), each timed with split beside it, in FUSED_AB_ROUNDS
-#        rounds (default 1).
+#        rounds (default 1), at FUSED_AB_WORLD ranks (default 2).
 #        ll_ablation (2 GPUs; not in "all"): scripts/ll_ablation.py once per VARIANT:MAX_BYTES item
 #        of LL_ABLATION_RUNS (default "base:16777216"), in that order.
 #        nvlink_probe (2+ GPUs; not in "all"): scripts/nvlink_probe.py, the copy engines' and
@@ -73,8 +73,8 @@ want tune_allreduce && multi tune_allreduce && run tune_allreduce 420 python3 sc
 if want fused_ab && multi fused_ab; then
   for round in $(seq "${FUSED_AB_ROUNDS:-1}"); do
     for variant in ${FUSED_AB_VARIANTS:-base}; do
-      run "fused_ab_${variant}_r$round" 150 torchrun --nproc-per-node 2 scripts/fused_ab.py --variant "$variant" \
-        --tag "_r$round" --out "$OUT"
+      run "fused_ab_${variant}_r$round" 150 torchrun --nproc-per-node "${FUSED_AB_WORLD:-2}" scripts/fused_ab.py \
+        --variant "$variant" --tag "_r$round" --out "$OUT"
     done
   done
 fi

@@ -3,7 +3,7 @@ picks for the shape) with one of its parts left out or changed, timed as `tpfuse
 times (graph replay), with split (all_reduce, then add_rms_norm) as the control that no
 variant touches.
 
-    torchrun --nproc-per-node 2 scripts/fused_ab.py --variant base --tag _r1 --out DIR
+    torchrun --nproc-per-node W scripts/fused_ab.py --variant base --tag _r1 --out DIR
 
 One variant per process: Triton refuses a kernel whose globals changed after it compiled.
 Variants (checked against split's bits every run):
@@ -25,8 +25,8 @@ Variants (checked against split's bits every run):
                  (results/2xH200/fused_ab.md: each costs 0.25-0.6 us at 1-16 tokens, so it is the
                  release itself.)
   rows, no_rows  the fused one-shot row-wise up to 16 KiB, or never (FUSED_ROWS_MAX_BYTES at this
-                 world size; the default is 0 until the GPU suite passes with the kernel, so
-                 compare rows against no_rows, not base);
+                 world size, whose default differs between world sizes: compare rows against
+                 no_rows, not base);
   (redundant_norm, at acd19a5 only: every CTA of a one-row LL tile normalising the whole row,
                  the measurement that led to the row-wise kernel; removed once that kernel came.)
 """
@@ -124,8 +124,9 @@ def main():
             for method, fn in methods.items():
                 exact = all(same_bits(a, b) for a, b in zip(fn(0), want))
                 us = collective_graph_us(fn, rot)
-                rows.append(dict(variant=opts.variant, tag=opts.tag, method=method, tokens=tokens, hidden=hidden,
-                                 us=round(us, 2), exact=exact, protocol=fplan.protocol, grid=fplan.grid))
+                rows.append(dict(variant=opts.variant, tag=opts.tag, world=world, method=method, tokens=tokens,
+                                 hidden=hidden, us=round(us, 2), exact=exact, protocol=fplan.protocol,
+                                 grid=fplan.grid))
                 if rank == 0:
                     print(json.dumps(rows[-1]), flush=True)
     if rank == 0:
