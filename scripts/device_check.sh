@@ -62,7 +62,7 @@ want test_norm && run test_norm 300 python3 -m pytest -q -x tests/test_rms_norm.
 want bench_norm && run bench_norm 540 python3 -m tpfuse.cli bench norm --out "$OUT" --plot ${BENCH_ARGS:-}
 want test_allreduce && multi test_allreduce && run test_allreduce 270 python3 -m pytest -q -x -m multigpu tests/test_allreduce_gpu.py
 want bench_allreduce && multi bench_allreduce && run bench_allreduce 290 python3 -m tpfuse.cli bench allreduce --out "$OUT" --plot ${BENCH_ARGS:-}
-want test_fused && multi test_fused && run test_fused 240 python3 -m pytest -q -x -m multigpu tests/test_fused_gpu.py
+want test_fused && multi test_fused && run test_fused 420 python3 -m pytest -q -x -m multigpu tests/test_fused_gpu.py
 want bench_fused && multi bench_fused && run bench_fused 240 python3 -m tpfuse.cli bench fused --out "$OUT" ${BENCH_ARGS:-}
 want test_quant && multi test_quant && run test_quant 240 python3 -m pytest -q -x -m "gpu or multigpu" tests/test_quant_gpu.py
 want bench_quant && multi bench_quant && run bench_quant 270 python3 -m tpfuse.cli bench allreduce --quant --out "$OUT" ${BENCH_ARGS:-}
