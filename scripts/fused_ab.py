@@ -24,9 +24,10 @@ Variants (checked against split's bits every run):
                  (relaxed_count) is the release itself or its wait for this CTA's NVLink stores.
                  (results/2xH200/fused_ab.md: each costs 0.25-0.6 us at 1-16 tokens, so it is the
                  release itself.)
-  rows, no_rows  the fused one-shot row-wise up to 16 KiB, or never (FUSED_ROWS_MAX_BYTES at this
-                 world size, whose default differs between world sizes: compare rows against
-                 no_rows, not base);
+  rows, rows_64, rows_128, no_rows
+                 the fused one-shot row-wise up to 16, 64 or 128 KiB, or never
+                 (FUSED_ROWS_MAX_BYTES at this world size, whose default differs between world
+                 sizes: compare them with no_rows, not base);
   (redundant_norm, at acd19a5 only: every CTA of a one-row LL tile normalising the whole row,
                  the measurement that led to the row-wise kernel; removed once that kernel came.)
 """
@@ -45,7 +46,7 @@ import tpfuse.comm.plan as plan
 import tpfuse.kernels.fused as fused
 from tpfuse.bench.common import collective_graph_us, layer_inputs, rotation, run_header, same_bits
 
-SHAPES = [(1, 4096), (2, 4096), (16, 4096), (64, 4096), (128, 4096), (256, 4096), (1, 2880), (16, 2880),
+SHAPES = [(1, 4096), (2, 4096), (4, 4096), (8, 4096), (16, 4096), (64, 4096), (128, 4096), (256, 4096), (1, 2880), (16, 2880),
           (1, 5120), (1, 8192), (16, 8192), (64, 8192)]
 EPS = 1e-6
 
@@ -86,7 +87,8 @@ def _double_pieces(n, dtype, protocol="ll", whole_tiles=False):
 VARIANTS = {"base": None, "no_prefetch": ("_prefetch_norm_operands", _no_prefetch),
             "relaxed_count": ("_count_piece", _relaxed_count), "double_pieces": ("ll_pieces", _double_pieces),
             "early_release": ("_begin", _early_release), "release_before_wait": ("ll_reduce", _release_before_wait),
-            "rows": None, "no_rows": None}
+            "rows": None, "rows_64": None, "rows_128": None, "no_rows": None}
+ROWS_MAX_BYTES = {"rows": 16 << 10, "rows_64": 64 << 10, "rows_128": 128 << 10, "no_rows": 0}
 
 
 def main():
@@ -103,8 +105,8 @@ def main():
     from tpfuse.comm import Communicator
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if opts.variant in ("rows", "no_rows"):  # before the Communicator sizes its workspace from the knobs
-        plan.FUSED_ROWS_MAX_BYTES[world] = 16 << 10 if opts.variant == "rows" else 0
+    if opts.variant in ROWS_MAX_BYTES:  # before the Communicator sizes its workspace from the knobs
+        plan.FUSED_ROWS_MAX_BYTES[world] = ROWS_MAX_BYTES[opts.variant]
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
     rows = []
