@@ -31,7 +31,7 @@ TOKENS = [1, 2, 3, 16, 17, 128, 513, 2048]
 ALGOS = ["oneshot", "twoshot", "auto", "split"]
 PROTOCOL_KNOBS = {"LAMPORT_MAX_BYTES": 4 << 20, "FUSED_LAMPORT_MAX_BYTES": 4 << 20,
                   "FUSED_WIDE_LL_MAX_BYTES": 32 << 10, "FUSED_WIDE_LAMPORT_MAX_BYTES": 4 << 20,
-                  "FUSED_ROWS_MAX_BYTES": 16 << 10}
+                  "FUSED_ROWS_MAX_BYTES": 128 << 10}
 """The fused one-shot row-wise to 16 KiB where the tile allows (plan.FUSED_ROWS_MAX_BYTES,
 off by default), over LL words to the table's FUSED_LL_MAX_BYTES (rows on the wide tile: to 32
 KiB, as W=2's table sends them none), Lamport words to 4 MiB, flags above, whatever the world
