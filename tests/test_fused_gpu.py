@@ -32,10 +32,11 @@ ALGOS = ["oneshot", "twoshot", "auto", "split"]
 PROTOCOL_KNOBS = {"LAMPORT_MAX_BYTES": 4 << 20, "FUSED_LAMPORT_MAX_BYTES": 4 << 20,
                   "FUSED_WIDE_LL_MAX_BYTES": 32 << 10, "FUSED_WIDE_LAMPORT_MAX_BYTES": 4 << 20,
                   "FUSED_ROWS_MAX_BYTES": 128 << 10}
-"""The fused one-shot row-wise to 16 KiB where the tile allows (plan.FUSED_ROWS_MAX_BYTES,
-off by default), over LL words to the table's FUSED_LL_MAX_BYTES (rows on the wide tile: to 32
-KiB, as W=2's table sends them none), Lamport words to 4 MiB, flags above, whatever the world
-size's table says (it may not use Lamport words at all)."""
+"""The fused one-shot row-wise to 128 KiB where the tile allows (plan.FUSED_ROWS_MAX_BYTES:
+W=2's default; none at W=4 and W=8 by default), over LL words to the table's
+FUSED_LL_MAX_BYTES (rows on the wide tile: to 32 KiB, as W=2's table sends them none), Lamport
+words to 4 MiB, flags above, whatever the world size's table says (it may not use Lamport words
+at all)."""
 
 
 class _Layer(MismatchTally):

@@ -56,9 +56,10 @@ class Communicator:
     of ``group`` (default: the world group) constructs it, with the same arguments. It
     allocates its peer workspace once (``workspace_bytes`` per rank, about 4 * max_bytes, plus
     2 * world_size slots of the larger of twice the LL messages' and the Lamport messages' bytes
-    and one more of the larger for the fused kernel's rows, ``plan.workspace_layout``: 4.5 MiB
-    at W=4, whose table has Lamport words to 512 KiB, 69 MiB in all; 20 MiB at W=2, whose
-    table has them to 4 MiB, 84 MiB in all);
+    and one more of the larger for the fused kernel's rows, and 3 * world_size slots of the
+    row-wise fused kernel's largest message, ``plan.workspace_layout``: 4.5 MiB at W=4, whose
+    table has Lamport words to 512 KiB and no row-wise calls, 69 MiB in all; 21 MiB at W=2,
+    whose table has Lamport words to 4 MiB and row-wise calls to 128 KiB, 85 MiB in all);
     ``max_bytes`` defaults to 16 MiB on GPUs, 1 MiB on CPU). ``close()`` releases it (local,
     after the rank's last call); the communicator is also a context manager.
 

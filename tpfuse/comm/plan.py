@@ -296,14 +296,13 @@ FUSED_TWOSHOT_MAX_BYTES = {2: 0, 4: 0, 8: 0}
 #   the measurement-only fused_ab variant redundant_norm (LL words, acd19a5): hidden 4096 x 1
 #   token 4.48 us against the LL kernel's 4.87, x 2 4.75 against 4.98, 2880 x 1 (a row padded
 #   to 4096 lanes) 4.35 against 4.70, 5120 x 1 (a tail: not row-wise here) 8.45 against 5.54 (20
-#   CTAs of 4 warps, each polling an 8192-lane row). The kernel itself, 2x H200 at e16d3e1: hidden 4096 x 1
-#   token 4.17 us against 4.66 without it, x 2 4.64 against 4.97, 2880 x 1 4.09 against 4.56
-#   (with wrong bits there: the first fault below; scripts/fused_ab.py, no_rows).
-#   That version had two faults, fixed since: a padding lane read an absent word as NaN (the
-#   GPU suite found it) and, found by reading the code after the suite still failed, a call of
-#   another dtype left part of the last call's words unzeroed. W=2: 16 KiB (1-2 tokens at
-#   hidden 4096); W=4 and W=8: 0 (never) until measured there. Not swept by `tpfuse tune`,
-#   which times the other protocols with it off.
+#   CTAs of 4 warps, each polling an 8192-lane row). The kernel, 2x H200 at 93bad7f
+#   (results/2xH200/fused_ab.md), against the same tree with it off: hidden 4096 x 1 / 2 / 4 /
+#   8 / 16 tokens 3.95 / 4.26 / 4.64 / 4.78 / 5.42 us against 4.62 / 4.95 / 5.11 / 5.38 / 5.64,
+#   2880 x 1 / 16 3.91 / 5.04 against 4.48 / 5.44: W=2's 128 KiB, as far as FUSED_MAX_CTAS's
+#   128 one-KiB pieces reach at hidden 4096. 4x H200, W=4 (results/4xH200/fused_ab_w4.md):
+#   slower, 4096 x 1 5.51 against 4.81, so never there; W=8 never, not measured.
+#   Not swept by `tpfuse tune`, which times the other protocols with it off.
 # FUSED_ROWS_PIECE_BYTES: bytes of x each CTA of a row-wise call stores, 1 KiB: the LL kernel's
 #   pieces at hidden 4096 (8 CTAs a row), as in the measurement above. The interpreter runs
 #   CTAs one after another, so a CTA waiting for pieces of its own rank that a later CTA stores
