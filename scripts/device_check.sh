@@ -62,7 +62,7 @@ want test_norm && run test_norm 300 python3 -m pytest -q -x tests/test_rms_norm.
 want bench_norm && run bench_norm 540 python3 -m tpfuse.cli bench norm --out "$OUT" --plot ${BENCH_ARGS:-}
 want test_allreduce && multi test_allreduce && run test_allreduce 270 python3 -m pytest -q -x -m multigpu tests/test_allreduce_gpu.py
 want bench_allreduce && multi bench_allreduce && run bench_allreduce 290 python3 -m tpfuse.cli bench allreduce --out "$OUT" --plot ${BENCH_ARGS:-}
-want test_fused && multi test_fused && run test_fused 420 python3 -m pytest -q -x -m multigpu tests/test_fused_gpu.py
+want test_fused && multi test_fused && run test_fused 330 python3 -m pytest -q -x -m multigpu tests/test_fused_gpu.py
 want bench_fused && multi bench_fused && run bench_fused 240 python3 -m tpfuse.cli bench fused --out "$OUT" ${BENCH_ARGS:-}
 want test_quant && multi test_quant && run test_quant 240 python3 -m pytest -q -x -m "gpu or multigpu" tests/test_quant_gpu.py
 want bench_quant && multi bench_quant && run bench_quant 270 python3 -m tpfuse.cli bench allreduce --quant --out "$OUT" ${BENCH_ARGS:-}
@@ -70,7 +70,8 @@ want test_codecs && run test_codecs 240 python3 -m pytest -q -x -m gpu tests/tes
 want bench_codecs && run bench_codecs 120 python3 scripts/bench_codecs.py --out "$OUT"
 want test_models && multi test_models && run test_models 360 python3 -m pytest -q -x -m multigpu tests/test_models_gpu.py
 want tune_allreduce && multi tune_allreduce && run tune_allreduce 420 python3 scripts/tune_allreduce.py --out "$OUT" --budget-s 360 ${TUNE_ALLREDUCE_ARGS:-}
-if want fused_ab && multi fused_ab; then
+if want fused_ab && multi fused_ab && { [ "$ngpu" -ge "${FUSED_AB_WORLD:-2}" ] \
+    || { echo "== fused_ab: FUSED_AB_WORLD=${FUSED_AB_WORLD} needs as many GPUs, skipped"; status=1; false; }; }; then
   for round in $(seq "${FUSED_AB_ROUNDS:-1}"); do
     for variant in ${FUSED_AB_VARIANTS:-base}; do
       run "fused_ab_${variant}_r$round" 150 torchrun --nproc-per-node "${FUSED_AB_WORLD:-2}" scripts/fused_ab.py \

@@ -1,13 +1,14 @@
-"""The fused one-shot (explicit algo="oneshot": over LL or Lamport words or flags, as the plan
-picks for the shape) with one of its parts left out or changed, timed as `tpfuse bench fused`
-times (graph replay), with split (all_reduce, then add_rms_norm) as the control that no
-variant touches.
+"""The fused one-shot (explicit algo="oneshot": row-wise, over LL or Lamport words or flags, as
+the plan picks for the shape) with one of its parts left out or changed, timed as `tpfuse bench
+fused` times (graph replay), with split (all_reduce, then add_rms_norm) as the control that no
+variant touches. Every variant but the rows ones runs with row-wise calls off: they change the
+LL / Lamport / flag kernels, which row-wise calls bypass (at W=2 hidden 4096 to 16 tokens).
 
     torchrun --nproc-per-node W scripts/fused_ab.py --variant base --tag _r1 --out DIR
 
 One variant per process: Triton refuses a kernel whose globals changed after it compiled.
 Variants (checked against split's bits every run):
-  base           the kernels as they are;
+  base           the kernels as they are (row-wise off, as above: the same as no_rows);
   no_prefetch    the residual and weight are not prefetched into L2 before the wait
                  (``tpfuse.kernels.fused._prefetch_norm_operands`` a no-op; since d626dcc only
                  the flag one-shot prefetches, so only its shapes change; at 24bfc2f the LL /
@@ -26,8 +27,8 @@ Variants (checked against split's bits every run):
                  release itself.)
   rows, rows_64, rows_128, no_rows
                  the fused one-shot row-wise up to 16, 64 or 128 KiB, or never
-                 (FUSED_ROWS_MAX_BYTES at this world size, whose default differs between world
-                 sizes: compare them with no_rows, not base);
+                 (FUSED_ROWS_MAX_BYTES at this world size; no_rows is base by another name,
+                 kept for the results that name it);
   (redundant_norm, at acd19a5 only: every CTA of a one-row LL tile normalising the whole row,
                  the measurement that led to the row-wise kernel; removed once that kernel came.)
 """
@@ -105,8 +106,8 @@ def main():
     from tpfuse.comm import Communicator
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if opts.variant in ROWS_MAX_BYTES:  # before the Communicator sizes its workspace from the knobs
-        plan.FUSED_ROWS_MAX_BYTES[world] = ROWS_MAX_BYTES[opts.variant]
+    # Before the Communicator sizes its workspace from the knobs.
+    plan.FUSED_ROWS_MAX_BYTES[world] = ROWS_MAX_BYTES.get(opts.variant, 0)
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
     rows = []

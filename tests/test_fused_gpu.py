@@ -17,7 +17,7 @@ from tests.multiproc import run_ranks
 from tests.tally import MismatchTally, ll_regions_not_zeroed
 from tests.test_quant import _poisoned_empty
 from tpfuse.comm import tables
-from tpfuse.comm.plan import FusedPlan
+from tpfuse.comm.plan import FUSED_ROWS_MAX_BYTES, FusedPlan, for_world
 
 pytestmark = pytest.mark.multigpu
 
@@ -30,13 +30,12 @@ HIDDEN = [256, 1000, 2880, 4096, 5120, 7168, 8192, 16384, 20000]
 TOKENS = [1, 2, 3, 16, 17, 128, 513, 2048]
 ALGOS = ["oneshot", "twoshot", "auto", "split"]
 PROTOCOL_KNOBS = {"LAMPORT_MAX_BYTES": 4 << 20, "FUSED_LAMPORT_MAX_BYTES": 4 << 20,
-                  "FUSED_WIDE_LL_MAX_BYTES": 32 << 10, "FUSED_WIDE_LAMPORT_MAX_BYTES": 4 << 20,
-                  "FUSED_ROWS_MAX_BYTES": 128 << 10}
-"""The fused one-shot row-wise to 128 KiB where the tile allows (plan.FUSED_ROWS_MAX_BYTES:
-W=2's default; none at W=4 and W=8 by default), over LL words to the table's
-FUSED_LL_MAX_BYTES (rows on the wide tile: to 32 KiB, as W=2's table sends them none), Lamport
-words to 4 MiB, flags above, whatever the world size's table says (it may not use Lamport words
-at all)."""
+                  "FUSED_WIDE_LL_MAX_BYTES": 32 << 10, "FUSED_WIDE_LAMPORT_MAX_BYTES": 4 << 20}
+"""The fused one-shot row-wise as the world size's default says (FUSED_ROWS_MAX_BYTES: to
+128 KiB at W=2, where the tile allows; never at W=4, so its LL path runs there), over LL words
+to the table's FUSED_LL_MAX_BYTES (rows on the wide tile: to 32 KiB, as W=2's table sends them
+none), Lamport words to 4 MiB, flags above, whatever the world size's table says (it may not use
+Lamport words at all)."""
 
 
 class _Layer(MismatchTally):
@@ -101,8 +100,10 @@ def _grid():
                     for algo in ALGOS if hidden % 16 == 0 else ["auto", "split"]:  # others: split only
                         seed += 1
                         layer.check(tokens, hidden, dtype, algo, seed)
-        row_wise = FusedPlan.from_shape(1, 4096, dist.get_world_size(), torch.bfloat16, comm.layout).protocol
-        return layer.failures() + ([] if row_wise == "rows" else [f"1 x 4096 ran {row_wise}, not row-wise"])
+        world = dist.get_world_size()
+        protocol = FusedPlan.from_shape(1, 4096, world, torch.bfloat16, comm.layout).protocol
+        row_wise = for_world(FUSED_ROWS_MAX_BYTES, world) > 0  # the default, not set by the tables
+        return layer.failures() + ([f"1 x 4096 ran {protocol} at W={world}"] if row_wise != (protocol == "rows") else [])
 
 
 def _stress(calls, seed):

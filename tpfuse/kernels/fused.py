@@ -25,7 +25,7 @@ rank its own split result.
   each piece is summed into the workspace's local ``reduced`` region, and the CTA that
   finishes a tile's last piece normalises the tile from there
   (``ll_oneshot_all_reduce_norm_kernel``). Row-wise (``rows_oneshot_all_reduce_norm_kernel``,
-  small tiles and messages, at W=2 only: ``tpfuse.comm.plan.FUSED_ROWS_MAX_BYTES``), every CTA
+  small tiles and messages; by default on GPUs at W=2 only: ``tpfuse.comm.plan.FUSED_ROWS_MAX_BYTES``), every CTA
   that stores a piece of a tile as Lamport words polls the whole tile and normalises it,
   storing only its piece: no count between CTAs.
 - two-shot: rows are cut into W groups of ``rows_per_group`` (whole tiles); rank s stores
