@@ -29,6 +29,9 @@ Variants (checked against split's bits every run):
                  the fused one-shot row-wise up to 16, 64 or 128 KiB, or never
                  (FUSED_ROWS_MAX_BYTES at this world size; no_rows is base by another name,
                  kept for the results that name it);
+  rows_4k_pieces row-wise up to 16 KiB in pieces of 4 KiB (FUSED_ROWS_PIECE_BYTES; 1 KiB as
+                 shipped): fewer CTAs, so fewer writers for each tile's poll to wait out,
+                 each storing more (a W=4 question: row-wise measured slower there);
   (redundant_norm, at acd19a5 only: every CTA of a one-row LL tile normalising the whole row,
                  the measurement that led to the row-wise kernel; removed once that kernel came.)
 """
@@ -88,8 +91,9 @@ def _double_pieces(n, dtype, protocol="ll", whole_tiles=False):
 VARIANTS = {"base": None, "no_prefetch": ("_prefetch_norm_operands", _no_prefetch),
             "relaxed_count": ("_count_piece", _relaxed_count), "double_pieces": ("ll_pieces", _double_pieces),
             "early_release": ("_begin", _early_release), "release_before_wait": ("ll_reduce", _release_before_wait),
-            "rows": None, "rows_64": None, "rows_128": None, "no_rows": None}
-ROWS_MAX_BYTES = {"rows": 16 << 10, "rows_64": 64 << 10, "rows_128": 128 << 10, "no_rows": 0}
+            "rows": None, "rows_64": None, "rows_128": None, "no_rows": None, "rows_4k_pieces": None}
+ROWS_MAX_BYTES = {"rows": 16 << 10, "rows_64": 64 << 10, "rows_128": 128 << 10, "no_rows": 0,
+                  "rows_4k_pieces": 16 << 10}
 
 
 def main():
@@ -108,6 +112,8 @@ def main():
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     # Before the Communicator sizes its workspace from the knobs.
     plan.FUSED_ROWS_MAX_BYTES[world] = ROWS_MAX_BYTES.get(opts.variant, 0)
+    if opts.variant == "rows_4k_pieces":
+        plan.FUSED_ROWS_PIECE_BYTES = 4 << 10
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
     rows = []
