@@ -50,8 +50,8 @@ import tpfuse.comm.plan as plan
 import tpfuse.kernels.fused as fused
 from tpfuse.bench.common import collective_graph_us, layer_inputs, rotation, run_header, same_bits
 
-SHAPES = [(1, 4096), (2, 4096), (4, 4096), (8, 4096), (16, 4096), (64, 4096), (128, 4096), (256, 4096), (1, 2880), (16, 2880),
-          (1, 5120), (1, 8192), (16, 8192), (64, 8192)]
+SHAPES = [(1, 4096), (2, 4096), (4, 4096), (8, 4096), (16, 4096), (64, 4096), (128, 4096), (256, 4096),
+          (1, 2880), (16, 2880), (1, 5120), (1, 8192), (16, 8192), (64, 8192)]
 EPS = 1e-6
 
 
