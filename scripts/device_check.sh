@@ -15,9 +15,15 @@
 #        FUSED_AB_VARIANTS (default "base"), each timed with split beside it, in FUSED_AB_ROUNDS
 #        rounds (default 1), at FUSED_AB_WORLD ranks (default 2).
 #        ll_ablation (2 GPUs; not in "all"): scripts/ll_ablation.py once per VARIANT:MAX_BYTES item
-#        of LL_ABLATION_RUNS (default "base:16777216"), in that order.
+#        of LL_ABLATION_RUNS (default "base:16777216"), in that order, with LL_ABLATION_ARGS
+#        (e.g. --sizes 4096 1048576).
 #        nvlink_probe (2+ GPUs; not in "all"): scripts/nvlink_probe.py, the copy engines' and
 #        SM kernels' rates between GPUs 0 and 1.
+#        AB_TREES (fused_ab, ll_ablation): the package trees to time side by side, each item
+#        DIR[:COMMIT], default ".": DIR holds a tpfuse package put first on PYTHONPATH (an older
+#        one: `mkdir ab && git archive <commit> tpfuse | tar -x -C ab`, untracked, so it
+#        travels), COMMIT its id for the results' headers. Every run is repeated per tree, in
+#        the order given, and its log and results tagged _t1, _t2, ...
 # Run from the repository root (the device tool does). Wheels missing on the machine
 # (liger-kernel, quack-kernels and its CuTe DSL) and bundles (.whl/*.tgz) travel in .whl/
 # (carry it), wheels over a call's 64 MiB as parts in .whlparts/ over several calls, and are
@@ -57,6 +63,7 @@ run() {  # run NAME TIMEOUT CMD...: log to $OUT/NAME.log, remember failures
   echo "== $name exit $rc"; [ $rc -eq 0 ] || status=1
 }
 want() { [[ "$steps" == *" $1 "* ]]; }
+tree_commit() { [[ "$1" == *:* ]] && echo "${1##*:}" || echo "$TPFUSE_COMMIT"; }  # an AB_TREES item's commit
 multi() { [ "$ngpu" -ge 2 ] || { echo "== $1: needs 2+ GPUs, skipped"; return 1; }; }
 want test_norm && run test_norm 300 python3 -m pytest -q -x tests/test_rms_norm.py tests/test_rms_norm_module.py
 want bench_norm && run bench_norm 540 python3 -m tpfuse.cli bench norm --out "$OUT" --plot ${BENCH_ARGS:-}
@@ -74,17 +81,27 @@ if want fused_ab && multi fused_ab && { [ "$ngpu" -ge "${FUSED_AB_WORLD:-2}" ] \
     || { echo "== fused_ab: FUSED_AB_WORLD=${FUSED_AB_WORLD} needs as many GPUs, skipped"; status=1; false; }; }; then
   for round in $(seq "${FUSED_AB_ROUNDS:-1}"); do
     for variant in ${FUSED_AB_VARIANTS:-base}; do
-      run "fused_ab_${variant}_r$round" 150 torchrun --nproc-per-node "${FUSED_AB_WORLD:-2}" scripts/fused_ab.py \
-        --variant "$variant" --tag "_r$round" --out "$OUT"
+      t=0
+      for tree in ${AB_TREES:-.}; do
+        t=$((t + 1))
+        run "fused_ab_${variant}_r${round}_t$t" 150 env "PYTHONPATH=$PWD/${tree%%:*}:$PYTHONPATH" \
+          "TPFUSE_COMMIT=$(tree_commit "$tree")" torchrun --nproc-per-node "${FUSED_AB_WORLD:-2}" \
+          scripts/fused_ab.py --variant "$variant" --tag "_r${round}_t$t" --out "$OUT"
+      done
     done
   done
 fi
 if want ll_ablation && multi ll_ablation; then
   i=0
   for item in ${LL_ABLATION_RUNS:-base:16777216}; do
-    i=$((i + 1))
-    run "ll_ablation_$i" 150 torchrun --nproc-per-node 2 scripts/ll_ablation.py --variant "${item%%:*}" \
-      --max-bytes "${item##*:}" --tag "_${item##*:}_$i" --out "$OUT"
+    i=$((i + 1)); t=0
+    for tree in ${AB_TREES:-.}; do
+      t=$((t + 1))
+      run "ll_ablation_${i}_t$t" 150 env "PYTHONPATH=$PWD/${tree%%:*}:$PYTHONPATH" \
+        "TPFUSE_COMMIT=$(tree_commit "$tree")" torchrun --nproc-per-node 2 scripts/ll_ablation.py \
+        --variant "${item%%:*}" --max-bytes "${item##*:}" ${LL_ABLATION_ARGS:-} --tag "_${item##*:}_${i}_t$t" \
+        --out "$OUT"
+    done
   done
 fi
 want nvlink_probe && multi nvlink_probe && run nvlink_probe 300 python3 scripts/nvlink_probe.py --out "$OUT"

@@ -74,10 +74,11 @@ def _early_release(local, status_addr, data_offset, data_bytes, n, BLOCK: tl.con
 
 @triton.jit
 def _release_before_wait(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns,
-                         OP: tl.constexpr, W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr = False):
+                         OP: tl.constexpr, W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr = False,
+                         own=None):
     tl.atomic_add(ctrl + 1, 0, sem="acq_rel", scope="gpu")  # as _early_release, after this CTA's stores
     return _ll_reduce(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP, W, ELEM,
-                      LAMPORT)
+                      LAMPORT, own)
 
 
 _begin, _ll_reduce, _ll_pieces = fused._begin, fused.ll_reduce, fused.ll_pieces

@@ -5,16 +5,15 @@ that each leave one part out, timed as `tpfuse bench allreduce` times (graph rep
 
 One variant per process: Triton refuses a kernel whose globals changed after it compiled.
 (Its variants guard64 and relaxed_end, at 407a231, are the kernels' own since: sync.GUARD_POLLS
-and sync.end_call.)
-Variants (every one but "base" and "spin" gives wrong sums or drops a guard; measurement only):
+and sync.end_call. Its variant spin, slower everywhere, is at 6053190; it polled the reader's own
+slot, which the kernels no longer write.)
+Variants (every one but "base" gives wrong sums or drops a guard; measurement only):
   base      the kernel as it is;
   no_zero   the consumed words are not zeroed (LL: still waits on the flags; Lamport words:
             every call after the first takes the last call's words as arrived, so no wait);
   no_guard  the poll loop reads neither the abort word nor the clock;
   no_wait   no poll at all: the local slots are summed as they are (the floor without the
             cross-GPU wait);
-  spin      LL words: each thread spins on its own words in PTX (no CTA-wide reduction per
-            poll), then one CTA-wide check; Lamport words as in base;
   copy      no collective: a one-pass copy kernel on the same grid (the launch floor);
   zero_behind  LL words only: the consumed words are not zeroed after the poll; instead, before
             the first poll, the same number of words is zeroed in a scratch area (the workspace's
@@ -37,67 +36,35 @@ from tpfuse.kernels import ll
 
 
 @triton.jit
-def _zero(slot0, slot_words, woffs, wmask, W: tl.constexpr):
+def _zero(slot0, slot_words, woffs, wmask, rank, W: tl.constexpr):
+    """Zero the words at woffs of every slot but ``rank``'s (the kernels' own slot is never written)."""
     for s in tl.static_range(W):
-        tl.store(slot0 + s * slot_words + woffs, tl.zeros_like(woffs).to(slot0.dtype.element_ty), mask=wmask)
+        tl.store(slot0 + s * slot_words + woffs, tl.zeros_like(woffs).to(slot0.dtype.element_ty),
+                 mask=wmask & (s != rank))
 
 
 @triton.jit
 def _no_zero(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP: tl.constexpr,
-             W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr = False):
-    acc, late = ll._poll(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT)
+             W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr = False, own=None):
+    acc, late = ll._poll(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT, own, rank)
     while late:
-        acc, late = ll._poll(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT)
+        acc, late = ll._poll(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT, own, rank)
     return acc
 
 
 @triton.jit
 def _no_guard(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP: tl.constexpr,
-              W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr = False):
+              W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr = False, own=None):
     acc = _no_zero(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP, W, ELEM, LAMPORT)
-    _zero(slot0, slot_words, woffs, wmask, W)
+    _zero(slot0, slot_words, woffs, wmask, rank, W)
     return acc
 
 
 @triton.jit
 def _no_wait(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP: tl.constexpr,
-             W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr = False):
-    acc, late = ll._poll(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT)
-    _zero(slot0, slot_words, woffs, wmask, W)
-    return acc
-
-
-@triton.jit
-def _spin_word(ptrs, flag32):
-    """Each LL word at ptrs once its high half is flag32 (or after 2**17 looks)."""
-    return tl.inline_asm_elementwise(
-        "{\n.reg .pred p, q;\n.reg .u32 n, lo, hi;\nmov.u32 n, 0;\nSPIN:\n"
-        "ld.volatile.global.u64 $0, [$1];\nmov.b64 {lo, hi}, $0;\nadd.u32 n, n, 1;\n"
-        "setp.ne.u32 p, hi, $2;\nsetp.lt.u32 q, n, 131072;\nand.pred p, p, q;\n@p bra SPIN;\n}",
-        "=l,l,r", [ptrs, flag32], dtype=tl.uint64, is_pure=False, pack=1)
-
-
-@triton.jit
-def _spin(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP: tl.constexpr,
-          W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr = False):
-    if LAMPORT:
-        acc = ll.ll_reduce(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP, W, ELEM,
-                           LAMPORT)
-    else:
-        flag32 = tl.zeros_like(woffs).to(tl.uint32) + flag.to(tl.uint32)
-        words = _spin_word(slot0 + woffs, flag32)
-        arrived, acc = ll._arrived_f32(words, flag, ELEM, False)
-        late = ~arrived
-        for s in tl.static_range(1, W):
-            words = _spin_word(slot0 + s * slot_words + woffs, flag32)
-            arrived, vals = ll._arrived_f32(words, flag, ELEM, False)
-            late = late | ~arrived
-            acc += vals
-        if tl.max((late & wmask).to(tl.int32), 0) != 0:  # a timeout's path: the guarded poll
-            acc = ll.ll_reduce(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP, W,
-                               ELEM, LAMPORT)
-        else:
-            _zero(slot0, slot_words, woffs, wmask, W)
+             W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr = False, own=None):
+    acc, late = ll._poll(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT, own, rank)
+    _zero(slot0, slot_words, woffs, wmask, rank, W)
     return acc
 
 
@@ -107,11 +74,11 @@ ZB_STRIDE = tl.constexpr(8192)  # scratch words per slot: more than the LL sizes
 
 @triton.jit
 def _zero_behind(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP: tl.constexpr,
-                 W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr = False):
+                 W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr = False, own=None):
     scratch = (ctrl.to(tl.pointer_type(tl.uint8)) + ZB_OFFSET).to(slot0.dtype)
-    _zero(scratch, ZB_STRIDE, woffs, wmask, W)
+    _zero(scratch, ZB_STRIDE, woffs, wmask, rank, W)
     return ll.ll_wait(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP, W, ELEM,
-                      LAMPORT)
+                      LAMPORT, own)
 
 
 @triton.jit
@@ -120,7 +87,7 @@ def _copy_kernel(x_ptr, out_ptr, numel, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=offs < numel), mask=offs < numel)
 
 
-VARIANTS = {"base": None, "no_zero": _no_zero, "no_guard": _no_guard, "no_wait": _no_wait, "spin": _spin,
+VARIANTS = {"base": None, "no_zero": _no_zero, "no_guard": _no_guard, "no_wait": _no_wait,
             "copy": None, "zero_behind": _zero_behind}
 
 

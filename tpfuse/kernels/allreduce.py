@@ -8,13 +8,14 @@ output element of both algorithms.
 Both kernels push: a rank writes into its peers' workspaces and reads only its own, so
 every poll is of local memory and every remote access is a posted store.
 
-- one-shot: each rank writes its input into slot ``rank`` of every rank's data region, raises
-  its flag there, waits for all W flags, and sums the W local slots. One flag round trip.
+- one-shot: each rank writes its input into slot ``rank`` of every other rank's data region,
+  raises its flag there, waits for all W flags, and sums its W - 1 local slots and its own
+  input, in rank order. One flag round trip.
   Small messages use the LL protocol instead (``tpfuse.kernels.ll``): the same slots hold
   LL words in the LL regions, and the reader polls the words themselves; mid-size ones
   Lamport words there (the data as its own flag, half LL's bytes).
-- two-shot: each rank writes chunk c of its input into scatter slot ``rank`` of rank c; rank
-  c sums its W scatter slots (its chunk, in rank order), rounds once, and writes the result
+- two-shot: each rank writes chunk c of its input into scatter slot ``rank`` of rank c (c not
+  itself); rank c sums its W - 1 scatter slots and its own chunk of x (in rank order), rounds once, and writes the result
   straight into its own output and, in the all-gather, to the other ranks: "push" stores it
   into gather slot c of every peer, which copies its W-1 gather slots to its output after
   the gather flags; "pull" stores it into its own gather slot c only, and every peer, after
@@ -61,12 +62,22 @@ def _typed(base, byte_offset, ELEM: tl.constexpr):
 
 
 @triton.jit
-def sum_in_rank_order(slot0, slot_elems, offs, mask, W: tl.constexpr):
+def sum_in_rank_order(slot0, slot_elems, offs, mask, W: tl.constexpr, own=None, rank=0):
     """fp32 sum over the W slots ``slot0 + s * slot_elems`` (s = 0..W-1, in that order) at
-    ``offs``; the data was written by peers, so it is read through L2 (``.cg``)."""
-    acc = to_f32(tl.load(slot0 + offs, mask=mask, other=0.0, cache_modifier=".cg"))
-    for s in tl.static_range(1, W):
-        acc += to_f32(tl.load(slot0 + s * slot_elems + offs, mask=mask, other=0.0, cache_modifier=".cg"))
+    ``offs``; the data was written by peers, so it is read through L2 (``.cg``). With ``own``
+    (this rank's elements at offs, widened to fp32), slot ``rank`` is not read: own stands
+    in for it, so a kernel that passes own need not store its elements into its own slot."""
+    for s in tl.static_range(W):
+        if own is None:
+            vals = to_f32(tl.load(slot0 + s * slot_elems + offs, mask=mask, other=0.0, cache_modifier=".cg"))
+        else:  # s == rank is a uniform scalar: that slot's load is predicated off as a whole
+            vals = to_f32(tl.load(slot0 + s * slot_elems + offs, mask=mask & (s != rank), other=0.0,
+                                  cache_modifier=".cg"))
+            vals = tl.where(s == rank, own, vals)
+        if s == 0:
+            acc = vals
+        else:
+            acc += vals
     return acc
 
 
@@ -113,14 +124,15 @@ def oneshot_all_reduce_kernel(x_ptr, out_ptr, numel, table_ptr, local, status_ad
         offs = tile * BLOCK + tl.arange(0, BLOCK)
         mask = offs < numel
         vals = tl.load(x_ptr + offs, mask=mask)
-        _push(table_ptr, data, vals, rank * slot_elems + offs, mask, rank, W, True)
+        _push(table_ptr, data, vals, rank * slot_elems + offs, mask, rank, W, False)
     signal(table_ptr, flags_offset + (pid * W + rank) * 8, epoch, W, PEERS)
     if wait(_flag_row(local, flags_offset, W), ctrl, status, epoch, rank, timeout_ns, OP_ONESHOT, W, PEERS):
         slot0 = _typed(local, data, ELEM)
         for tile in range(pid, n_tiles, grid):
             offs = tile * BLOCK + tl.arange(0, BLOCK)
             mask = offs < numel
-            acc = sum_in_rank_order(slot0, slot_elems, offs, mask, W)
+            own = to_f32(tl.load(x_ptr + offs, mask=mask))
+            acc = sum_in_rank_order(slot0, slot_elems, offs, mask, W, own, rank)
             tl.store(out_ptr + offs, round_to(acc, ELEM), mask=mask)
     end_call(ctrl, epoch)
 
@@ -146,13 +158,14 @@ def ll_oneshot_all_reduce_kernel(x_ptr, out_ptr, numel, n_words, table_ptr, loca
             words = lamport_pack(vals)
         else:
             words = ll_pack(vals, flag)
-        _push(table_ptr, region, words, rank * slot_words + woffs, woffs < n_words, rank, W, True)
+        _push(table_ptr, region, words, rank * slot_words + woffs, woffs < n_words, rank, W, False)
     slot0 = _typed(local, region, WORD)
     for tile in range(pid, n_tiles, grid):
         offs = tile * BLOCK + tl.arange(0, BLOCK)
         woffs = tile * WORDS + tl.arange(0, WORDS)
+        own = to_f32(tl.load(x_ptr + offs, mask=offs < numel))
         acc = ll_reduce(slot0, slot_words, woffs, woffs < n_words, flag, ctrl, status, epoch, rank, timeout_ns,
-                        OP_ONESHOT, W, ELEM, LAMPORT)
+                        OP_ONESHOT, W, ELEM, LAMPORT, own)
         tl.store(out_ptr + offs, round_to(acc, ELEM), mask=offs < numel)
     end_call(ctrl, epoch)
 
@@ -164,10 +177,11 @@ def twoshot_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, st
     ELEM: tl.constexpr = x_ptr.dtype.element_ty
     pid, grid, ctrl, status, epoch, data, n_tiles = _begin(local, status_addr, data_offset, data_bytes, chunk, BLOCK)
     # Reduce-scatter, part 1: chunk c of my input into scatter slot `rank` of rank c, from
-    # c = rank on, so that ranks working in step write to different peers at any moment.
+    # c = rank + 1 on, so that ranks working in step write to different peers at any moment.
+    # My own chunk stays in x, which part 2 reads in place of my own scatter slot.
     for tile in range(pid, n_tiles, grid):
         offs = tile * BLOCK + tl.arange(0, BLOCK)
-        for k in tl.static_range(W):
+        for k in tl.static_range(1, W):
             c = (rank + k) % W
             mask = (offs < chunk) & (c * chunk + offs < numel)
             vals = tl.load(x_ptr + c * chunk + offs, mask=mask)
@@ -181,7 +195,8 @@ def twoshot_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, st
         for tile in range(pid, n_tiles, grid):
             offs = tile * BLOCK + tl.arange(0, BLOCK)
             mask = (offs < chunk) & (rank * chunk + offs < numel)
-            y = round_to(sum_in_rank_order(slot0, slot_elems, offs, mask, W), ELEM)
+            own = to_f32(tl.load(x_ptr + rank * chunk + offs, mask=mask))
+            y = round_to(sum_in_rank_order(slot0, slot_elems, offs, mask, W, own, rank), ELEM)
             tl.store(out_ptr + rank * chunk + offs, y, mask=mask)
             if GATHER_PULL:
                 tl.store(_typed(local, data + gather_offset, ELEM) + rank * slot_elems + offs, y, mask=mask)

@@ -153,9 +153,10 @@ def ll_oneshot_all_reduce_norm_kernel(
     cut into PIECES pieces of PIECE_WORDS words, spread over the whole grid, which has more
     CTAs than row tiles: one CTA cannot drain a row's NVLink stores or poll its W slots
     quickly (4x H200: an 8 KiB all-reduce takes 3.6 us on 8 CTAs, 6.4 us on 2). Every CTA
-    first stores its pieces, as LL words, into every rank's slot; then, per piece, it sums
-    the piece from the LL words, rounds it into the local ``reduced`` region and counts it
-    in the tile's handoff counter. The CTA that counts a tile's last piece normalises the
+    first stores its pieces, as LL words, into slot ``rank`` of every other rank; then, per
+    piece, it sums the piece from the peers' LL words and its own x (its own slot is never
+    written), rounds it into the local ``reduced`` region and counts it in the tile's
+    handoff counter. The CTA that counts a tile's last piece normalises the
     tile from ``reduced`` with ``norm_tile``, reading plain rows as the norm kernel does (the
     layout test compares the reductions), and resets the counter. No CTA waits for another
     CTA of its rank, so the kernel needs no more residency than the others, and runs under
@@ -177,14 +178,15 @@ def ll_oneshot_all_reduce_norm_kernel(
             words = lamport_pack(vals)
         else:
             words = ll_pack(vals, flag)
-        _push(table_ptr, region, words, rank * slot_words + woffs, wmask, rank, WORLD, True)
+        _push(table_ptr, region, words, rank * slot_words + woffs, wmask, rank, WORLD, False)
     slot0 = _typed(local, region, WORD)
     reduced = _typed(local, reduced_offset, ELEM)
     arrived = (local + handoff_offset).to(tl.pointer_type(tl.int64))
     for piece in range(pid, n_tiles * PIECES, grid):
         woffs, wmask = _piece_words(piece, tile_words, n_words, PIECE_WORDS, PIECES)
+        own = to_f32(tl.reshape(tl.load(X + woffs[:, None] * PACK + packs, mask=wmask[:, None]), [PIECE_WORDS * PACK]))
         acc = ll_reduce(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns,
-                        OP_FUSED_ONESHOT, WORLD, ELEM, LAMPORT)
+                        OP_FUSED_ONESHOT, WORLD, ELEM, LAMPORT, own)
         tl.store(reduced + woffs[:, None] * PACK + packs, tl.reshape(round_to(acc, ELEM), [PIECE_WORDS, PACK]),
                  mask=wmask[:, None])
         tl.debug_barrier()  # every thread's stores of the piece precede the count (release)
@@ -216,7 +218,9 @@ def rows_oneshot_all_reduce_norm_kernel(
     adds the residual and normalises, as ``norm_tile`` does, and stores only its own piece of
     y and residual_out. Nothing passes between CTAs of a rank but the Lamport words, so there
     is no handoff count and no release (``ll_oneshot_all_reduce_norm_kernel`` has both); each
-    CTA reads the whole tile instead of a piece. A word is read by every CTA of its tile, so it
+    CTA reads the whole tile instead of a piece. Unlike the other one-shot kernels, it also
+    stores its piece into its own slot and polls it there: a CTA waits for its siblings'
+    pieces, which orders their stores of residual_out after its read of the residual (below). A word is read by every CTA of its tile, so it
     is zeroed by the next row-wise call, not by a reader (``tpfuse.comm.workspace``: the rows
     regions rotate by row-wise call, ctrl[3], and the last call's bytes per slot are
     ctrl[4]). A CTA waits for pieces other CTAs store, so the grid must be resident at once,

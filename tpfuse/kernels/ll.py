@@ -23,6 +23,11 @@ carries the current call's flag. Without this, a word last written 2**32 - 1 cal
 a reader's region of parity p is next written in call k + 2, which no peer starts before
 this rank has started call k + 1, after the zeroing kernel ended.
 
+The one-shot kernels over LL and Lamport words store nothing into the reader's own slot: a
+reader sums its peers' words and its own input, which it reads again from x (local memory the
+kernel has just read, where the slot would cost a store, a poll and a zeroing per byte). Its
+own slot stays zero.
+
 LL regions rotate by call parity, as the data regions do (a peer one call ahead writes the
 other parity), and hold nothing but LL words and Lamport words (``tpfuse.comm.workspace``).
 
@@ -118,19 +123,29 @@ def _arrived_f32(words, flag, ELEM: tl.constexpr, LAMPORT: tl.constexpr):
 
 
 @triton.jit
-def _poll(slot0, slot_words, woffs, wmask, flag, W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr):
+def _poll(slot0, slot_words, woffs, wmask, flag, W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr,
+          own=None, rank=0):
     """One look at the W slots ``slot0 + s * slot_words`` at woffs: the fp32 sum in rank
     order of their values (``allreduce.sum_in_rank_order``'s order and roundings), and
     whether any word there has not arrived yet. The W loads are independent, so they are in
-    flight together."""
-    words = tl.load(slot0 + woffs, mask=wmask, other=0, volatile=True)
-    arrived, acc = _arrived_f32(words, flag, ELEM, LAMPORT)
-    late = ~arrived
-    for s in tl.static_range(1, W):
-        words = tl.load(slot0 + s * slot_words + woffs, mask=wmask, other=0, volatile=True)
-        arrived, vals = _arrived_f32(words, flag, ELEM, LAMPORT)
-        late = late | ~arrived
-        acc += vals
+    flight together. With ``own`` (this rank's elements widened to fp32, in element order),
+    slot ``rank`` is not read: own stands in for it."""
+    for s in tl.static_range(W):
+        if own is None:
+            words = tl.load(slot0 + s * slot_words + woffs, mask=wmask, other=0, volatile=True)
+            arrived, vals = _arrived_f32(words, flag, ELEM, LAMPORT)
+        else:
+            mine = s == rank  # a uniform scalar: the load is predicated off as a whole
+            words = tl.load(slot0 + s * slot_words + woffs, mask=wmask & (s != rank), other=0, volatile=True)
+            arrived, vals = _arrived_f32(words, flag, ELEM, LAMPORT)
+            arrived = arrived | mine
+            vals = tl.where(mine, own, vals)
+        if s == 0:
+            acc = vals
+            late = ~arrived
+        else:
+            acc += vals
+            late = late | ~arrived
     return acc, _any(late & wmask)
 
 
@@ -145,51 +160,58 @@ def _any(flags):
 
 @triton.jit
 def ll_reduce(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP: tl.constexpr,
-              W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr = False):
-    """``ll_wait``'s sum of the words at woffs (masked by wmask) of the W local slots; the
-    words are then zeroed."""
-    acc = ll_wait(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP, W, ELEM, LAMPORT)
+              W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr = False, own=None):
+    """``ll_wait``'s sum of the words at woffs (masked by wmask) of the W local slots (with
+    ``own``, of the W - 1 other slots and own); the words read are then zeroed."""
+    acc = ll_wait(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP, W, ELEM, LAMPORT,
+                  own)
     for s in tl.static_range(W):
-        tl.store(slot0 + s * slot_words + woffs, tl.zeros_like(woffs).to(slot0.dtype.element_ty), mask=wmask)
+        read = wmask if own is None else wmask & (s != rank)
+        tl.store(slot0 + s * slot_words + woffs, tl.zeros_like(woffs).to(slot0.dtype.element_ty), mask=read)
     return acc
 
 
 @triton.jit
 def ll_wait(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP: tl.constexpr,
-            W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr):
+            W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr, own=None):
     """The fp32 sum in rank order of the elements in the words at woffs (1-D, or 2-D for
     Lamport words; masked by wmask) of the W local slots, once every word has arrived (LL
     words: carries ``flag``; with LAMPORT, Lamport words: is not 0). The words are left as
-    they are.
+    they are. With ``own`` (this rank's elements widened to fp32, in element order; 1-D
+    woffs), slot ``rank`` is neither read nor waited for: own stands in for it, so a kernel
+    that passes own need not store its elements into its own slot.
 
     Gives up, as ``sync.wait`` does, after ``timeout_ns`` or when the abort word is set (both
     looked at, through ``sync.give_up``, when the first poll finds a word missing and every
     ``sync.GUARD_POLLS`` polls after it): it
     then records ``(OP, rank, first late peer, epoch)`` and returns whatever it saw."""
-    acc, late = _poll(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT)
+    acc, late = _poll(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT, own, rank)
     if late:  # `late` is a CTA-wide reduction, `stop` too (sync.give_up): all warps loop alike
         start = now_ns()
         stop = give_up(ctrl, start, start, timeout_ns)
         polls = 0
         while late and not stop:
             backoff()
-            acc, late = _poll(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT)
+            acc, late = _poll(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT, own, rank)
             polls += 1
             if polls % GUARD_POLLS == 0:
                 stop = give_up(ctrl, start, now_ns(), timeout_ns)
         if late:  # records nothing after an abort: the abort word is set already
-            _record_error(ctrl, status, OP, rank, _first_late(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT),
-                          epoch)
+            skipped = W if own is None else rank
+            _record_error(ctrl, status, OP, rank,
+                          _first_late(slot0, slot_words, woffs, wmask, flag, skipped, W, ELEM, LAMPORT), epoch)
     return acc
 
 
 @triton.jit
-def _first_late(slot0, slot_words, woffs, wmask, flag, W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr):
-    """The lowest rank whose slot still has a word at woffs that has not arrived (W if none)."""
+def _first_late(slot0, slot_words, woffs, wmask, flag, skipped, W: tl.constexpr, ELEM: tl.constexpr,
+                LAMPORT: tl.constexpr):
+    """The lowest rank other than ``skipped`` whose slot still has a word at woffs that has
+    not arrived (W if none)."""
     first = tl.full([], W, tl.int32)
     for s in tl.static_range(W):
         words = tl.load(slot0 + s * slot_words + woffs, mask=wmask, other=0, volatile=True)
         arrived, _ = _arrived_f32(words, flag, ELEM, LAMPORT)
-        late = _any(~arrived & wmask)
+        late = _any(~arrived & wmask) & (s != skipped)
         first = tl.minimum(first, tl.where(late, s, W))
     return first
