@@ -32,6 +32,12 @@ Variants (checked against split's bits every run):
   rows_4k_pieces row-wise up to 16 KiB in pieces of 4 KiB (FUSED_ROWS_PIECE_BYTES; 1 KiB as
                  shipped): fewer CTAs, so fewer writers for each tile's poll to wait out,
                  each storing more (a W=4 question: row-wise measured slower there);
+  rows_1m        row-wise up to 1 MiB: calls past FUSED_MAX_CTAS pieces of 1 KiB take larger
+                 pieces, up to whole rows (hidden 4096: to 128 tokens).
+Every variant also times the change of batch size in a decode step after a prefill: a graph of
+pairs (TRANSITION: a 128-token call, then a 1-token call, hidden 4096), reported as method
+"pair" at tokens 1 (us per pair; the separate calls' times are in the same run), since a
+row-wise call zeroes the last row-wise call's words first, however large.
   (redundant_norm, at acd19a5 only: every CTA of a one-row LL tile normalising the whole row,
                  the measurement that led to the row-wise kernel; removed once that kernel came.)
 """
@@ -92,9 +98,11 @@ def _double_pieces(n, dtype, protocol="ll", whole_tiles=False):
 VARIANTS = {"base": None, "no_prefetch": ("_prefetch_norm_operands", _no_prefetch),
             "relaxed_count": ("_count_piece", _relaxed_count), "double_pieces": ("ll_pieces", _double_pieces),
             "early_release": ("_begin", _early_release), "release_before_wait": ("ll_reduce", _release_before_wait),
-            "rows": None, "rows_64": None, "rows_128": None, "no_rows": None, "rows_4k_pieces": None}
+            "rows": None, "rows_64": None, "rows_128": None, "no_rows": None, "rows_4k_pieces": None,
+            "rows_1m": None}
 ROWS_MAX_BYTES = {"rows": 16 << 10, "rows_64": 64 << 10, "rows_128": 128 << 10, "no_rows": 0,
-                  "rows_4k_pieces": 16 << 10}
+                  "rows_4k_pieces": 16 << 10, "rows_1m": 1 << 20}
+TRANSITION = (128, 1, 4096)  # (tokens before, tokens after, hidden)
 
 
 def main():
@@ -139,6 +147,21 @@ def main():
                                  grid=fplan.grid))
                 if rank == 0:
                     print(json.dumps(rows[-1]), flush=True)
+        big, small, hidden = TRANSITION
+        calls = []
+        for tokens in (big, small):
+            xs, residual, weight = layer_inputs(tokens, hidden, world, "cuda", seed=tokens * 7 + 3)
+            calls.append((xs[rank], residual, weight))
+
+        def pair(i):
+            return [comm.all_reduce_add_rms_norm(x, r, w, EPS, algo="oneshot") for x, r, w in calls]
+        want = [tpfuse.add_rms_norm(comm.all_reduce(x), r, w, EPS) for x, r, w in calls]
+        exact = all(same_bits(a, b) for got, ref in zip(pair(0), want) for a, b in zip(got, ref))
+        us = collective_graph_us(pair, 1)
+        rows.append(dict(variant=opts.variant, tag=opts.tag, world=world, method="pair", tokens=small, hidden=hidden,
+                         us=round(us, 2), exact=exact, protocol=f"after {big} tokens", grid=0))
+        if rank == 0:
+            print(json.dumps(rows[-1]), flush=True)
     if rank == 0:
         with open(os.path.join(opts.out, f"fused_ab_{opts.variant}{opts.tag}.json"), "w") as f:
             json.dump(dict(header=run_header(), records=rows), f, indent=1)
