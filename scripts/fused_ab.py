@@ -32,14 +32,14 @@ Variants (checked against split's bits every run):
   rows_4k_pieces row-wise up to 16 KiB in pieces of 4 KiB (FUSED_ROWS_PIECE_BYTES; 1 KiB as
                  shipped): fewer CTAs, so fewer writers for each tile's poll to wait out,
                  each storing more (a W=4 question: row-wise measured slower there);
-  rows_1m        row-wise up to 1 MiB: calls past FUSED_MAX_CTAS pieces of 1 KiB take larger
-                 pieces, up to whole rows (hidden 4096: to 128 tokens).
+  (rows_1m, at 864f179 only: row-wise to 1 MiB, the pieces of calls past FUSED_MAX_CTAS 1 KiB
+                 pieces growing up to whole rows; slower at 128 tokens, results/2xH200/rows_1m_ab.)
+  (redundant_norm, at acd19a5 only: every CTA of a one-row LL tile normalising the whole row,
+                 the measurement that led to the row-wise kernel; removed once that kernel came.)
 Every variant also times the change of batch size in a decode step after a prefill: a graph of
 pairs (TRANSITION: a 128-token call, then a 1-token call, hidden 4096), reported as method
 "pair" at tokens 1 (us per pair; the separate calls' times are in the same run), since a
 row-wise call zeroes the last row-wise call's words first, however large.
-  (redundant_norm, at acd19a5 only: every CTA of a one-row LL tile normalising the whole row,
-                 the measurement that led to the row-wise kernel; removed once that kernel came.)
 """
 
 import argparse
@@ -98,10 +98,9 @@ def _double_pieces(n, dtype, protocol="ll", whole_tiles=False):
 VARIANTS = {"base": None, "no_prefetch": ("_prefetch_norm_operands", _no_prefetch),
             "relaxed_count": ("_count_piece", _relaxed_count), "double_pieces": ("ll_pieces", _double_pieces),
             "early_release": ("_begin", _early_release), "release_before_wait": ("ll_reduce", _release_before_wait),
-            "rows": None, "rows_64": None, "rows_128": None, "no_rows": None, "rows_4k_pieces": None,
-            "rows_1m": None}
+            "rows": None, "rows_64": None, "rows_128": None, "no_rows": None, "rows_4k_pieces": None}
 ROWS_MAX_BYTES = {"rows": 16 << 10, "rows_64": 64 << 10, "rows_128": 128 << 10, "no_rows": 0,
-                  "rows_4k_pieces": 16 << 10, "rows_1m": 1 << 20}
+                  "rows_4k_pieces": 16 << 10}
 TRANSITION = (128, 1, 4096)  # (tokens before, tokens after, hidden)
 
 

@@ -343,13 +343,11 @@ def test_fused_plan_runs_small_tiles_row_wise(monkeypatch):
     assert FusedPlan.from_shape(1, 4096, 2, bf16, layout, "twoshot").protocol == "flags"
     small = FusedPlan.from_shape(3, 256, 2, bf16, layout)  # one tile (NormConfig's rows) holds all three
     assert (small.protocol, small.grid) == ("rows", NormConfig.from_shape(256, bf16).rows * 256 * 2 // 1024)
-    monkeypatch.setitem(plan.FUSED_ROWS_MAX_BYTES, 2, 2 << 20)  # the CTA cap rules the pieces
-    monkeypatch.setitem(plan.FUSED_ONESHOT_MAX_BYTES, 2, 2 << 20)  # W=2's table
-    wide = WorkspaceLayout(2, 16 << 20, 128, ll_max_bytes=64 << 10, rows_max_bytes=2 << 20)
-    for tokens, grid, piece in ((16, 128, 512), (17, 68, 1024), (32, 128, 1024), (33, 66, 2048), (128, 128, 4096)):
-        p = FusedPlan.from_shape(tokens, 4096, 2, bf16, wide)  # pieces grow once 1 KiB ones pass 128 CTAs
-        assert (p.protocol, p.grid, p.piece_elems) == ("rows", grid, piece), tokens
-    assert FusedPlan.from_shape(129, 4096, 2, bf16, wide).protocol != "rows"  # whole rows, 129 CTAs
+    monkeypatch.setitem(plan.FUSED_ROWS_MAX_BYTES, 2, 256 << 10)  # past W=2's 128 KiB: the CTA cap rules
+    wide = WorkspaceLayout(2, 1 << 20, 128, ll_max_bytes=64 << 10, rows_max_bytes=256 << 10)
+    p = FusedPlan.from_shape(16, 4096, 2, bf16, wide)
+    assert (p.protocol, p.grid) == ("rows", 128)  # 128 pieces, FUSED_MAX_CTAS
+    assert FusedPlan.from_shape(17, 4096, 2, bf16, wide).protocol != "rows"  # 136 pieces
     assert FusedPlan.from_shape(2, 4096, 2, bf16, layout).protocol == "rows"  # 16 KiB: the smaller layout's capacity
     assert FusedPlan.from_shape(3, 4096, 2, bf16, layout).protocol == "ll"
     no_rows = WorkspaceLayout(2, 1 << 20, 128, ll_max_bytes=64 << 10)

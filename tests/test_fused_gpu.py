@@ -32,7 +32,7 @@ ALGOS = ["oneshot", "twoshot", "auto", "split"]
 PROTOCOL_KNOBS = {"LAMPORT_MAX_BYTES": 4 << 20, "FUSED_LAMPORT_MAX_BYTES": 4 << 20,
                   "FUSED_WIDE_LL_MAX_BYTES": 32 << 10, "FUSED_WIDE_LAMPORT_MAX_BYTES": 4 << 20}
 """The fused one-shot row-wise as the world size's default says (FUSED_ROWS_MAX_BYTES: to
-1 MiB at W=2, where the tile allows; never at W=4, so its LL path runs there), over LL words
+128 KiB at W=2, where the tile allows; never at W=4, so its LL path runs there), over LL words
 to the table's FUSED_LL_MAX_BYTES (rows on the wide tile: to 32 KiB, as W=2's table sends them
 none), Lamport words to 4 MiB, flags above, whatever the world size's table says (it may not use
 Lamport words at all)."""

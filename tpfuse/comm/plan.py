@@ -308,14 +308,11 @@ FUSED_TWOSHOT_MAX_BYTES = {2: 0, 4: 0, 8: 0}
 #   4096 zeroes 256 KiB on 8 CTAs, once, on a change of batch size. Not swept by `tpfuse tune`,
 #   which times the other protocols with it off; row-wise also needs FUSED_ONESHOT_MAX_BYTES
 #   (the "auto" one-shot limit) to reach it, which a table could set below it unmeasured.
-# FUSED_ROWS_PIECE_BYTES: bytes of x each CTA of a row-wise call stores, at least: 1 KiB, the LL
-#   kernel's pieces at hidden 4096 (8 CTAs a row), as in the measurement above; a call with
-#   more pieces than FUSED_MAX_CTAS takes pieces twice, four times ... as large, up to whole
-#   tiles (``tpfuse.kernels.fused.rows_pieces``: hidden 4096, 32 tokens in 2 KiB pieces, 128
-#   tokens in whole rows), which then need no own slot. The interpreter runs
+# FUSED_ROWS_PIECE_BYTES: bytes of x each CTA of a row-wise call stores, 1 KiB: the LL kernel's
+#   pieces at hidden 4096 (8 CTAs a row), as in the measurement above. The interpreter runs
 #   CTAs one after another, so a CTA waiting for pieces of its own rank that a later CTA stores
 #   would wait for ever: there a piece is a whole tile.
-FUSED_ROWS_MAX_BYTES = {2: 1024 * KiB, 4: 0, 8: 0} if not INTERPRETER else {2: 1 * KiB, 4: 1 * KiB, 8: 1 * KiB}
+FUSED_ROWS_MAX_BYTES = {2: 128 * KiB, 4: 0, 8: 0} if not INTERPRETER else {2: 1 * KiB, 4: 1 * KiB, 8: 1 * KiB}
 FUSED_ROWS_MAX_TILE_BYTES = 8 * KiB
 FUSED_ROWS_PIECE_BYTES = 1 * KiB if not INTERPRETER else 64 * KiB
 # FUSED_WIDE_TILE: (hidden, dtype) of the row on which `tpfuse tune` measures the FUSED_WIDE_*
@@ -431,12 +428,11 @@ class FusedPlan:
             fits = {"oneshot": False, "twoshot": False}
         tiling = lamport_tiling(n, dtype, _cdiv(n_rows, tile_rows), FUSED_MAX_CTAS)
         ll_max, lamport_max, oneshot_max, twoshot_max = fused_thresholds(world_size, n, dtype)
-        max_ctas = min(FUSED_MAX_CTAS, layout.max_blocks)
-        piece_elems, pieces = rows_pieces(n, dtype, FUSED_ROWS_PIECE_BYTES, _cdiv(n_rows, tile_rows), max_ctas)
+        piece_elems, pieces = rows_pieces(n, dtype, FUSED_ROWS_PIECE_BYTES)
         row_wise = (nbytes <= min(layout.rows_max_bytes, for_world(FUSED_ROWS_MAX_BYTES, world_size))
                     and cfg.tail_n == 0 and cfg.num_chunks == 1
                     and cfg.rows * cfg.block_n * esize <= FUSED_ROWS_MAX_TILE_BYTES
-                    and _cdiv(n_rows, tile_rows) * pieces <= max_ctas)
+                    and _cdiv(n_rows, tile_rows) * pieces <= min(FUSED_MAX_CTAS, layout.max_blocks))
         if row_wise:
             protocol = "rows"
         elif nbytes <= min(layout.ll_max_bytes, ll_max):

@@ -220,9 +220,7 @@ def rows_oneshot_all_reduce_norm_kernel(
     is no handoff count and no release (``ll_oneshot_all_reduce_norm_kernel`` has both); each
     CTA reads the whole tile instead of a piece. Unlike the other one-shot kernels, it also
     stores its piece into its own slot and polls it there: a CTA waits for its siblings'
-    pieces, which orders their stores of residual_out after its read of the residual (below).
-    Where a piece is the whole tile (PIECES = 1: larger calls, ``rows_pieces``) there are no
-    siblings, and the CTA reads its own rows from x instead. A word is read by every CTA of its tile, so it
+    pieces, which orders their stores of residual_out after its read of the residual (below). A word is read by every CTA of its tile, so it
     is zeroed by the next row-wise call, not by a reader (``tpfuse.comm.workspace``: the rows
     regions rotate by row-wise call, ctrl[3], and the last call's bytes per slot are
     ctrl[4]). A CTA waits for pieces other CTAs store, so the grid must be resident at once,
@@ -253,7 +251,7 @@ def rows_oneshot_all_reduce_norm_kernel(
     # trip and a peer's poll before any such store, as end_call's count rests on its reads).
     res = tl.load(RES + row_offs + cols, mask=mask & (has_residual != 0), other=0.0)
     _push(table_ptr, region, lamport_pack(tl.load(X + offs, mask=pmask)), rank * slot_words + offs, pmask, rank,
-          WORLD, PIECES > 1)
+          WORLD, True)
     # The last row-wise call's words (of any dtype: counted in bytes), in the rotation before
     # this one's, a share per CTA.
     stale = _typed(local, rows_offset + ((calls + 2) % 3) * rows_bytes, WORD)
@@ -262,12 +260,8 @@ def rows_oneshot_all_reduce_norm_kernel(
         zoffs = start + tl.arange(0, PIECE)
         for s in tl.static_range(WORLD):
             tl.store(stale + s * slot_words + zoffs, tl.zeros([PIECE], WORD), mask=zoffs < stale_words)
-    if PIECES == 1:  # the piece is the tile, in the norm's layout here: own stands in for the own slot
-        own = to_f32(tl.load(X + row_offs + cols, mask=mask))
-    else:
-        own = None
     acc = ll_wait(_typed(local, region, WORD), slot_words, row_offs + cols, mask, 0, ctrl, status, epoch, rank,
-                  timeout_ns, OP_FUSED_ONESHOT, WORLD, ELEM, True, own)
+                  timeout_ns, OP_FUSED_ONESHOT, WORLD, ELEM, True)
     x = round_to(tl.where(mask, acc, 0.0), ELEM)  # padding lanes as norm_tile's: 0, not an absent word's NaN
     if has_residual:
         x = round_to(to_f32(x) + to_f32(res), ELEM)
@@ -347,17 +341,12 @@ def ll_pieces(n: int, dtype: torch.dtype, protocol: str = "ll", whole_tiles: boo
     return piece_words, triton.cdiv(tile_words, piece_words)
 
 
-def rows_pieces(n: int, dtype: torch.dtype, piece_bytes: int, n_tiles: int = 1,
-                max_ctas: int = 1 << 30) -> tuple[int, int]:
-    """(elements per piece, pieces per row tile) of the row-wise kernel for hidden size n and
-    a call of n_tiles row tiles: pieces of piece_bytes (a power of two), doubled until the
-    call's pieces fit max_ctas CTAs, one piece where the tile is smaller (then the call may
-    still need more than max_ctas)."""
-    tile = NormConfig.from_shape(n, dtype).rows * n
-    piece = min(piece_bytes // dtype.itemsize, triton.next_power_of_2(tile))
-    while n_tiles * triton.cdiv(tile, piece) > max_ctas and piece < tile:
-        piece *= 2
-    return piece, triton.cdiv(tile, piece)
+def rows_pieces(n: int, dtype: torch.dtype, piece_bytes: int) -> tuple[int, int]:
+    """(elements per piece, pieces per row tile) of the row-wise kernel for hidden size n:
+    pieces of piece_bytes (a power of two), or one piece where the tile is smaller."""
+    cfg = NormConfig.from_shape(n, dtype)
+    piece = min(piece_bytes // dtype.itemsize, triton.next_power_of_2(cfg.rows * n))
+    return piece, triton.cdiv(cfg.rows * n, piece)
 
 
 def lamport_tiling(n: int, dtype: torch.dtype, n_tiles: int, max_ctas: int) -> str | None:
