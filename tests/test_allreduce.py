@@ -143,14 +143,16 @@ def test_plan_picks_by_size_and_refuses_what_does_not_fit():
 
 
 def test_lamport_tiles_grow_with_the_message(monkeypatch):
-    """The 2x H100 sweep's best tile and warps at every size (tpfuse/comm/plan.py)."""
+    """The 2x H200 sweep's best tile and warps at every size (tpfuse/comm/plan.py): one tile
+    per CTA, within the TILE_BYTES range."""
     from tpfuse.comm import plan as P
     monkeypatch.setitem(P.TILE_BYTES, "oneshot_lamport", (2 << 10, 16 << 10))
     monkeypatch.setitem(P.NUM_WARPS, "oneshot_lamport", 16)
     monkeypatch.setitem(P.MAX_CTAS, "oneshot_lamport", 128)
-    got = {kib: P.tile_and_warps("oneshot_lamport", kib << 10) for kib in (1, 8, 1024, 2048, 3000, 4096, 8192, 65536)}
-    assert got == {1: (2048, 4), 8: (2048, 4), 1024: (2048, 4), 2048: (4096, 8), 3000: (4096, 8), 4096: (8192, 16),
-                   8192: (16384, 16), 65536: (16384, 16)}
+    got = {kib: P.tile_and_warps("oneshot_lamport", kib << 10)
+           for kib in (1, 8, 256, 512, 1024, 2048, 3000, 4096, 8192, 65536)}
+    assert got == {1: (2048, 4), 8: (2048, 4), 256: (2048, 4), 512: (4096, 8), 1024: (8192, 16), 2048: (16384, 16), 3000: (16384, 16),
+                   4096: (16384, 16), 8192: (16384, 16), 65536: (16384, 16)}
     assert P.tile_and_warps("oneshot_ll", 8192) == (P.TILE_BYTES["oneshot_ll"], P.NUM_WARPS["oneshot_ll"])
 
 

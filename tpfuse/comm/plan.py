@@ -57,9 +57,13 @@ KiB = 1024
 #   2x H100 sweep (scripts/tune_allreduce.py at 07762fc, W=2 bf16, 2-16 KiB tiles, 4-16
 #   warps, 32-128 CTAs; benchmarks/NOTES.md): the best tile grew with the message,
 #   2 KiB on 4 warps to 1 MiB (7.5 us), 4 KiB on 8 warps at 2 MiB (11.3), 8 KiB on 16 at 4 MiB
-#   (18.7), 16 KiB on 16 at 8 MiB (34.0), all on 128 CTAs: 4 tiles per CTA each time. This
-#   rule gives the best configuration at every size (within 2% at 32 KiB); a single tile
-#   for all sizes lost 4-16% (4 KiB on 8 warps).
+#   (18.7), 16 KiB on 16 at 8 MiB (34.0), all on 128 CTAs: 4 tiles per CTA each time. A
+#   single tile for all sizes lost 4-16% (4 KiB on 8 warps). Once a rank no longer stored
+#   into its own slot (04d26bf), the best tile grew fourfold: 2x H200 sweep at f592754
+#   (results/2xH200/tune_lamport_tiles.md, 128 CTAs): 2 KiB to 256 KiB, 4 KiB at 512 KiB
+#   (4.8 us, 2 KiB 5.1), 8 KiB on 16 warps at 1 MiB (6.55, the old rule's 2 KiB 7.14),
+#   16 KiB at 2 MiB (10.38, old 4 KiB 10.89) and 4 MiB (18.05, old 8 KiB 18.14): one tile
+#   per CTA, which this rule gives at every size swept.
 # MAX_CTAS: CTAs per call, per algorithm. Every CTA of a grid must be resident at once
 #   (block b waits for block b of every peer, see tpfuse.kernels.sync), so a grid must stay
 #   at or below the SM count (132 on H200) with one CTA per SM; MAX_BLOCKS (flag slots) caps
@@ -97,7 +101,7 @@ TILE_BYTES = ({"oneshot": 8 * KiB, "oneshot_ll": 1 * KiB, "oneshot_lamport": (2 
               {"oneshot": 64 * KiB, "oneshot_ll": 64 * KiB, "oneshot_lamport": (64 * KiB, 64 * KiB),
                "twoshot": 64 * KiB})
 NUM_WARPS = {"oneshot": 16, "oneshot_ll": 4, "oneshot_lamport": 16, "twoshot": 16}
-LAMPORT_TILES_PER_CTA = 4
+LAMPORT_TILES_PER_CTA = 1
 MAX_CTAS = ({"oneshot": 32, "oneshot_ll": 64, "oneshot_lamport": 128, "twoshot": 128} if not INTERPRETER else
             {"oneshot": 4, "oneshot_ll": 4, "oneshot_lamport": 4, "twoshot": 4})
 GATHER = "push"
