@@ -15,9 +15,8 @@ residual, w)`` (or ``tpfuse.rms_norm(r, w)``, residual_out then being r) because
 Each rank adds its own residual, so residuals that differ between ranks still give every
 rank its own split result.
 
-- one-shot: each rank stores its rows into slot ``rank`` of every other rank's data region,
-  signals, waits for all W, and normalises every row from the sum, in rank order, of its
-  W - 1 local slots and its own rows in x.
+- one-shot: each rank stores its rows into slot ``rank`` of every rank's data region,
+  signals, waits for all W, and normalises every row from the sum of its W local slots.
   The flag kernel (``oneshot_all_reduce_norm_kernel``), between its signal and its wait,
   asks L2 for each CTA's first tile of residual and weight, which its norm reads next
   (``_prefetch_norm_operands``).
@@ -30,10 +29,9 @@ rank its own split result.
   that stores a piece of a tile as Lamport words polls the whole tile and normalises it,
   storing only its piece: no count between CTAs.
 - two-shot: rows are cut into W groups of ``rows_per_group`` (whole tiles); rank s stores
-  group g into scatter slot s of rank g (g not s); rank g sums its W - 1 scatter slots and
-  its own group of x (in rank order), rounds once and stores the reduced group into gather
-  slot g of every rank; after the gather flags every rank normalises every row from its
-  gather slots. Whole rows are scattered, so every row is
+  group g into scatter slot s of rank g; rank g sums its W scatter slots, rounds once and
+  stores the reduced group into gather slot g of every rank; after the gather flags every
+  rank normalises every row from its gather slots. Whole rows are scattered, so every row is
   reduced on one rank and normalised from one slot. The norm is done on every rank (a local,
   memory-bound pass) rather than on the owner followed by a gather of y and residual_out:
   that halves the NVLink bytes of the gather and keeps each rank's own residual.
@@ -105,7 +103,7 @@ def oneshot_all_reduce_norm_kernel(
             ccols = c * BLOCK_N + cols
             mask = (rows < n_rows)[:, None] & (ccols < N)
             offs = rows.to(tl.int64)[:, None] * N + ccols
-            _push(table_ptr, data, tl.load(X + offs, mask=mask), rank * slot_elems + offs, mask, rank, WORLD, False)
+            _push(table_ptr, data, tl.load(X + offs, mask=mask), rank * slot_elems + offs, mask, rank, WORLD, True)
     signal(table_ptr, flags_offset + (pid * WORLD + rank) * 8, epoch, WORLD, PEERS)
     # The first tile's residual and weight, after the stores the peers wait on (before them it
     # delayed the peers), for tiles held in registers (up to 1024 lines each). Prefetching every
@@ -118,7 +116,7 @@ def oneshot_all_reduce_norm_kernel(
         for tile in range(pid, n_tiles, grid):
             rows = tile * ROWS + tl.arange(0, ROWS)
             norm_tile(slot0, rows.to(tl.int64) * N, slot_elems, RES, W, Y, RES_OUT, rows, rows < n_rows, N, eps,
-                      weight_offset, has_residual, True, BLOCK_N, TAIL_N, NUM_CHUNKS, HAS_WEIGHT, WORLD, X, rank)
+                      weight_offset, has_residual, True, BLOCK_N, TAIL_N, NUM_CHUNKS, HAS_WEIGHT, WORLD)
     end_call(ctrl, epoch)
 
 
@@ -286,12 +284,10 @@ def twoshot_all_reduce_norm_kernel(
     pid, grid, ctrl, status, epoch, data, n_tiles = _begin(local, status_addr, data_offset, data_bytes,
                                                            rows_per_group, ROWS)
     cols = tl.arange(0, BLOCK_N)[None, :]
-    # Reduce-scatter, part 1: group g of my rows into scatter slot `rank` of rank g, for every
-    # other rank g (my own group stays in X, which part 2 reads in place of my own slot).
+    # Reduce-scatter, part 1: group g of my rows into scatter slot `rank` of rank g.
     for tile in range(pid, n_tiles, grid):
         local_rows = tile * ROWS + tl.arange(0, ROWS)
-        for k in tl.static_range(1, WORLD):
-            g = (rank + k) % WORLD
+        for g in tl.static_range(WORLD):
             rows = g * rows_per_group + local_rows
             dst = _typed(tl.load(table_ptr + g), data, ELEM) + rank * slot_elems
             _copy_rows(X, dst, N, rows, local_rows, (local_rows < rows_per_group) & (rows < n_rows), BLOCK_N,
@@ -305,13 +301,11 @@ def twoshot_all_reduce_norm_kernel(
         for tile in range(pid, n_tiles, grid):
             local_rows = tile * ROWS + tl.arange(0, ROWS)
             row_ok = (local_rows < rows_per_group) & (rank * rows_per_group + local_rows < n_rows)
-            own_rows = (rank * rows_per_group + local_rows).to(tl.int64)[:, None] * N
             for c in range(NUM_CHUNKS):
                 ccols = c * BLOCK_N + cols
                 mask = row_ok[:, None] & (ccols < N)
                 offs = local_rows.to(tl.int64)[:, None] * N + ccols
-                own = to_f32(tl.load(X + own_rows + ccols, mask=mask))
-                reduced = round_to(sum_in_rank_order(slot0, slot_elems, offs, mask, WORLD, own, rank), ELEM)
+                reduced = round_to(sum_in_rank_order(slot0, slot_elems, offs, mask, WORLD), ELEM)
                 _push(table_ptr, data + gather_offset, reduced, rank * slot_elems + offs, mask, rank, WORLD, True)
     # All-gather; after a failed first wait the abort word makes this one return at once.
     signal(table_ptr, flags_offset + flags_bytes + (pid * WORLD + rank) * 8, epoch, WORLD, PEERS)

@@ -275,22 +275,18 @@ def row_inv_rms(sq, N, eps):
 
 @triton.jit
 def _load_norm_input(SRC, src_offs, slot_elems, RES, RES_OUT, offs, mask, has_residual, store_out,
-                     SLOTS: tl.constexpr, EVICT: tl.constexpr, OWN=None, rank=0):
+                     SLOTS: tl.constexpr, EVICT: tl.constexpr):
     """The values to normalise at offs, in SRC's dtype (element offsets into RES and RES_OUT).
 
     x is SRC[src_offs] (SLOTS == 0: the norm's own input), or (the fused all-reduce) the sum
     of SLOTS workspace slots ``SRC + s * slot_elems`` in rank order, rounded once: exactly
-    tpfuse's all-reduce result; with OWN (this rank's input, indexed as RES), slot ``rank``
-    is not read and OWN[offs] stands in for it (``sum_in_rank_order``). With has_residual x
-    becomes round(x + RES[offs]); x is stored to RES_OUT[offs] when store_out. EVICT: the L2
-    eviction policy of the loads of SRC (SLOTS == 0) and RES."""
+    tpfuse's all-reduce result. With has_residual x becomes round(x + RES[offs]); x is
+    stored to RES_OUT[offs] when store_out. EVICT: the L2 eviction policy of the loads of SRC
+    (SLOTS == 0) and RES."""
     if SLOTS == 0:
         x = tl.load(SRC + src_offs, mask=mask, other=0.0, eviction_policy=EVICT)
-    elif OWN is None:
-        x = round_to(sum_in_rank_order(SRC, slot_elems, src_offs, mask, SLOTS), SRC.dtype.element_ty)
     else:
-        own = to_f32(tl.load(OWN + offs, mask=mask, other=0.0))
-        x = round_to(sum_in_rank_order(SRC, slot_elems, src_offs, mask, SLOTS, own, rank), SRC.dtype.element_ty)
+        x = round_to(sum_in_rank_order(SRC, slot_elems, src_offs, mask, SLOTS), SRC.dtype.element_ty)
     if has_residual:
         x = round_to(to_f32(x) + to_f32(tl.load(RES + offs, mask=mask, other=0.0, eviction_policy=EVICT)), x.dtype)
     if store_out:
@@ -322,12 +318,12 @@ def _store_normed(x, inv, W, Y, row_offs, cols, mask, N, weight_offset, HAS_WEIG
 @triton.jit
 def norm_tile(SRC, src_rows, slot_elems, RES, W, Y, RES_OUT, rows, row_mask, N, eps, weight_offset, has_residual,
               store_out, BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, NUM_CHUNKS: tl.constexpr,
-              HAS_WEIGHT: tl.constexpr, SLOTS: tl.constexpr, OWN=None, rank=0):
+              HAS_WEIGHT: tl.constexpr, SLOTS: tl.constexpr):
     """The RMSNorm forward of one tile of rows, the body of every forward kernel.
 
     rows: [ROWS] row indices into the [n_rows, N] operands RES, Y and RES_OUT (masked by
     row_mask); src_rows: [ROWS] int64 element offsets of the same rows' first element in SRC
-    (see ``_load_norm_input`` for SRC, slot_elems, SLOTS, OWN and rank). Writes Y = rms_norm(x) and,
+    (see ``_load_norm_input`` for SRC, slot_elems and SLOTS). Writes Y = rms_norm(x) and,
     when store_out, RES_OUT = x, for x as ``_load_norm_input`` forms it. BLOCK_N, TAIL_N and
     NUM_CHUNKS are ``NormConfig``'s block_n, tail_n and num_chunks.
 
@@ -344,9 +340,9 @@ def norm_tile(SRC, src_rows, slot_elems, RES, W, Y, RES_OUT, rows, row_mask, N, 
         mask = row_mask[:, None] & (cols < N)
         tmask = row_mask[:, None] & (tcols < N)
         x = to_f32(_load_norm_input(SRC, src_offs + cols, slot_elems, RES, RES_OUT, row_offs + cols, mask,
-                                    has_residual, store_out, SLOTS, "", OWN, rank))
+                                    has_residual, store_out, SLOTS, ""))
         xt = to_f32(_load_norm_input(SRC, src_offs + tcols, slot_elems, RES, RES_OUT, row_offs + tcols, tmask,
-                                     has_residual, store_out, SLOTS, "", OWN, rank))
+                                     has_residual, store_out, SLOTS, ""))
         inv = inv_rms(tl.sum(x * x, axis=1) + tl.sum(xt * xt, axis=1), N, eps)
         _store_normed(x, inv, W, Y, row_offs, cols, mask, N, weight_offset, HAS_WEIGHT, "")
         _store_normed(xt, inv, W, Y, row_offs, tcols, tmask, N, weight_offset, HAS_WEIGHT, "")
@@ -357,7 +353,7 @@ def norm_tile(SRC, src_rows, slot_elems, RES, W, Y, RES_OUT, rows, row_mask, N, 
         cols = tl.arange(0, BLOCK_N)[None, :]
         mask = row_mask[:, None] & (cols < N)
         x = _load_norm_input(SRC, src_offs + cols, slot_elems, RES, RES_OUT, row_offs + cols, mask, has_residual,
-                             store_out, SLOTS, "", OWN, rank)
+                             store_out, SLOTS, "")
         xf = to_f32(x)
         inv = row_inv_rms(xf * xf, N, eps)
         if HOLD_NARROW:
@@ -376,7 +372,7 @@ def norm_tile(SRC, src_rows, slot_elems, RES, W, Y, RES_OUT, rows, row_mask, N, 
             ccols = c * BLOCK_N + cols
             mask = row_mask[:, None] & (ccols < N)
             x = to_f32(_load_norm_input(SRC, src_offs + ccols, slot_elems, RES, RES_OUT, row_offs + ccols, mask,
-                                        has_residual, store_out, SLOTS, KEEP, OWN, rank))
+                                        has_residual, store_out, SLOTS, KEEP))
             sq = tl.fma(x, x, sq)
         inv = row_inv_rms(sq, N, eps)
         if store_out:
@@ -391,7 +387,7 @@ def norm_tile(SRC, src_rows, slot_elems, RES, W, Y, RES_OUT, rows, row_mask, N, 
                 x = to_f32(tl.load(RES_OUT + row_offs + ccols, mask=mask, other=0.0, eviction_policy=DROP))
             else:
                 x = to_f32(_load_norm_input(SRC, src_offs + ccols, slot_elems, RES, RES_OUT, row_offs + ccols, mask,
-                                            has_residual, False, SLOTS, DROP, OWN, rank))
+                                            has_residual, False, SLOTS, DROP))
             _store_normed(x, inv, W, Y, row_offs, ccols, mask, N, weight_offset, HAS_WEIGHT, Y_CACHE)
 
 
