@@ -23,10 +23,11 @@ carries the current call's flag. Without this, a word last written 2**32 - 1 cal
 a reader's region of parity p is next written in call k + 2, which no peer starts before
 this rank has started call k + 1, after the zeroing kernel ended.
 
-The one-shot kernels over LL and Lamport words store nothing into the reader's own slot: a
-reader sums its peers' words and its own input, which it reads again from x (local memory the
-kernel has just read, where the slot would cost a store, a poll and a zeroing per byte). Its
-own slot stays zero.
+The one-shot kernels over the LL regions (the all-reduce's and the fused LL / Lamport kernel)
+store nothing into the reader's own slot: a reader sums its peers' words and its own input,
+which it reads again from x (local memory the kernel has just read, where the slot would cost
+a store, a poll and a zeroing per byte). Its own slot stays zero. (The fused row-wise kernel,
+in regions of its own, does use its own slot: ``tpfuse.kernels.fused``.)
 
 LL regions rotate by call parity, as the data regions do (a peer one call ahead writes the
 other parity), and hold nothing but LL words and Lamport words (``tpfuse.comm.workspace``).
