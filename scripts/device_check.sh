@@ -22,8 +22,12 @@
 #        AB_TREES (fused_ab, ll_ablation): the package trees to time side by side, each item
 #        DIR[:COMMIT], default ".": DIR holds a tpfuse package put first on PYTHONPATH (an older
 #        one: `mkdir ab && git archive <commit> tpfuse | tar -x -C ab`, untracked, so it
-#        travels), COMMIT its id for the results' headers. Every run is repeated per tree, in
-#        the order given, and its log and results tagged _t1, _t2, ...
+#        travels; DIR relative to the repository root), COMMIT its id for the results'
+#        headers ("." without one: TPFUSE_COMMIT; another DIR without one: unknown). Every
+#        run is repeated per tree, in the order given, and its log and results tagged _t1,
+#        _t2, ... The scripts come from the working tree, so across trees only the variants
+#        that swap nothing in the package compare (ll_ablation's base and copy, fused_ab's
+#        base and rows ones): the others assume this tree's device functions.
 # Run from the repository root (the device tool does). Wheels missing on the machine
 # (liger-kernel, quack-kernels and its CuTe DSL) and bundles (.whl/*.tgz) travel in .whl/
 # (carry it), wheels over a call's 64 MiB as parts in .whlparts/ over several calls, and are
@@ -63,7 +67,9 @@ run() {  # run NAME TIMEOUT CMD...: log to $OUT/NAME.log, remember failures
   echo "== $name exit $rc"; [ $rc -eq 0 ] || status=1
 }
 want() { [[ "$steps" == *" $1 "* ]]; }
-tree_commit() { [[ "$1" == *:* ]] && echo "${1##*:}" || echo "$TPFUSE_COMMIT"; }  # an AB_TREES item's commit
+tree_commit() {  # an AB_TREES item's commit
+  if [[ "$1" == *:* ]]; then echo "${1##*:}"; elif [ "$1" = . ]; then echo "$TPFUSE_COMMIT"; else echo unknown; fi
+}
 multi() { [ "$ngpu" -ge 2 ] || { echo "== $1: needs 2+ GPUs, skipped"; return 1; }; }
 want test_norm && run test_norm 300 python3 -m pytest -q -x tests/test_rms_norm.py tests/test_rms_norm_module.py
 want bench_norm && run bench_norm 540 python3 -m tpfuse.cli bench norm --out "$OUT" --plot ${BENCH_ARGS:-}

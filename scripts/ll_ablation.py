@@ -55,7 +55,8 @@ def _no_zero(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, t
 @triton.jit
 def _no_guard(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP: tl.constexpr,
               W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr = False, own=None):
-    acc = _no_zero(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP, W, ELEM, LAMPORT)
+    acc = _no_zero(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP, W, ELEM, LAMPORT,
+                   own)
     _zero(slot0, slot_words, woffs, wmask, rank, W)
     return acc
 

@@ -151,8 +151,8 @@ def test_lamport_tiles_grow_with_the_message(monkeypatch):
     monkeypatch.setitem(P.MAX_CTAS, "oneshot_lamport", 128)
     got = {kib: P.tile_and_warps("oneshot_lamport", kib << 10)
            for kib in (1, 8, 256, 512, 1024, 2048, 3000, 4096, 8192, 65536)}
-    assert got == {1: (2048, 4), 8: (2048, 4), 256: (2048, 4), 512: (4096, 8), 1024: (8192, 16), 2048: (16384, 16), 3000: (16384, 16),
-                   4096: (16384, 16), 8192: (16384, 16), 65536: (16384, 16)}
+    assert got == {1: (2048, 4), 8: (2048, 4), 256: (2048, 4), 512: (4096, 8), 1024: (8192, 16),
+                   2048: (16384, 16), 3000: (16384, 16), 4096: (16384, 16), 8192: (16384, 16), 65536: (16384, 16)}
     assert P.tile_and_warps("oneshot_ll", 8192) == (P.TILE_BYTES["oneshot_ll"], P.NUM_WARPS["oneshot_ll"])
 
 

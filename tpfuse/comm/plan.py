@@ -62,8 +62,8 @@ KiB = 1024
 #   into its own slot (04d26bf), the best tile grew fourfold: 2x H200 sweep at f592754
 #   (results/2xH200/tune_lamport_tiles.md, 128 CTAs): 2 KiB to 256 KiB, 4 KiB at 512 KiB
 #   (4.8 us, 2 KiB 5.1), 8 KiB on 16 warps at 1 MiB (6.55, the old rule's 2 KiB 7.14),
-#   16 KiB at 2 MiB (10.38, old 4 KiB 10.89) and 4 MiB (18.05, old 8 KiB 18.14): one tile
-#   per CTA, which this rule gives at every size swept.
+#   16 KiB at 2 MiB (10.38, old 4 KiB 10.89) and 4 MiB (18.05, old 8 KiB 18.14): tiles of
+#   nbytes / MAX_CTAS within the 2-16 KiB range, which this rule (1) gives at every size swept.
 # MAX_CTAS: CTAs per call, per algorithm. Every CTA of a grid must be resident at once
 #   (block b waits for block b of every peer, see tpfuse.kernels.sync), so a grid must stay
 #   at or below the SM count (132 on H200) with one CTA per SM; MAX_BLOCKS (flag slots) caps

@@ -29,7 +29,9 @@ Layout of one rank's buffer (every region starts at a multiple of ``ALIGN``)::
 Each data region (``data_bytes``) is cut into ``world_size`` one-shot slots (slot s holds
 rank s's whole input), or, for two-shot, into ``world_size`` scatter slots (slot s holds
 rank s's contribution to this rank's chunk) followed by ``world_size`` gather slots (slot s
-holds the reduced chunk s). One-shot and two-shot use the same bytes: every call of either
+holds the reduced chunk s). A rank's own one-shot and scatter slots are written only by the
+fused flag one-shot and two-shot; the other kernels read the rank's share from its input,
+and a rank's own slot in the LL regions is never written. One-shot and two-shot use the same bytes: every call of either
 algorithm ends only after every peer has started it, so no peer is ever more than one call
 ahead, and two data regions rotated by call parity keep call k+1's writes off call k's data
 (section 2.3).

@@ -2,8 +2,9 @@
 
 Each rank's result element is ``round(((f32(x_0) + f32(x_1)) + ...) + f32(x_{W-1}))``: fp32
 accumulation in rank order, one rounding (``tpfuse.reference.all_reduce``), on every rank
-and for every size, because the same ``sum_in_rank_order`` device function produces every
-output element of both algorithms.
+and for every size, because every output element of both algorithms comes from the same
+order of fp32 adds: ``sum_in_rank_order`` here, and ``tpfuse.kernels.ll``'s poll over LL and
+Lamport words, which sums in the same order.
 
 Both kernels push: a rank writes into its peers' workspaces and reads only its own, so
 every poll is of local memory and every remote access is a posted store.
@@ -15,8 +16,8 @@ every poll is of local memory and every remote access is a posted store.
   LL words in the LL regions, and the reader polls the words themselves; mid-size ones
   Lamport words there (the data as its own flag, half LL's bytes).
 - two-shot: each rank writes chunk c of its input into scatter slot ``rank`` of rank c (c not
-  itself); rank c sums its W - 1 scatter slots and its own chunk of x (in rank order), rounds once, and writes the result
-  straight into its own output and, in the all-gather, to the other ranks: "push" stores it
+  itself); rank c sums its W - 1 scatter slots and its own chunk of x (in rank order), rounds
+  once, and writes the result straight into its own output and, in the all-gather, to the other ranks: "push" stores it
   into gather slot c of every peer, which copies its W-1 gather slots to its output after
   the gather flags; "pull" stores it into its own gather slot c only, and every peer, after
   the gather flags, loads the W-1 other ranks' gather slots over the links straight into its

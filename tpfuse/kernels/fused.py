@@ -218,10 +218,10 @@ def rows_oneshot_all_reduce_norm_kernel(
     adds the residual and normalises, as ``norm_tile`` does, and stores only its own piece of
     y and residual_out. Nothing passes between CTAs of a rank but the Lamport words, so there
     is no handoff count and no release (``ll_oneshot_all_reduce_norm_kernel`` has both); each
-    CTA reads the whole tile instead of a piece. Unlike the other one-shot kernels, it also
-    stores its piece into its own slot and polls it there: a CTA waits for its siblings'
-    pieces, which orders their stores of residual_out after its read of the residual (below). A word is read by every CTA of its tile, so it
-    is zeroed by the next row-wise call, not by a reader (``tpfuse.comm.workspace``: the rows
+    CTA reads the whole tile instead of a piece. Unlike the kernel over the LL regions, it
+    stores its piece into its own slot too and polls it there: a CTA waits for its siblings'
+    pieces, which orders their stores of residual_out after its read of the residual (below).
+    A word is read by every CTA of its tile, so it is zeroed by the next row-wise call, not by a reader (``tpfuse.comm.workspace``: the rows
     regions rotate by row-wise call, ctrl[3], and the last call's bytes per slot are
     ctrl[4]). A CTA waits for pieces other CTAs store, so the grid must be resident at once,
     and under the interpreter, which runs CTAs one after another, a piece is a whole tile."""
