@@ -96,7 +96,7 @@ LL_MAX_BYTES = ({2: 128 * KiB, 4: 128 * KiB, 8: 64 * KiB} if not INTERPRETER els
 LAMPORT_MAX_BYTES = ({2: 0, 4: 0, 8: 0} if not INTERPRETER else
                      {2: 256 * KiB, 4: 256 * KiB, 8: 128 * KiB})
 NCCL_MIN_BYTES: dict[int, int | None] = {2: None, 4: None, 8: None}
-TILE_BYTES = ({"oneshot": 8 * KiB, "oneshot_ll": 1 * KiB, "oneshot_lamport": (2 * KiB, 32 * KiB), "twoshot": 8 * KiB}
+TILE_BYTES = ({"oneshot": 8 * KiB, "oneshot_ll": 1 * KiB, "oneshot_lamport": (2 * KiB, 16 * KiB), "twoshot": 8 * KiB}
               if not INTERPRETER else
               {"oneshot": 64 * KiB, "oneshot_ll": 64 * KiB, "oneshot_lamport": (64 * KiB, 64 * KiB),
                "twoshot": 64 * KiB})
