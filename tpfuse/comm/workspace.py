@@ -31,10 +31,10 @@ rank s's whole input), or, for two-shot, into ``world_size`` scatter slots (slot
 rank s's contribution to this rank's chunk) followed by ``world_size`` gather slots (slot s
 holds the reduced chunk s). A rank's own one-shot and scatter slots are written only by the
 fused flag one-shot and two-shot; the other kernels read the rank's share from its input,
-and a rank's own slot in the LL regions is never written. One-shot and two-shot use the same bytes: every call of either
-algorithm ends only after every peer has started it, so no peer is ever more than one call
-ahead, and two data regions rotated by call parity keep call k+1's writes off call k's data
-(section 2.3).
+and a rank's own slot in the LL regions is never written. One-shot and two-shot use the same
+bytes: every call of either algorithm ends only after every peer has started it, so no peer
+is ever more than one call ahead, and two data regions rotated by call parity keep call
+k+1's writes off call k's data (section 2.3).
 
 The LL regions are used by nothing but the one-shot calls over LL or Lamport words
 (``tpfuse.kernels.ll``): a word there is 0 between calls, and during a call 0 or written by

@@ -15,14 +15,14 @@ every poll is of local memory and every remote access is a posted store.
   Small messages use the LL protocol instead (``tpfuse.kernels.ll``): the same slots hold
   LL words in the LL regions, and the reader polls the words themselves; mid-size ones
   Lamport words there (the data as its own flag, half LL's bytes).
-- two-shot: each rank writes chunk c of its input into scatter slot ``rank`` of rank c (c not
-  itself); rank c sums its W - 1 scatter slots and its own chunk of x (in rank order), rounds
-  once, and writes the result straight into its own output and, in the all-gather, to the other ranks: "push" stores it
-  into gather slot c of every peer, which copies its W-1 gather slots to its output after
-  the gather flags; "pull" stores it into its own gather slot c only, and every peer, after
-  the gather flags, loads the W-1 other ranks' gather slots over the links straight into its
-  output (the one exception to "read only your own workspace"). Each rank moves 2(W-1)/W of
-  the message over the links either way.
+- two-shot: each rank writes chunk c of its input into scatter slot ``rank`` of rank c (c
+  not itself); rank c sums its W - 1 scatter slots and its own chunk of x (in rank order),
+  rounds once, and writes the result straight into its own output and, in the all-gather, to
+  the other ranks: "push" stores it into gather slot c of every peer, which copies its W-1
+  gather slots to its output after the gather flags; "pull" stores it into its own gather
+  slot c only, and every peer, after the gather flags, loads the W-1 other ranks' gather
+  slots over the links straight into its output (the one exception to "read only your own
+  workspace"). Each rank moves 2(W-1)/W of the message over the links either way.
 
 Addresses come from the workspace layout (``tpfuse.comm.workspace``), a table of the W ranks'
 workspace bases as mapped in this process (int64), and two integer arguments: this rank's own

@@ -221,9 +221,9 @@ def rows_oneshot_all_reduce_norm_kernel(
     CTA reads the whole tile instead of a piece. Unlike the kernel over the LL regions, it
     stores its piece into its own slot too and polls it there: a CTA waits for its siblings'
     pieces, which orders their stores of residual_out after its read of the residual (below).
-    A word is read by every CTA of its tile, so it is zeroed by the next row-wise call, not by a reader (``tpfuse.comm.workspace``: the rows
-    regions rotate by row-wise call, ctrl[3], and the last call's bytes per slot are
-    ctrl[4]). A CTA waits for pieces other CTAs store, so the grid must be resident at once,
+    A word is read by every CTA of its tile, so it is zeroed by the next row-wise call, not by
+    a reader (``tpfuse.comm.workspace``: the rows regions rotate by row-wise call, ctrl[3],
+    and the last call's bytes per slot are ctrl[4]). A CTA waits for pieces other CTAs store, so the grid must be resident at once,
     and under the interpreter, which runs CTAs one after another, a piece is a whole tile."""
     ELEM: tl.constexpr = X.dtype.element_ty
     WORD: tl.constexpr = lamport_word(ELEM)
@@ -373,8 +373,8 @@ def all_reduce_norm_into(x: torch.Tensor, weight: torch.Tensor | None, residual:
 
     x: this rank's contribution; residual: this rank's residual or None; writes y and
     residual_out (round(all_reduce(x) + residual), or all_reduce(x) without a residual).
-    residual_out may alias residual (as in ``tpfuse.kernels.norm.rms_norm_fwd``). Every rank must launch the same algo, grid
-    and rows_per_group (``tpfuse.comm.plan.FusedPlan``, from the shape only); protocol:
+    residual_out may alias residual (as in ``tpfuse.kernels.norm.rms_norm_fwd``). Every rank
+    must launch the same algo, grid and rows_per_group (``tpfuse.comm.plan.FusedPlan``, from the shape only); protocol:
     one-shot's, "flags", "ll" or "lamport" (x must fit the layout's ``ll_max_bytes`` or
     ``lamport_max_bytes``), or "rows" (``rows_oneshot_all_reduce_norm_kernel``: x must fit
     ``rows_max_bytes``, rows be held in registers without a tail, and grid be one CTA per
