@@ -223,8 +223,9 @@ def rows_oneshot_all_reduce_norm_kernel(
     pieces, which orders their stores of residual_out after its read of the residual (below).
     A word is read by every CTA of its tile, so it is zeroed by the next row-wise call, not by
     a reader (``tpfuse.comm.workspace``: the rows regions rotate by row-wise call, ctrl[3],
-    and the last call's bytes per slot are ctrl[4]). A CTA waits for pieces other CTAs store, so the grid must be resident at once,
-    and under the interpreter, which runs CTAs one after another, a piece is a whole tile."""
+    and the last call's bytes per slot are ctrl[4]). A CTA waits for pieces other CTAs store,
+    so the grid must be resident at once, and under the interpreter, which runs CTAs one after
+    another, a piece is a whole tile."""
     ELEM: tl.constexpr = X.dtype.element_ty
     WORD: tl.constexpr = lamport_word(ELEM)
     pid = tl.program_id(0)
