@@ -32,6 +32,10 @@ Variants (checked against split's bits every run):
   rows_4k_pieces row-wise up to 16 KiB in pieces of 4 KiB (FUSED_ROWS_PIECE_BYTES; 1 KiB as
                  shipped): fewer CTAs, so fewer writers for each tile's poll to wait out,
                  each storing more (a W=4 question: row-wise measured slower there);
+  lamport_4m     W=2's defaults (row-wise to 128 KiB), with the fused one-shot over Lamport words
+                 up to 4 MiB on every tile (FUSED_LAMPORT_MAX_BYTES and its wide twin; the
+                 table's 1 MiB and 512 KiB were tuned before the own slot went): whether it
+                 now beats the flag one-shot at 2 MiB;
   (rows_1m, at 864f179 only: row-wise to 1 MiB, the pieces of calls past FUSED_MAX_CTAS 1 KiB
                  pieces growing up to whole rows; slower at 128 tokens, results/2xH200/rows_1m_ab.)
   (redundant_norm, at acd19a5 only: every CTA of a one-row LL tile normalising the whole row,
@@ -98,9 +102,10 @@ def _double_pieces(n, dtype, protocol="ll", whole_tiles=False):
 VARIANTS = {"base": None, "no_prefetch": ("_prefetch_norm_operands", _no_prefetch),
             "relaxed_count": ("_count_piece", _relaxed_count), "double_pieces": ("ll_pieces", _double_pieces),
             "early_release": ("_begin", _early_release), "release_before_wait": ("ll_reduce", _release_before_wait),
-            "rows": None, "rows_64": None, "rows_128": None, "no_rows": None, "rows_4k_pieces": None}
+            "rows": None, "rows_64": None, "rows_128": None, "no_rows": None, "rows_4k_pieces": None,
+            "lamport_4m": None}
 ROWS_MAX_BYTES = {"rows": 16 << 10, "rows_64": 64 << 10, "rows_128": 128 << 10, "no_rows": 0,
-                  "rows_4k_pieces": 16 << 10}
+                  "rows_4k_pieces": 16 << 10, "lamport_4m": 128 << 10}
 TRANSITION = (128, 1, 4096)  # (tokens before, tokens after, hidden)
 
 
@@ -122,6 +127,8 @@ def main():
     plan.FUSED_ROWS_MAX_BYTES[world] = ROWS_MAX_BYTES.get(opts.variant, 0)
     if opts.variant == "rows_4k_pieces":
         plan.FUSED_ROWS_PIECE_BYTES = 4 << 10
+    if opts.variant == "lamport_4m":  # after the tables (imported with tpfuse.comm above)
+        plan.FUSED_LAMPORT_MAX_BYTES[world] = plan.FUSED_WIDE_LAMPORT_MAX_BYTES[world] = 4 << 20
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
     rows = []
