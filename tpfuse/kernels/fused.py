@@ -25,9 +25,10 @@ rank its own split result.
   each piece is summed into the workspace's local ``reduced`` region, and the CTA that
   finishes a tile's last piece normalises the tile from there
   (``ll_oneshot_all_reduce_norm_kernel``). Row-wise (``rows_oneshot_all_reduce_norm_kernel``,
-  small tiles and messages; by default on GPUs at W=2 only: ``tpfuse.comm.plan.FUSED_ROWS_MAX_BYTES``), every CTA
-  that stores a piece of a tile as Lamport words polls the whole tile and normalises it,
-  storing only its piece: no count between CTAs.
+  small tiles and messages; by default on GPUs at W=2 only:
+  ``tpfuse.comm.plan.FUSED_ROWS_MAX_BYTES``), every CTA that stores a piece of a tile as
+  Lamport words polls the whole tile and normalises it, storing only its piece: no count
+  between CTAs.
 - two-shot: rows are cut into W groups of ``rows_per_group`` (whole tiles); rank s stores
   group g into scatter slot s of rank g; rank g sums its W scatter slots, rounds once and
   stores the reduced group into gather slot g of every rank; after the gather flags every
@@ -375,12 +376,12 @@ def all_reduce_norm_into(x: torch.Tensor, weight: torch.Tensor | None, residual:
     x: this rank's contribution; residual: this rank's residual or None; writes y and
     residual_out (round(all_reduce(x) + residual), or all_reduce(x) without a residual).
     residual_out may alias residual (as in ``tpfuse.kernels.norm.rms_norm_fwd``). Every rank
-    must launch the same algo, grid and rows_per_group (``tpfuse.comm.plan.FusedPlan``, from the shape only); protocol:
-    one-shot's, "flags", "ll" or "lamport" (x must fit the layout's ``ll_max_bytes`` or
-    ``lamport_max_bytes``), or "rows" (``rows_oneshot_all_reduce_norm_kernel``: x must fit
-    ``rows_max_bytes``, rows be held in registers without a tail, and grid be one CTA per
-    piece of piece_elems elements, ``rows_pieces``); whole_tiles: Lamport's pieces are whole
-    row tiles (``ll_pieces``).
+    must launch the same algo, grid and rows_per_group (``tpfuse.comm.plan.FusedPlan``, from the
+    shape only); protocol: one-shot's, "flags", "ll" or "lamport" (x must fit the layout's
+    ``ll_max_bytes`` or ``lamport_max_bytes``), or "rows"
+    (``rows_oneshot_all_reduce_norm_kernel``: x must fit ``rows_max_bytes``, rows be held in
+    registers without a tail, and grid be one CTA per piece of piece_elems elements,
+    ``rows_pieces``); whole_tiles: Lamport's pieces are whole row tiles (``ll_pieces``).
     The rest as ``tpfuse.kernels.allreduce.all_reduce_into``.
     """
     n_rows, n = x.shape

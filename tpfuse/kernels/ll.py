@@ -178,8 +178,8 @@ def ll_wait(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, ti
     """The fp32 sum in rank order of the elements in the words at woffs (1-D, or 2-D for
     Lamport words; masked by wmask) of the W local slots, once every word has arrived (LL
     words: carries ``flag``; with LAMPORT, Lamport words: is not 0). The words are left as
-    they are. With ``own`` (this rank's elements widened to fp32, in element order; 1-D
-    woffs), slot ``rank`` is neither read nor waited for: own stands in for it, so a kernel
+    they are. With ``own`` (this rank's elements widened to fp32, in the words' element
+    order), slot ``rank`` is neither read nor waited for: own stands in for it, so a kernel
     that passes own need not store its elements into its own slot.
 
     Gives up, as ``sync.wait`` does, after ``timeout_ns`` or when the abort word is set (both
