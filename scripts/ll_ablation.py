@@ -7,17 +7,15 @@ One variant per process: Triton refuses a kernel whose globals changed after it 
 (Its variants guard64 and relaxed_end, at 407a231, are the kernels' own since: sync.GUARD_POLLS
 and sync.end_call. An earlier spin variant, over LL words a word at a time and slower everywhere,
 is at 6053190.)
-Variants (every one but "base" and "spin" gives wrong sums or drops a guard; measurement only):
+Variants (every one but "base" and "poll" gives wrong sums or drops a guard; measurement only):
   base      the kernel as it is;
   no_zero   the consumed words are not zeroed (LL: still waits on the flags; Lamport words:
             every call after the first takes the last call's words as arrived, so no wait);
   no_guard  the poll loop reads neither the abort word nor the clock;
   no_wait   no poll at all: the local slots are summed as they are (the floor without the
             cross-GPU wait);
-  spin      Lamport words: each thread spins in PTX on its own 16-byte vectors (one
-            ld.volatile.v4 per look, no CTA-wide decision between looks), then one CTA-wide
-            check; the guarded poll only if a vector is still missing after 2**16 looks. As
-            FlashInfer's one-shot waits (benchmarks/NOTES.md). LL words: as base;
+  poll      Lamport words: the CTA-wide poll from the first look, as before the per-thread
+            spin (``ll.ll_wait``'s SPIN; the spin as a variant was at d04b3d7); LL: as base;
   copy      no collective: a one-pass copy kernel on the same grid (the launch floor);
   zero_behind  LL words only: the consumed words are not zeroed after the poll; instead, before
             the first poll, the same number of words is zeroed in a scratch area (the workspace's
@@ -49,7 +47,8 @@ def _zero(slot0, slot_words, woffs, wmask, rank, W: tl.constexpr):
 
 @triton.jit
 def _no_zero(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP: tl.constexpr,
-             W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr = False, own=None):
+             W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr = False, own=None,
+             SPIN: tl.constexpr = False):
     acc, late = ll._poll(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT, own, rank)
     while late:
         acc, late = ll._poll(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT, own, rank)
@@ -58,7 +57,8 @@ def _no_zero(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, t
 
 @triton.jit
 def _no_guard(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP: tl.constexpr,
-              W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr = False, own=None):
+              W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr = False, own=None,
+              SPIN: tl.constexpr = False):
     acc = _no_zero(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP, W, ELEM, LAMPORT,
                    own)
     _zero(slot0, slot_words, woffs, wmask, rank, W)
@@ -67,78 +67,19 @@ def _no_guard(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, 
 
 @triton.jit
 def _no_wait(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP: tl.constexpr,
-             W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr = False, own=None):
+             W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr = False, own=None,
+             SPIN: tl.constexpr = False):
     acc, late = ll._poll(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT, own, rank)
     _zero(slot0, slot_words, woffs, wmask, rank, W)
     return acc
 
 
-@triton.constexpr_function
-def _spin_asm(word_bits):
-    """PTX of ``_spin_vectors``: $0-$3 the vector, $4 its least word, $5 the address, $6 live."""
-    if word_bits == 16:  # the smaller half of each register
-        least = "".join(f"and.b32 t0, ${r}, 65535; shr.u32 t1, ${r}, 16; min.u32 t0, t0, t1; "
-                        + ("mov.u32 $4, t0;\n" if r == 0 else "min.u32 $4, $4, t0;\n") for r in range(4))
-    else:
-        least = "min.u32 $4, $0, $1; min.u32 t0, $2, $3; min.u32 $4, $4, t0;\n"
-    return ("{\n.reg .pred p, q;\n.reg .u32 n, t0, t1;\n"
-            "mov.u32 $0, 0; mov.u32 $1, 0; mov.u32 $2, 0; mov.u32 $3, 0; mov.u32 $4, 0; mov.u32 n, 0;\n"
-            "setp.eq.u32 p, $6, 0;\n@p bra DONE;\nSPIN:\n"
-            "ld.volatile.global.v4.u32 {$0, $1, $2, $3}, [$5];\nadd.u32 n, n, 1;\n" + least +
-            "setp.eq.u32 p, $4, 0;\nsetp.lt.u32 q, n, 65536;\nand.pred p, p, q;\n@p bra SPIN;\nDONE:\n}")
-
-
 @triton.jit
-def _spin_vectors(ptrs, live, WORD_BITS: tl.constexpr):
-    """The four 32-bit registers of the 16-byte vector at each of ``ptrs`` (16-byte aligned),
-    loaded with ld.volatile until none of its WORD_BITS-bit words is 0 or 2**16 looks have
-    passed, and its least word (0: not all arrived); zeros where ``live`` is 0 (no load)."""
-    return tl.inline_asm_elementwise(_spin_asm(WORD_BITS), "=r,=r,=r,=r,=r,l,r", [ptrs, live],
-                                     dtype=(tl.uint32, ) * 5, is_pure=False, pack=1)
-
-
-@triton.jit
-def _firsts(t, VEC: tl.constexpr):
-    """Element 0 of each group of VEC (a power of two) consecutive elements of 1-D ``t``."""
-    n: tl.constexpr = t.shape[0] // VEC
-    for level in tl.static_range(VEC.bit_length() - 1):
-        t, _ = tl.split(tl.reshape(t, [n, VEC >> (level + 1), 2]))
-    return tl.reshape(t, [n])
-
-
-@triton.jit
-def _spin(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP: tl.constexpr,
-          W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr = False, own=None):
-    if not LAMPORT:
-        return ll.ll_reduce(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP, W, ELEM,
-                            LAMPORT, own)
-    BITS: tl.constexpr = slot0.dtype.element_ty.primitive_bitwidth
-    VEC: tl.constexpr = 128 // BITS
-    voffs = _firsts(woffs, VEC)
-    vmask = _firsts(wmask.to(tl.int32), VEC)  # the kernels' masks cover whole vectors
-    n: tl.constexpr = voffs.shape[0]
-    late = tl.zeros([n], tl.int1)  # per vector, in the spin's own layout (no layout change)
-    for s in tl.static_range(W):
-        if s == rank:  # a uniform scalar: the own slot is neither read nor waited for
-            vals = own
-        else:
-            a, b, c, d, least = _spin_vectors(slot0 + s * slot_words + voffs, vmask, BITS)
-            late = late | ((least == 0) & (vmask != 0))
-            regs = tl.reshape(tl.join(tl.join(a, c), tl.join(b, d)), [n * 4])
-            if BITS == 16:
-                words = tl.reshape(tl.join((regs & 0xFFFF).to(tl.uint16), (regs >> 16).to(tl.uint16)), [n * VEC])
-            else:
-                words = regs
-            _, vals = ll._arrived_f32(words, flag, ELEM, True)
-        if s == 0:
-            acc = vals
-        else:
-            acc += vals
-    if ll._any(late):  # after 2**16 looks: the guarded poll, with its timeout and abort word
-        acc = ll.ll_wait(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP, W, ELEM,
-                         LAMPORT, own)
-    _zero(slot0, slot_words, woffs, wmask, rank, W)
-    return acc
+def _poll_first(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP: tl.constexpr,
+                W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr = False, own=None,
+                SPIN: tl.constexpr = False):
+    return ll.ll_reduce(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP, W, ELEM,
+                        LAMPORT, own, False)
 
 
 ZB_OFFSET = tl.constexpr(0)  # byte offset of the workspace's reduced region, set in main() before compiling
@@ -147,7 +88,8 @@ ZB_STRIDE = tl.constexpr(8192)  # scratch words per slot: more than the LL sizes
 
 @triton.jit
 def _zero_behind(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP: tl.constexpr,
-                 W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr = False, own=None):
+                 W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr = False, own=None,
+                 SPIN: tl.constexpr = False):
     scratch = (ctrl.to(tl.pointer_type(tl.uint8)) + ZB_OFFSET).to(slot0.dtype)
     _zero(scratch, ZB_STRIDE, woffs, wmask, rank, W)
     return ll.ll_wait(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP, W, ELEM,
@@ -160,7 +102,7 @@ def _copy_kernel(x_ptr, out_ptr, numel, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=offs < numel), mask=offs < numel)
 
 
-VARIANTS = {"base": None, "no_zero": _no_zero, "no_guard": _no_guard, "no_wait": _no_wait, "spin": _spin,
+VARIANTS = {"base": None, "no_zero": _no_zero, "no_guard": _no_guard, "no_wait": _no_wait, "poll": _poll_first,
             "copy": None, "zero_behind": _zero_behind}
 
 

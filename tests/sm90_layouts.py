@@ -18,7 +18,7 @@ Usage: python tests/sm90_layouts.py '<json list of cases>'; prints one JSON obje
 oneshot_lamport: the one-shot kernel over LL and Lamport words; _whole: with whole row tiles), a layout being
 the reduced operand's type with its layout attribute written out. A case with "report": "guards" reports a
 collective kernel's warps and the layouts of its waits' stop decisions (tests/test_guard_layouts.py,
-``guard_reductions``). A case with "kernel":
+``guard_reductions``); "report": "spins", the Lamport one-shot's per-thread spins (``lamport_spins``). A case with "kernel":
 "backward" (or "chunked", the same for rows over 16384) or "forward" reports instead that
 norm kernel's registers and spill bytes per thread from ptxas (tests/test_norm_registers.py);
 one with "report": "reductions", the backward kernel's warps and row-reduction layouts
@@ -239,8 +239,31 @@ def guard_reductions(case: dict) -> dict:
     return {"case": case, "num_warps": kwargs["num_warps"], "give_up": spans}
 
 
+def lamport_spins(case: dict) -> dict:
+    """The one-shot all-reduce over Lamport words at W=2 on ``case["dtype"]`` tiles of
+    ``case["block"]`` elements and ``case["warps"]`` warps: its copies of the per-thread spin
+    (``ll._spin_vectors``, labels in the PTX), its 16-byte volatile loads and its layout
+    conversions (TTGIR), and the 16-byte vectors each thread holds per slot."""
+    from tpfuse.kernels.allreduce import all_reduce_into
+
+    world, dtype = 2, DTYPES[case["dtype"]]
+    layout = WorkspaceLayout(world, 1 << 24, 128, ll_max_bytes=1 << 16, lamport_max_bytes=1 << 22,
+                             rows_max_bytes=1 << 16)
+    x = torch.empty(1 << 19, dtype=dtype)
+    kernel, kwargs = _launch_args(lambda: all_reduce_into(
+        x, torch.empty_like(x), algo="oneshot", grid=128, block=case["block"], num_warps=case["warps"], chunk=0,
+        protocol="lamport", table=torch.zeros(world, dtype=torch.int64),
+        table_addrs=[(1 << 40) + r * (1 << 30) for r in range(world)], status_addr=1 << 36, rank=0, layout=layout,
+        timeout_ns=10**9))
+    compiled = _compile(kernel, kwargs)
+    ptx, ttgir = compiled.asm["ptx"], compiled.asm["ttgir"]
+    return {"case": case, "spins": ptx.count("SPIN:"), "vector_loads": ptx.count("ld.volatile.global.v4.u32"),
+            "converts": ttgir.count("ttg.convert_layout"),
+            "vectors_per_thread": case["block"] * dtype.itemsize // 16 // (32 * case["warps"])}
+
+
 if __name__ == "__main__":
     report = {"registers": kernel_registers, "reductions": backward_reductions, "layouts": layouts_for,
-              "guards": guard_reductions}
+              "guards": guard_reductions, "spins": lamport_spins}
     for c in json.loads(sys.argv[1]):
         print(json.dumps(report[c.get("report", "registers" if "kernel" in c else "layouts")](c)), flush=True)

@@ -39,3 +39,19 @@ def test_every_wait_decides_across_all_warps(compiled):
     # kernel's large tile run 32 warps, CTA_LANES / 32 threads
     warps = {r["case"]["kernel"] + r["case"].get("tile", ""): r["num_warps"] for r in compiled}
     assert warps["fused_twoshot"] == warps["quantlarge"] == 32 and warps["quantsmall"] == 16
+
+
+SPIN_CASES = [dict(report="spins", dtype="bf16", block=4096, warps=16), dict(report="spins", dtype="bf16", block=8192,
+              warps=16), dict(report="spins", dtype="fp32", block=2048, warps=16),
+              dict(report="spins", dtype="fp16", block=1024, warps=2)]
+
+
+def test_lamport_one_shot_spins_once_per_vector_and_slot():
+    """The one-shot all-reduce's threads spin on their own 16-byte vectors of Lamport words
+    (``ll.ll_wait``'s SPIN): the spin is in the kernel once per vector a thread holds and per
+    slot (the own slot's predicated off), with no layout conversion. Triton may rematerialise
+    the spin in a second layout, each copy a further L2 round trip (it does in the fused
+    kernel, which therefore polls); this fails if it starts to here."""
+    for r in compile_for_sm90(SPIN_CASES):
+        want = 2 * r["vectors_per_thread"]  # W = 2 slots
+        assert r["spins"] == r["vector_loads"] == want and r["converts"] == 0, r

@@ -166,7 +166,7 @@ def ll_oneshot_all_reduce_kernel(x_ptr, out_ptr, numel, n_words, table_ptr, loca
         woffs = tile * WORDS + tl.arange(0, WORDS)
         own = to_f32(tl.load(x_ptr + offs, mask=offs < numel))
         acc = ll_reduce(slot0, slot_words, woffs, woffs < n_words, flag, ctrl, status, epoch, rank, timeout_ns,
-                        OP_ONESHOT, W, ELEM, LAMPORT, own)
+                        OP_ONESHOT, W, ELEM, LAMPORT, own, SPIN=LAMPORT)
         tl.store(out_ptr + offs, round_to(acc, ELEM), mask=offs < numel)
     end_call(ctrl, epoch)
 

@@ -39,8 +39,9 @@ An element whose bits are all ones (a NaN) would complement to 0, so it is sent 
 with its sign bit clear: the sum is NaN either way, and NaN payload bits are not part of the
 contract (``tpfuse.reference``). Every other value arrives exactly. The reader polls the
 words until none is 0, so each element is checked on its own and a vector store that lands
-in pieces is waited out; consumed words are zeroed as above. One byte on the links per byte
-of data, where LL sends two, so Lamport serves one-shot messages up to
+in pieces is waited out (the one-shot all-reduce's threads each spin on their own 16-byte
+vectors first, ``ll_wait``'s SPIN); consumed words are zeroed as above. One byte on the
+links per byte of data, where LL sends two, so Lamport serves one-shot messages up to
 ``tpfuse.comm.plan.LAMPORT_MAX_BYTES``. (FlashInfer's version uses -0.0 as its sentinel
 and sends inputs' -0.0 as +0.0, changing the bits of signed zeros; complemented words cost
 no value's bits.)
@@ -51,8 +52,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tpfuse._runtime import INTERPRETER
 from tpfuse.kernels.common import to_f32
 from tpfuse.kernels.sync import GUARD_POLLS, _record_error, backoff, give_up, now_ns
+
+SPIN_LOOKS = tl.constexpr(1 << 16)
+"""The most looks a thread's first wait for a vector of Lamport words takes (``_spin``) before
+the CTA falls back to the guarded poll: about 40 ms at an L2 round trip each, against
+timeouts of seconds. The interpreter cannot run the PTX and polls from the start."""
+_SPIN_COMPILED = tl.constexpr(not INTERPRETER)
 
 
 @triton.jit
@@ -159,13 +167,83 @@ def _any(flags):
     return tl.max(lanes, 0) != 0
 
 
+@triton.constexpr_function
+def _spin_asm(word_bits):
+    """``_spin_vectors``'s PTX: $0-$3 the vector, $4 its least word, $5 the address, $6 live."""
+    if word_bits == 16:  # the smaller half of each register
+        least = "".join(f"and.b32 t0, ${r}, 65535; shr.u32 t1, ${r}, 16; min.u32 t0, t0, t1; "
+                        + ("mov.u32 $4, t0;\n" if r == 0 else "min.u32 $4, $4, t0;\n") for r in range(4))
+    else:
+        least = "min.u32 $4, $0, $1; min.u32 t0, $2, $3; min.u32 $4, $4, t0;\n"
+    return ("{\n.reg .pred p, q;\n.reg .u32 n, t0, t1;\n"
+            "mov.u32 $0, 0; mov.u32 $1, 0; mov.u32 $2, 0; mov.u32 $3, 0; mov.u32 $4, 0; mov.u32 n, 0;\n"
+            "setp.eq.u32 p, $6, 0;\n@p bra DONE;\nSPIN:\n"
+            "ld.volatile.global.v4.u32 {$0, $1, $2, $3}, [$5];\nadd.u32 n, n, 1;\n" + least +
+            f"setp.eq.u32 p, $4, 0;\nsetp.lt.u32 q, n, {SPIN_LOOKS.value};\nand.pred p, p, q;\n@p bra SPIN;\n"
+            "DONE:\n}")
+
+
+@triton.jit
+def _spin_vectors(ptrs, live, WORD_BITS: tl.constexpr):
+    """The four 32-bit registers of the 16-byte vector of Lamport words at each of ``ptrs``
+    (16-byte aligned), loaded with ld.volatile until none of its WORD_BITS-bit words is 0 or
+    SPIN_LOOKS looks have passed, and its least word (0: not every word has arrived); zeros,
+    and no load, where ``live`` is 0. Each thread loops on its own: no CTA-wide decision."""
+    return tl.inline_asm_elementwise(_spin_asm(WORD_BITS), "=r,=r,=r,=r,=r,l,r", [ptrs, live],
+                                     dtype=(tl.uint32, ) * 5, is_pure=False, pack=1)
+
+
+@triton.jit
+def _vector_ends(t, VEC: tl.constexpr):
+    """(first, last) element of each group of VEC (a power of two) consecutive elements of 1-D t."""
+    n: tl.constexpr = t.shape[0] // VEC
+    first = t
+    last = t
+    for level in tl.static_range(VEC.bit_length() - 1):
+        first, _ = tl.split(tl.reshape(first, [n, VEC >> (level + 1), 2]))
+        _, last = tl.split(tl.reshape(last, [n, VEC >> (level + 1), 2]))
+    return tl.reshape(first, [n]), tl.reshape(last, [n])
+
+
+@triton.jit
+def _spin(slot0, slot_words, woffs, wmask, W: tl.constexpr, ELEM: tl.constexpr, own, rank):
+    """``_poll``'s result for Lamport words at 1-D woffs (groups of 16 bytes, 16-byte
+    aligned), with ``own``, once each thread's vectors have arrived: each thread spins on its
+    own vectors (``_spin_vectors``), so a vector is summed one L2 round trip after it lands,
+    where a CTA-wide poll looks again only after every thread's last look. Vectors are taken
+    whole: one whose first and last words are both in wmask (the callers' masks are prefixes,
+    ending on a vector) is waited for; any other is reported late, for the guarded poll."""
+    BITS: tl.constexpr = slot0.dtype.element_ty.primitive_bitwidth
+    VEC: tl.constexpr = 128 // BITS
+    n: tl.constexpr = woffs.shape[0] // VEC
+    voffs = _vector_ends(woffs, VEC)[0]
+    first, last = _vector_ends(wmask.to(tl.int32), VEC)
+    live = first & last
+    late = tl.zeros([n], tl.int1)  # per vector, in the spin's layout
+    for s in tl.static_range(W):
+        mine = s == rank  # a uniform scalar: the own slot is neither read nor waited for
+        r0, r1, r2, r3, least = _spin_vectors(slot0 + s * slot_words + voffs, tl.where(mine, 0, live), BITS)
+        late = late | ((least == 0) & ((first | last) != 0) & (s != rank))
+        regs = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [n * 4])  # r0 r1 r2 r3
+        if BITS == 16:  # the lower-addressed word in the low half
+            words = tl.reshape(tl.join((regs & 0xFFFF).to(tl.uint16), (regs >> 16).to(tl.uint16)), [n * VEC])
+        else:
+            words = regs
+        vals = tl.where(mine, own, _arrived_f32(words, 0, ELEM, True)[1])
+        if s == 0:
+            acc = vals
+        else:
+            acc += vals
+    return acc, _any(late)
+
+
 @triton.jit
 def ll_reduce(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP: tl.constexpr,
-              W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr = False, own=None):
+              W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr = False, own=None, SPIN: tl.constexpr = False):
     """``ll_wait``'s sum of the words at woffs (masked by wmask) of the W local slots (with
     ``own``, of the W - 1 other slots and own); the words read are then zeroed."""
     acc = ll_wait(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP, W, ELEM, LAMPORT,
-                  own)
+                  own, SPIN)
     for s in tl.static_range(W):
         read = wmask if own is None else wmask & (s != rank)
         tl.store(slot0 + s * slot_words + woffs, tl.zeros_like(woffs).to(slot0.dtype.element_ty), mask=read)
@@ -174,7 +252,7 @@ def ll_reduce(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, 
 
 @triton.jit
 def ll_wait(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP: tl.constexpr,
-            W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr, own=None):
+            W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr, own=None, SPIN: tl.constexpr = False):
     """The fp32 sum in rank order of the elements in the words at woffs (1-D, or 2-D for
     Lamport words; masked by wmask) of the W local slots, once every word has arrived (LL
     words: carries ``flag``; with LAMPORT, Lamport words: is not 0). The words are left as
@@ -182,11 +260,22 @@ def ll_wait(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, ti
     order), slot ``rank`` is neither read nor waited for: own stands in for it, so a kernel
     that passes own need not store its elements into its own slot.
 
+    With SPIN (Lamport words at 1-D woffs, whole 16-byte vectors, and own), the first look
+    on a GPU is ``_spin``: each thread spins on its own vectors, for at most SPIN_LOOKS looks,
+    and the polls below run only if a vector is still missing after it. The one-shot
+    all-reduce passes it (2x H100: 1 MiB 6.64 -> 6.32 us, 4 MiB 17.9 -> 16.6;
+    benchmarks/NOTES.md). The fused kernel does not: in it Triton 3.6 rematerialises the
+    spin once per result and layout (eight spins per slot in its TTGIR), each a further L2
+    round trip.
+
     Gives up, as ``sync.wait`` does, after ``timeout_ns`` or when the abort word is set (both
     looked at, through ``sync.give_up``, when the first poll finds a word missing and every
     ``sync.GUARD_POLLS`` polls after it): it
     then records ``(OP, rank, first late peer, epoch)`` and returns whatever it saw."""
-    acc, late = _poll(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT, own, rank)
+    if SPIN and _SPIN_COMPILED:
+        acc, late = _spin(slot0, slot_words, woffs, wmask, W, ELEM, own, rank)
+    else:
+        acc, late = _poll(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT, own, rank)
     if late:  # `late` is a CTA-wide reduction, `stop` too (sync.give_up): all warps loop alike
         start = now_ns()
         stop = give_up(ctrl, start, start, timeout_ns)
