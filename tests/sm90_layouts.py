@@ -48,7 +48,7 @@ from triton.runtime.jit import JITFunction, create_function_from_signature  # no
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tpfuse.comm.workspace import WorkspaceLayout  # noqa: E402
-from tpfuse.kernels.fused import all_reduce_norm_into, rows_pieces  # noqa: E402
+from tpfuse.kernels.fused import all_reduce_norm_into, ll_pieces, rows_pieces  # noqa: E402
 from tpfuse.kernels import norm_bwd_chunked  # noqa: E402
 from tpfuse.kernels.norm import NormConfig, rms_norm_fwd  # noqa: E402
 from tpfuse.kernels.norm_bwd import rms_norm_bwd  # noqa: E402
@@ -240,26 +240,34 @@ def guard_reductions(case: dict) -> dict:
 
 
 def lamport_spins(case: dict) -> dict:
-    """The one-shot all-reduce over Lamport words at W=2 on ``case["dtype"]`` tiles of
-    ``case["block"]`` elements and ``case["warps"]`` warps: its copies of the per-thread spin
-    (``ll._spin_vectors``, labels in the PTX), its 16-byte volatile loads and its layout
-    conversions (TTGIR), and the 16-byte vectors each thread holds per slot."""
+    """The one-shot over Lamport words at W=2, ``case["kernel"]`` "allreduce" (``case["dtype"]``
+    tiles of ``case["block"]`` elements on ``case["warps"]`` warps) or "fused" (rows of
+    ``case["n"]``, ``case["rows"]`` of them, ``case["whole"]`` tiles): its copies of the
+    per-thread spin (``ll._spin_vectors``: labels in the PTX), its 16-byte volatile loads, and
+    the 16-byte vectors each thread holds per slot."""
     from tpfuse.kernels.allreduce import all_reduce_into
 
     world, dtype = 2, DTYPES[case["dtype"]]
     layout = WorkspaceLayout(world, 1 << 24, 128, ll_max_bytes=1 << 16, lamport_max_bytes=1 << 22,
                              rows_max_bytes=1 << 16)
-    x = torch.empty(1 << 19, dtype=dtype)
-    kernel, kwargs = _launch_args(lambda: all_reduce_into(
-        x, torch.empty_like(x), algo="oneshot", grid=128, block=case["block"], num_warps=case["warps"], chunk=0,
-        protocol="lamport", table=torch.zeros(world, dtype=torch.int64),
-        table_addrs=[(1 << 40) + r * (1 << 30) for r in range(world)], status_addr=1 << 36, rank=0, layout=layout,
-        timeout_ns=10**9))
-    compiled = _compile(kernel, kwargs)
-    ptx, ttgir = compiled.asm["ptx"], compiled.asm["ttgir"]
+    ranks = dict(table=torch.zeros(world, dtype=torch.int64), table_addrs=[(1 << 40) + r * (1 << 30) for r in range(world)],
+                 status_addr=1 << 36, rank=0, layout=layout, timeout_ns=10**9)
+    if case["kernel"] == "allreduce":
+        x = torch.empty(1 << 19, dtype=dtype)
+        launch = lambda: all_reduce_into(  # noqa: E731
+            x, torch.empty_like(x), algo="oneshot", grid=128, block=case["block"], num_warps=case["warps"], chunk=0,
+            protocol="lamport", **ranks)
+        words = case["block"]
+    else:
+        x = torch.empty(case["rows"], case["n"], dtype=dtype)
+        launch = lambda: all_reduce_norm_into(  # noqa: E731
+            x, torch.empty(case["n"], dtype=dtype), x.clone(), x.clone(), x.clone(), 1e-6, 0.0, algo="oneshot", grid=4,
+            rows_per_group=case["rows"], protocol="lamport", whole_tiles=case["whole"], **ranks)
+        words = ll_pieces(case["n"], dtype, "lamport", case["whole"])[0]
+    kernel, kwargs = _launch_args(launch)
+    ptx = _compile(kernel, kwargs).asm["ptx"]
     return {"case": case, "spins": ptx.count("SPIN:"), "vector_loads": ptx.count("ld.volatile.global.v4.u32"),
-            "converts": ttgir.count("ttg.convert_layout"),
-            "vectors_per_thread": case["block"] * dtype.itemsize // 16 // (32 * case["warps"])}
+            "vectors_per_thread": max(1, words * dtype.itemsize // 16 // (32 * kwargs["num_warps"]))}
 
 
 if __name__ == "__main__":

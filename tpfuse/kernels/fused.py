@@ -185,11 +185,18 @@ def ll_oneshot_all_reduce_norm_kernel(
     arrived = (local + handoff_offset).to(tl.pointer_type(tl.int64))
     for piece in range(pid, n_tiles * PIECES, grid):
         woffs, wmask = _piece_words(piece, tile_words, n_words, PIECE_WORDS, PIECES)
-        own = to_f32(tl.reshape(tl.load(X + woffs[:, None] * PACK + packs, mask=wmask[:, None]), [PIECE_WORDS * PACK]))
+        if LAMPORT:  # a word per element
+            own = to_f32(tl.load(X + woffs, mask=wmask))
+        else:
+            own = to_f32(tl.reshape(tl.load(X + woffs[:, None] * PACK + packs, mask=wmask[:, None]),
+                                    [PIECE_WORDS * PACK]))
         acc = ll_reduce(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns,
-                        OP_FUSED_ONESHOT, WORLD, ELEM, LAMPORT, own)
-        tl.store(reduced + woffs[:, None] * PACK + packs, tl.reshape(round_to(acc, ELEM), [PIECE_WORDS, PACK]),
-                 mask=wmask[:, None])
+                        OP_FUSED_ONESHOT, WORLD, ELEM, LAMPORT, own, SPIN=LAMPORT)
+        if LAMPORT:
+            tl.store(reduced + woffs, round_to(acc, ELEM), mask=wmask)
+        else:
+            tl.store(reduced + woffs[:, None] * PACK + packs, tl.reshape(round_to(acc, ELEM), [PIECE_WORDS, PACK]),
+                     mask=wmask[:, None])
         tl.debug_barrier()  # every thread's stores of the piece precede the count (release)
         tile = piece // PIECES
         rows = tile * ROWS + tl.arange(0, ROWS)

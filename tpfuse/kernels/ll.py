@@ -39,7 +39,7 @@ An element whose bits are all ones (a NaN) would complement to 0, so it is sent 
 with its sign bit clear: the sum is NaN either way, and NaN payload bits are not part of the
 contract (``tpfuse.reference``). Every other value arrives exactly. The reader polls the
 words until none is 0, so each element is checked on its own and a vector store that lands
-in pieces is waited out (the one-shot all-reduce's threads each spin on their own 16-byte
+in pieces is waited out (the one-shot kernels' threads each spin on their own 16-byte
 vectors first, ``ll_wait``'s SPIN); consumed words are zeroed as above. One byte on the
 links per byte of data, where LL sends two, so Lamport serves one-shot messages up to
 ``tpfuse.comm.plan.LAMPORT_MAX_BYTES``. (FlashInfer's version uses -0.0 as its sentinel
@@ -262,11 +262,12 @@ def ll_wait(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, ti
 
     With SPIN (Lamport words at 1-D woffs, whole 16-byte vectors, and own), the first look
     on a GPU is ``_spin``: each thread spins on its own vectors, for at most SPIN_LOOKS looks,
-    and the polls below run only if a vector is still missing after it. The one-shot
-    all-reduce passes it (2x H100: 1 MiB 6.64 -> 6.32 us, 4 MiB 17.9 -> 16.6;
-    benchmarks/NOTES.md). The fused kernel does not: in it Triton 3.6 rematerialises the
-    spin once per result and layout (eight spins per slot in its TTGIR), each a further L2
-    round trip.
+    and the polls below run only if a vector is still missing after it (2x H100, the
+    one-shot all-reduce: 1 MiB 6.6 -> 6.3 us, 4 MiB 17.9 -> 16.7; benchmarks/NOTES.md). The
+    callers pass own in woffs' 1-D layout: where own and the sum went through a 2-D
+    reshape, Triton 3.6 rematerialised the spin once per result and layout (eight spins
+    per slot in the fused kernel's TTGIR, each a further L2 round trip);
+    tests/test_guard_layouts.py counts them.
 
     Gives up, as ``sync.wait`` does, after ``timeout_ns`` or when the abort word is set (both
     looked at, through ``sync.give_up``, when the first poll finds a word missing and every
