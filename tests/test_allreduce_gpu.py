@@ -25,9 +25,9 @@ if NGPU < 2:
     pytest.skip("needs at least 2 CUDA GPUs", allow_module_level=True)
 
 WORLDS = sorted({2, NGPU})
-PROTOCOL_KNOBS = {"LAMPORT_MAX_BYTES": 1 << 20}
-"""One-shot over LL words to the table's LL_MAX_BYTES, Lamport words to 1 MiB, flags above,
-whatever the world size's table says (it may not use Lamport words at all)."""
+PROTOCOL_KNOBS = {"LL_MAX_BYTES": 8 << 10, "LAMPORT_MAX_BYTES": 1 << 20}
+"""One-shot over LL words to 8 KiB, Lamport words to 1 MiB, flags above, whatever the world
+size's table says (W=2's uses no LL words, W=8's no Lamport words)."""
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 POOL = (1 << 23) + 64  # elements per rank and dtype: the largest size at any offset below 64
 
