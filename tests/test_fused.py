@@ -343,7 +343,7 @@ def test_fused_plan_runs_small_tiles_row_wise(monkeypatch):
     assert FusedPlan.from_shape(1, 4096, 2, bf16, layout, "twoshot").protocol == "flags"
     small = FusedPlan.from_shape(3, 256, 2, bf16, layout)  # one tile (NormConfig's rows) holds all three
     assert (small.protocol, small.grid) == ("rows", NormConfig.from_shape(256, bf16).rows * 256 * 2 // 1024)
-    monkeypatch.setitem(plan.FUSED_ROWS_MAX_BYTES, 2, 256 << 10)  # past W=2's 128 KiB: the CTA cap rules
+    monkeypatch.setitem(plan.FUSED_ROWS_MAX_BYTES, 2, 256 << 10)  # past W=2's 64 KiB: the CTA cap rules
     wide = WorkspaceLayout(2, 1 << 20, 128, ll_max_bytes=64 << 10, rows_max_bytes=256 << 10)
     p = FusedPlan.from_shape(16, 4096, 2, bf16, wide)
     assert (p.protocol, p.grid) == ("rows", 128)  # 128 pieces, FUSED_MAX_CTAS

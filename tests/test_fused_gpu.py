@@ -32,7 +32,7 @@ ALGOS = ["oneshot", "twoshot", "auto", "split"]
 PROTOCOL_KNOBS = {"LAMPORT_MAX_BYTES": 4 << 20, "FUSED_LL_MAX_BYTES": 16 << 10, "FUSED_LAMPORT_MAX_BYTES": 4 << 20,
                   "FUSED_WIDE_LL_MAX_BYTES": 32 << 10, "FUSED_WIDE_LAMPORT_MAX_BYTES": 4 << 20}
 """The fused one-shot row-wise as the world size's default says (FUSED_ROWS_MAX_BYTES: to
-128 KiB at W=2, where the tile allows; never at W=4, so its LL path runs there), over LL words
+64 KiB at W=2, where the tile allows; never at W=4, so its LL path runs there), over LL words
 to 16 KiB (rows on the wide tile: to 32 KiB; W=2's table sends none over LL words), Lamport
 words to 4 MiB, flags above, whatever the world size's table says (it may not use Lamport words
 at all)."""

@@ -58,8 +58,8 @@ class Communicator:
     2 * world_size slots of the larger of twice the LL messages' and the Lamport messages' bytes
     and one more of the larger for the fused kernel's rows, and 3 * world_size slots of the
     row-wise fused kernel's largest message, ``plan.workspace_layout``: 4.5 MiB at W=4, whose
-    table has Lamport words to 512 KiB and no row-wise calls, 69 MiB in all; 21 MiB at W=2,
-    whose table has Lamport words to 4 MiB and row-wise calls to 128 KiB, 85 MiB in all);
+    table has Lamport words to 512 KiB and no row-wise calls, 69 MiB in all; 40 MiB at W=2,
+    whose table has Lamport words to 8 MiB and row-wise calls to 64 KiB, 104 MiB in all);
     ``max_bytes`` defaults to 16 MiB on GPUs, 1 MiB on CPU). ``close()`` releases it (local,
     after the rank's last call); the communicator is also a context manager.
 

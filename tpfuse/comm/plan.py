@@ -303,20 +303,22 @@ FUSED_TWOSHOT_MAX_BYTES = {2: 0, 4: 0, 8: 0}
 #   CTAs of 4 warps, each polling an 8192-lane row). The kernel, 2x H200 at 93bad7f
 #   (results/2xH200/fused_ab.md), against the same tree with it off: hidden 4096 x 1 / 2 / 4 /
 #   8 / 16 tokens 3.95 / 4.26 / 4.64 / 4.78 / 5.42 us against 4.62 / 4.95 / 5.11 / 5.38 / 5.64,
-#   2880 x 1 / 16 3.91 / 5.04 against 4.48 / 5.44: W=2's 128 KiB, as far as FUSED_MAX_CTAS's
-#   128 one-KiB pieces reach at hidden 4096. 4x H200, W=4 (results/4xH200/fused_ab_w4.md):
+#   2880 x 1 / 16 3.91 / 5.04 against 4.48 / 5.44. Once the Lamport kernel's threads spin on
+#   their own vectors (results/2xH200/fused_rows_ab.md, 2e67899): 4096 x 1 / 2 / 4 / 8 / 16
+#   3.97 / 4.33 / 4.57 / 4.78 / 5.45 against 4.53 / 4.48 / 4.62 / 4.87 / 5.13 (split 5.36 at 16),
+#   2880 x 16 5.06 against 4.99: W=2's 64 KiB. 4x H200, W=4 (results/4xH200/fused_ab_w4.md):
 #   slower, 4096 x 1 5.51 against 4.81, so never there; W=8 never, not measured. Narrower rows
 #   take it by the same rule, unmeasured (bf16 hidden 1024 to 64 tokens, 256 to 256: 128
 #   CTAs, each polling a tile of at most 8 KiB as at 4096). A row-wise call first zeroes the last
-#   one's words (up to W x 128 KiB), on its own grid: after a 16-token call a 1-token call at
-#   4096 zeroes 256 KiB on 8 CTAs, once, on a change of batch size. Not swept by `tpfuse tune`,
+#   one's words (up to W x 64 KiB), on its own grid: after an 8-token call a 1-token call at
+#   4096 zeroes 128 KiB on 8 CTAs, once, on a change of batch size. Not swept by `tpfuse tune`,
 #   which times the other protocols with it off; row-wise also needs FUSED_ONESHOT_MAX_BYTES
 #   (the "auto" one-shot limit) to reach it, which a table could set below it unmeasured.
 # FUSED_ROWS_PIECE_BYTES: bytes of x each CTA of a row-wise call stores, 1 KiB: the LL kernel's
 #   pieces at hidden 4096 (8 CTAs a row), as in the measurement above. The interpreter runs
 #   CTAs one after another, so a CTA waiting for pieces of its own rank that a later CTA stores
 #   would wait for ever: there a piece is a whole tile.
-FUSED_ROWS_MAX_BYTES = {2: 128 * KiB, 4: 0, 8: 0} if not INTERPRETER else {2: 1 * KiB, 4: 1 * KiB, 8: 1 * KiB}
+FUSED_ROWS_MAX_BYTES = {2: 64 * KiB, 4: 0, 8: 0} if not INTERPRETER else {2: 1 * KiB, 4: 1 * KiB, 8: 1 * KiB}
 FUSED_ROWS_MAX_TILE_BYTES = 8 * KiB
 FUSED_ROWS_PIECE_BYTES = 1 * KiB if not INTERPRETER else 64 * KiB
 # FUSED_WIDE_TILE: (hidden, dtype) of the row on which `tpfuse tune` measures the FUSED_WIDE_*
