@@ -32,10 +32,11 @@ Variants (checked against split's bits every run):
   rows_4k_pieces row-wise up to 16 KiB in pieces of 4 KiB (FUSED_ROWS_PIECE_BYTES; 1 KiB as
                  shipped): fewer CTAs, so fewer writers for each tile's poll to wait out,
                  each storing more (a W=4 question: row-wise measured slower there);
-  lamport_4m     W=2's defaults (row-wise to 128 KiB), with the fused one-shot over Lamport words
-                 up to 4 MiB on every tile (FUSED_LAMPORT_MAX_BYTES and its wide twin; the
-                 table's 1 MiB and 512 KiB were tuned before the own slot went): whether it
-                 now beats the flag one-shot at 2 MiB;
+  lamport_4m     W=2's defaults (row-wise to 128 KiB until db6fbb8, 64 KiB since), with the
+                 fused one-shot over Lamport words up to 4 MiB on every tile
+                 (FUSED_LAMPORT_MAX_BYTES and its wide twin; the table's 1 MiB and 512 KiB
+                 were tuned before the own slot went): whether it now beats the flag
+                 one-shot at 2 MiB;
   (rows_1m, at 864f179 only: row-wise to 1 MiB, the pieces of calls past FUSED_MAX_CTAS 1 KiB
                  pieces growing up to whole rows; slower at 128 tokens, results/2xH200/rows_1m_ab.)
   (redundant_norm, at acd19a5 only: every CTA of a one-row LL tile normalising the whole row,

@@ -11,7 +11,8 @@ Variants (every one but "base" and "poll" gives wrong sums or drops a guard; mea
   base      the kernel as it is;
   no_zero   the consumed words are not zeroed (LL: still waits on the flags; Lamport words:
             every call after the first takes the last call's words as arrived, so no wait);
-  no_guard  the poll loop reads neither the abort word nor the clock;
+  no_guard  the poll loop reads neither the abort word nor the clock (over Lamport words it
+            also polls CTA-wide, without base's per-thread spin: compare it with poll);
   no_wait   no poll at all: the local slots are summed as they are (the floor without the
             cross-GPU wait);
   poll      Lamport words: the CTA-wide poll from the first look, as before the per-thread
@@ -21,6 +22,8 @@ Variants (every one but "base" and "poll" gives wrong sums or drops a guard; mea
             the first poll, the same number of words is zeroed in a scratch area (the workspace's
             ``reduced`` region), as a kernel that clears the previous call's words while it
             waits would (the timing of that idea, not a protocol: Lamport sizes would not wait).
+            W=2's table sends no size over LL words since 2e67899: run it there with
+            TPFUSE_TABLE_DIR holding a table that has LL_MAX_BYTES.
 """
 
 import argparse

@@ -18,7 +18,8 @@ Usage: python tests/sm90_layouts.py '<json list of cases>'; prints one JSON obje
 oneshot_lamport: the one-shot kernel over LL and Lamport words; _whole: with whole row tiles), a layout being
 the reduced operand's type with its layout attribute written out. A case with "report": "guards" reports a
 collective kernel's warps and the layouts of its waits' stop decisions (tests/test_guard_layouts.py,
-``guard_reductions``); "report": "spins", the Lamport one-shot's per-thread spins (``lamport_spins``). A case with "kernel":
+``guard_reductions``); "report": "spins", the Lamport one-shot's per-thread spins
+(``lamport_spins``). A case with "kernel":
 "backward" (or "chunked", the same for rows over 16384) or "forward" reports instead that
 norm kernel's registers and spill bytes per thread from ptxas (tests/test_norm_registers.py);
 one with "report": "reductions", the backward kernel's warps and row-reduction layouts
@@ -240,8 +241,9 @@ def guard_reductions(case: dict) -> dict:
 
 
 def lamport_spins(case: dict) -> dict:
-    """The one-shot over Lamport words at W=2, ``case["kernel"]`` "allreduce" (``case["dtype"]``
-    tiles of ``case["block"]`` elements on ``case["warps"]`` warps) or "fused" (rows of
+    """The one-shot over Lamport words at W=2 on ``case.get("rank", 0)``, ``case["kernel"]``
+    "allreduce" (``case["dtype"]`` tiles of ``case["block"]`` elements on ``case["warps"]`` warps,
+    ``case.get("numel", 2**19)`` elements) or "fused" (rows of
     ``case["n"]``, ``case["rows"]`` of them, ``case["whole"]`` tiles): its copies of the
     per-thread spin (``ll._spin_vectors``: labels in the PTX), its 16-byte volatile loads, and
     the 16-byte vectors each thread holds per slot."""
@@ -250,10 +252,11 @@ def lamport_spins(case: dict) -> dict:
     world, dtype = 2, DTYPES[case["dtype"]]
     layout = WorkspaceLayout(world, 1 << 24, 128, ll_max_bytes=1 << 16, lamport_max_bytes=1 << 22,
                              rows_max_bytes=1 << 16)
-    ranks = dict(table=torch.zeros(world, dtype=torch.int64), table_addrs=[(1 << 40) + r * (1 << 30) for r in range(world)],
-                 status_addr=1 << 36, rank=0, layout=layout, timeout_ns=10**9)
+    ranks = dict(table=torch.zeros(world, dtype=torch.int64),
+                 table_addrs=[(1 << 40) + r * (1 << 30) for r in range(world)], status_addr=1 << 36,
+                 rank=case.get("rank", 0), layout=layout, timeout_ns=10**9)  # rank 1: a constant to Triton
     if case["kernel"] == "allreduce":
-        x = torch.empty(1 << 19, dtype=dtype)
+        x = torch.empty(case.get("numel", 1 << 19), dtype=dtype)
         launch = lambda: all_reduce_into(  # noqa: E731
             x, torch.empty_like(x), algo="oneshot", grid=128, block=case["block"], num_warps=case["warps"], chunk=0,
             protocol="lamport", **ranks)
@@ -261,8 +264,8 @@ def lamport_spins(case: dict) -> dict:
     else:
         x = torch.empty(case["rows"], case["n"], dtype=dtype)
         launch = lambda: all_reduce_norm_into(  # noqa: E731
-            x, torch.empty(case["n"], dtype=dtype), x.clone(), x.clone(), x.clone(), 1e-6, 0.0, algo="oneshot", grid=4,
-            rows_per_group=case["rows"], protocol="lamport", whole_tiles=case["whole"], **ranks)
+            x, torch.empty(case["n"], dtype=dtype), x.clone(), x.clone(), x.clone(), 1e-6, 0.0, algo="oneshot",
+            grid=4, rows_per_group=case["rows"], protocol="lamport", whole_tiles=case["whole"], **ranks)
         words = ll_pieces(case["n"], dtype, "lamport", case["whole"])[0]
     kernel, kwargs = _launch_args(launch)
     ptx = _compile(kernel, kwargs).asm["ptx"]

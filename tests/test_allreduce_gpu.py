@@ -60,12 +60,12 @@ class _Checker(PoolChecker):
         return out
 
 
-def _sizes_dtypes_algos(sizes):
+def _sizes_dtypes_algos(sizes, knobs):
     from tpfuse.comm import Communicator
     from tpfuse.comm.plan import AllReducePlan
 
     world = dist.get_world_size()
-    with tables.applied(world, PROTOCOL_KNOBS), Communicator(timeout_s=30) as comm:
+    with tables.applied(world, knobs), Communicator(timeout_s=30) as comm:
         check = _Checker(comm, _pools(world))
         for n in sizes:
             for dtype in DTYPES:
@@ -194,10 +194,14 @@ def _no_failures(results):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.parametrize("knobs", ["pinned", "table"])
 @pytest.mark.parametrize("world", WORLDS)
-def test_gpu_bitwise_equal_to_reference_at_real_sizes(world):
+def test_gpu_bitwise_equal_to_reference_at_real_sizes(world, knobs):
+    """Under PROTOCOL_KNOBS, which reach every protocol, and under the world size's table as
+    it ships (W=2's: Lamport words to 8 MiB, several vectors a thread, odd sizes)."""
     sizes = [1, 7, 8, 1000, 4097, 65536, 100_003, 1 << 20, 3_000_001, 1 << 23]
-    _no_failures(run_ranks(world, _sizes_dtypes_algos, sizes, backend="nccl", timeout_s=600))
+    _no_failures(run_ranks(world, _sizes_dtypes_algos, sizes, PROTOCOL_KNOBS if knobs == "pinned" else {},
+                           backend="nccl", timeout_s=600))
 
 
 def test_gpu_nan_inf_and_signed_zeros_through_every_protocol():

@@ -45,6 +45,7 @@ SPIN_CASES = [dict(kernel="allreduce", dtype="bf16", block=4096, warps=16),
               dict(kernel="allreduce", dtype="bf16", block=8192, warps=16),
               dict(kernel="allreduce", dtype="fp32", block=2048, warps=16),
               dict(kernel="allreduce", dtype="fp16", block=1024, warps=2),
+              dict(kernel="allreduce", dtype="bf16", block=4096, warps=16, rank=1, numel=(1 << 19) + 7),
               dict(kernel="fused", dtype="bf16", n=4096, rows=1, whole=False),
               dict(kernel="fused", dtype="bf16", n=4096, rows=128, whole=True),
               dict(kernel="fused", dtype="fp32", n=5120, rows=4, whole=False)]
@@ -56,6 +57,8 @@ def test_lamport_one_shots_spin_once_per_vector_and_slot():
     slot (the own slot's predicated off). Triton rematerialises the spin in every layout its
     results are used in, each copy a further L2 round trip (it did in the fused kernel, eight
     copies per slot, while the own rows went through a 2-D reshape); this fails if it does."""
-    for r in compile_for_sm90([dict(c, report="spins") for c in SPIN_CASES]):
+    reports = compile_for_sm90([dict(c, report="spins") for c in SPIN_CASES])
+    assert [r["case"]["kernel"] for r in reports] == [c["kernel"] for c in SPIN_CASES]
+    for r in reports:
         want = 2 * r["vectors_per_thread"]  # W = 2 slots
         assert r["spins"] == r["vector_loads"] == want, r

@@ -261,7 +261,8 @@ class AllReducePlan:
 #   49152-65536; fp32 4112-16384) go fused only once the call has a row tile for each of
 #   FUSED_MAX_CTAS CTAs (2x H100, hidden 5120 bf16, flags: 16 tokens 9.1 us fused vs 7.9
 #   split, 128 tokens 13.0 vs 15.6). That needs 128 rows under FUSED_ONESHOT_MAX_BYTES, which
-#   only W=2's table (2 MiB) allows at these sizes; other hidden sizes there are unmeasured.
+#   no table allows at these sizes now (W=2's 1 MiB since 2e67899 holds 128 rows of 4096 bf16
+#   at most; the wide tile's own knob covers hidden 6160-8192); the rule stays for tables that do.
 # FUSED_LL_MAX_BYTES: largest message the fused one-shot sends over LL, by world size (within
 #   the workspace's LL regions, which it sizes with LL_MAX_BYTES); "auto" takes the
 #   fused one-shot for these whatever FUSED_ONESHOT_MAX_VECTORS says: that kernel spreads each

@@ -58,9 +58,10 @@ from tpfuse.kernels.sync import GUARD_POLLS, _record_error, backoff, give_up, no
 
 SPIN_LOOKS = tl.constexpr(1 << 16)
 """The most looks a thread's first wait for a vector of Lamport words takes (``_spin``) before
-the CTA falls back to the guarded poll: about 40 ms at an L2 round trip each, against
-timeouts of seconds. The interpreter cannot run the PTX and polls from the start."""
-_SPIN_COMPILED = tl.constexpr(not INTERPRETER)
+the CTA falls back to the guarded poll: about 40 ms at an L2 round trip each. The spin reads
+neither the clock nor the abort word (a read of it would sit on every call's critical path),
+so a wait that ends in a timeout or meets an abort first spends up to SPIN_LOOKS looks per
+vector a thread holds, per peer slot and per tile, bounded, against timeouts of seconds."""
 
 
 @triton.jit
@@ -175,22 +176,46 @@ def _spin_asm(word_bits):
                         + ("mov.u32 $4, t0;\n" if r == 0 else "min.u32 $4, $4, t0;\n") for r in range(4))
     else:
         least = "min.u32 $4, $0, $1; min.u32 t0, $2, $3; min.u32 $4, $4, t0;\n"
-    return ("{\n.reg .pred p, q;\n.reg .u32 n, t0, t1;\n"
+    # live ($6) is read before any output is written: an output may share its register
+    return ("{\n.reg .pred p, q;\n.reg .u32 n, t0, t1;\nsetp.eq.u32 p, $6, 0;\n"
             "mov.u32 $0, 0; mov.u32 $1, 0; mov.u32 $2, 0; mov.u32 $3, 0; mov.u32 $4, 0; mov.u32 n, 0;\n"
-            "setp.eq.u32 p, $6, 0;\n@p bra DONE;\nSPIN:\n"
+            "@p bra DONE;\nSPIN:\n"
             "ld.volatile.global.v4.u32 {$0, $1, $2, $3}, [$5];\nadd.u32 n, n, 1;\n" + least +
             f"setp.eq.u32 p, $4, 0;\nsetp.lt.u32 q, n, {SPIN_LOOKS.value};\nand.pred p, p, q;\n@p bra SPIN;\n"
             "DONE:\n}")
 
 
-@triton.jit
-def _spin_vectors(ptrs, live, WORD_BITS: tl.constexpr):
-    """The four 32-bit registers of the 16-byte vector of Lamport words at each of ``ptrs``
-    (16-byte aligned), loaded with ld.volatile until none of its WORD_BITS-bit words is 0 or
-    SPIN_LOOKS looks have passed, and its least word (0: not every word has arrived); zeros,
-    and no load, where ``live`` is 0. Each thread loops on its own: no CTA-wide decision."""
-    return tl.inline_asm_elementwise(_spin_asm(WORD_BITS), "=r,=r,=r,=r,=r,l,r", [ptrs, live],
-                                     dtype=(tl.uint32, ) * 5, is_pure=False, pack=1)
+if INTERPRETER:
+
+    @triton.jit
+    def _spin_vectors(ptrs, live, WORD_BITS: tl.constexpr):
+        """The interpreter's stand-in (it cannot run PTX): one look at the four 32-bit
+        registers, and their least word; a vector not there yet is reported late, and the
+        guarded poll waits for it. So the CPU tests run ``_spin``'s masks and word order."""
+        regs = ptrs.to(tl.pointer_type(tl.uint32))
+        on = live != 0
+        r0 = tl.load(regs, mask=on, other=0, volatile=True)
+        r1 = tl.load(regs + 1, mask=on, other=0, volatile=True)
+        r2 = tl.load(regs + 2, mask=on, other=0, volatile=True)
+        r3 = tl.load(regs + 3, mask=on, other=0, volatile=True)
+        if WORD_BITS == 16:
+            least = tl.minimum(tl.minimum(tl.minimum(r0 & 0xFFFF, r0 >> 16), tl.minimum(r1 & 0xFFFF, r1 >> 16)),
+                               tl.minimum(tl.minimum(r2 & 0xFFFF, r2 >> 16), tl.minimum(r3 & 0xFFFF, r3 >> 16)))
+        else:
+            least = tl.minimum(tl.minimum(r0, r1), tl.minimum(r2, r3))
+        return r0, r1, r2, r3, least
+
+else:
+
+    @triton.jit
+    def _spin_vectors(ptrs, live, WORD_BITS: tl.constexpr):
+        """The four 32-bit registers of the 16-byte vector of Lamport words at each of ``ptrs``
+        (16-byte aligned), loaded with ld.volatile until none of its WORD_BITS-bit words is 0
+        or SPIN_LOOKS looks have passed, and its least word (0: not every word has arrived);
+        zeros, and no load, where ``live`` is 0. Each thread loops on its own: no CTA-wide
+        decision."""
+        return tl.inline_asm_elementwise(_spin_asm(WORD_BITS), "=r,=r,=r,=r,=r,l,r", [ptrs, live],
+                                         dtype=(tl.uint32, ) * 5, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -211,8 +236,9 @@ def _spin(slot0, slot_words, woffs, wmask, W: tl.constexpr, ELEM: tl.constexpr, 
     aligned), with ``own``, once each thread's vectors have arrived: each thread spins on its
     own vectors (``_spin_vectors``), so a vector is summed one L2 round trip after it lands,
     where a CTA-wide poll looks again only after every thread's last look. Vectors are taken
-    whole: one whose first and last words are both in wmask (the callers' masks are prefixes,
-    ending on a vector) is waited for; any other is reported late, for the guarded poll."""
+    whole: one whose first and last words are both in wmask (the callers' masks are prefixes)
+    is waited for; one only partly in it (the all-reduce's last vector where numel is not a
+    multiple of a vector) is reported late, for the guarded poll; one outside it is skipped."""
     BITS: tl.constexpr = slot0.dtype.element_ty.primitive_bitwidth
     VEC: tl.constexpr = 128 // BITS
     n: tl.constexpr = woffs.shape[0] // VEC
@@ -260,9 +286,9 @@ def ll_wait(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, ti
     order), slot ``rank`` is neither read nor waited for: own stands in for it, so a kernel
     that passes own need not store its elements into its own slot.
 
-    With SPIN (Lamport words at 1-D woffs, whole 16-byte vectors, and own), the first look
-    on a GPU is ``_spin``: each thread spins on its own vectors, for at most SPIN_LOOKS looks,
-    and the polls below run only if a vector is still missing after it (2x H100, the
+    With SPIN (Lamport words at 1-D woffs in 16-byte aligned vectors, and own), the first
+    look is ``_spin``: on a GPU each thread spins on its own vectors, for at most SPIN_LOOKS
+    looks, and the polls below run only if a vector is still missing after it (2x H100, the
     one-shot all-reduce: 1 MiB 6.6 -> 6.3 us, 4 MiB 17.9 -> 16.7; benchmarks/NOTES.md). The
     callers pass own in woffs' 1-D layout: where own and the sum went through a 2-D
     reshape, Triton 3.6 rematerialised the spin once per result and layout (eight spins
@@ -273,7 +299,8 @@ def ll_wait(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, ti
     looked at, through ``sync.give_up``, when the first poll finds a word missing and every
     ``sync.GUARD_POLLS`` polls after it): it
     then records ``(OP, rank, first late peer, epoch)`` and returns whatever it saw."""
-    if SPIN and _SPIN_COMPILED:
+    if SPIN:
+        tl.static_assert(LAMPORT and len(woffs.shape) == 1, "SPIN waits on Lamport words at 1-D offsets")
         acc, late = _spin(slot0, slot_words, woffs, wmask, W, ELEM, own, rank)
     else:
         acc, late = _poll(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT, own, rank)
