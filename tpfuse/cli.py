@@ -1,55 +1,110 @@
-"""The ``tpfuse`` command: ``tpfuse bench [NAME] [options]`` and ``tpfuse tune [options]``."""
+"""The ``tpfuse`` command: ``tpfuse bench [NAME] [options]``, ``tpfuse tune [options]``."""
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
+import time
 
-# bench name -> module with main(argv) -> exit code
+# bench name -> (module with main(argv) -> exit code, what it measures)
 BENCHES = {
-    "norm": "tpfuse.bench.norm",
-    "allreduce": "tpfuse.bench.allreduce",
-    "fused": "tpfuse.bench.fused",
-    "decode": "tpfuse.bench.decode",
+    "norm": ("tpfuse.bench.norm", "RMSNorm forward, add + norm and backward against torch, Liger, quack"),
+    "allreduce": ("tpfuse.bench.allreduce", "all-reduce against NCCL and torch symmetric memory (--quant: codecs)"),
+    "fused": ("tpfuse.bench.fused", "fused all-reduce + residual add + RMSNorm against the split path"),
+    "decode": ("tpfuse.bench.decode", "decode steps of a tensor-parallel model, per layer boundary"),
 }
 TUNE = "tpfuse.bench.tune"
 
-USAGE = f"""usage: tpfuse bench [NAME [options]] | tpfuse bench [--out DIR]
-       tpfuse tune [--out DIR] [--write-table [--table-dir DIR]] [--budget-s S] [--sizes SIZE ...]
+DESCRIPTION = """\
+Exact, fast kernels for the tensor-parallel layer boundary. On a machine without a GPU
+every benchmark runs as a CPU correctness check (Triton's interpreter, emulated ranks)."""
 
-bench: runs the benchmarks: {", ".join(BENCHES)}; all of them when no NAME is given
-(on GPUs each writes its JSON and markdown under DIR, default bench_out).
-On a machine without a GPU each runs a CPU correctness check (emulated ranks for
-collectives) instead of timings. `tpfuse bench NAME --help` lists NAME's options.
+BENCH_EPILOG = "benchmarks:\n" + "\n".join(f"  {name:10s} {what}" for name, (_, what) in BENCHES.items()) + """
 
-tune: on a multi-GPU machine, times the algorithms that "auto" picks between (all-reduce,
-fused all-reduce + RMSNorm, quantized all-reduce) at its world size W, writes the sweep
-under DIR (default tune_out) and, with --write-table, the plan table w{{W}}.json into
-tpfuse/comm/tables/ (or --table-dir), which the plans read for that W. Without GPUs it
-runs the sweep on 2 CPU ranks as a check and writes no table into the package.
-`tpfuse tune --help` lists its options."""
+Without NAME every benchmark runs, each with --out DIR if given, and the run ends with one
+verdict. `tpfuse bench NAME --help` lists NAME's own options."""
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tpfuse")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        return "unknown"
+
+
+def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The ``tpfuse`` parser and its ``bench`` subparser."""
+    p = argparse.ArgumentParser(prog="tpfuse", description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"tpfuse {_version()}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    bench = sub.add_parser("bench", help="run the benchmarks (CPU checks without a GPU)", description=(
+        "Run one benchmark, or all of them. On GPUs each writes JSON and markdown under --out; "
+        "without a GPU each runs its CPU correctness check."), epilog=BENCH_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter, add_help=False)
+    bench.add_argument("-h", "--help", action="store_true", help="show this help (or NAME's) and exit")
+    bench.add_argument("name", nargs="?", choices=list(BENCHES), metavar="NAME", help="one of: " + ", ".join(BENCHES))
+    bench.add_argument("--out", metavar="DIR", help="where GPU runs write their results (default bench_out)")
+    tune = sub.add_parser("tune", add_help=False, help="measure the plan thresholds of \"auto\" on this machine "
+                          "(`tpfuse tune --help`)")
+    tune.add_argument("-h", "--help", action="store_true")
+    return p, bench
+
+
+def header() -> str:
+    """One line naming the package, its versions and where the kernels run."""
+    import torch
+    import triton
+
+    if torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        where = f"{n} x {torch.cuda.get_device_name()}"
+    else:
+        where = "no CUDA GPU: CPU checks under Triton's interpreter, emulated ranks; timings need GPUs"
+    return f"tpfuse {_version()}, torch {torch.__version__}, triton {triton.__version__}; {where}"
+
+
+def run_benches(names: list[str], options: list[str]) -> int:
+    """Run the benchmarks ``names`` in order with ``options``; one verdict line each and, for
+    more than one, an overall verdict. Returns 0 when every one passed."""
+    print(header(), flush=True)
+    results = []
+    for i, name in enumerate(names, 1):
+        print(f"\n== [{i}/{len(names)}] tpfuse bench {name}: {BENCHES[name][1]}", flush=True)
+        start = time.monotonic()
+        try:
+            rc = importlib.import_module(BENCHES[name][0]).main(options)
+        except SystemExit as e:  # argparse's error exit, inside a bench
+            rc = e.code if isinstance(e.code, int) else 2
+        seconds = time.monotonic() - start
+        results.append((name, rc, seconds))
+        print(f"== tpfuse bench {name}: {'PASS' if rc == 0 else 'FAIL'} ({seconds:.0f} s)", flush=True)
+    if len(results) > 1:
+        failed = [name for name, rc, _ in results if rc != 0]
+        total = sum(s for *_, s in results)
+        verdict = "all passed" if not failed else f"FAILED: {', '.join(failed)}"
+        print(f"\ntpfuse bench: {len(results) - len(failed)} of {len(results)} passed ({total:.0f} s); {verdict}")
+    return max((rc for _, rc, _ in results), default=0)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["tune"]:
-        return importlib.import_module(TUNE).main(argv[1:])
-    if not argv or argv[0] != "bench" or argv[1:2] in (["-h"], ["--help"]):
-        print(USAGE)
-        return 0 if argv[1:2] in (["-h"], ["--help"]) else 2
-    rest = argv[1:]
-    if rest and rest[0] in BENCHES:
-        names, options = [rest[0]], rest[1:]
-    elif not rest or (len(rest) == 2 and rest[0] == "--out"):  # every benchmark
-        names, options = list(BENCHES), rest
-    else:
-        print(f"tpfuse bench: unknown benchmark or option {rest[0]!r}; choose from {', '.join(BENCHES)}\n\n{USAGE}")
-        return 2
-    status = 0
-    for name in names:
-        print(f"== tpfuse bench {name}", flush=True)
-        status |= importlib.import_module(BENCHES[name]).main(options)
-    return status
+    parser, bench = _parsers()
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "tune":
+        return importlib.import_module(TUNE).main(rest + (["--help"] if args.help else []))
+    options = rest + (["--out", args.out] if args.out else [])
+    if args.help:  # the bench's own options after its name, else the list of benchmarks
+        if args.name:
+            return importlib.import_module(BENCHES[args.name][0]).main(["--help"] + options)
+        bench.print_help()
+        return 0
+    if args.name is None and rest:
+        bench.error(f"without NAME only --out DIR is accepted, got: {' '.join(rest)}")
+    return run_benches([args.name] if args.name else list(BENCHES), options)
 
 
 if __name__ == "__main__":

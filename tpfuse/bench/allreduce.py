@@ -27,8 +27,9 @@ import torch.distributed as dist
 import tpfuse.comm  # noqa: F401  (sets the no-multicast environment before ranks are spawned)
 from tpfuse import reference
 from tpfuse.bench.common import (DTYPES, KiB, FlashInferAllReduce, SymmMemAllReduce, collective_graph_us,
-                                 collective_header, fmt_size, header_markdown, init_rank, random_inputs, rotation,
-                                 run_workers, same_bits, write_results)
+                                 collective_header, cpu_check_intro, cpu_check_verdict, fmt_size, gpu_only_flags,
+                                 header_markdown, init_rank, random_inputs, rotation, run_workers, same_bits,
+                                 write_results)
 
 SIZES = [4 * KiB << i for i in range(17)]  # 4 KiB .. 256 MiB
 METHODS = ["nccl", "symm_oneshot", "symm_twoshot", "flashinfer", "tpfuse_auto", "tpfuse_oneshot", "tpfuse_twoshot"]
@@ -167,29 +168,37 @@ def _gpu_worker(rank: int, world: int, port: int | None, opts: dict) -> None:
             dist.destroy_process_group()
 
 
+CPU_SIZES = (4 * KiB, 64 * KiB, 256 * KiB)
+
+
 def _cpu_worker(rank: int, world: int, port: int, opts: dict) -> None:
     import time
 
     from tpfuse.comm import Communicator
 
+    dtype = DTYPES[opts["dtype"]]
+    sizes = [s for s in CPU_SIZES if opts["min_bytes"] <= s <= opts["max_bytes"]] or [opts["min_bytes"]]
     init_rank(rank, world, port, "gloo")
+    if rank == 0:
+        cpu_check_intro(f"one-shot, two-shot and auto all-reduce at {', '.join(map(fmt_size, sizes))}, "
+                        f"{opts['dtype']}, {world} emulated ranks, bitwise against tpfuse.reference", opts["gpu_only"])
     rows = []
     with Communicator(timeout_s=60) as comm:
-        for nbytes in (4 * KiB, 64 * KiB, 256 * KiB):
-            xs = random_inputs(nbytes // 2, torch.bfloat16, world, "cpu", seed=nbytes)
+        for nbytes in sizes:
+            xs = random_inputs(nbytes // dtype.itemsize, dtype, world, "cpu", seed=nbytes)
             ref = reference.all_reduce(xs)
             for algo in ("oneshot", "twoshot", "auto"):
                 start = time.perf_counter()
                 out = comm.all_reduce(xs[rank], algo=algo)
                 rows.append((nbytes, algo, same_bits(out, ref), (time.perf_counter() - start) * 1e3))
     dist.destroy_process_group()
+    ok = all(good for _, _, good, _ in rows)
     if rank == 0:
-        print(f"CPU emulation: {world} ranks under Triton's interpreter, bf16. Timings need GPUs; "
-              "the milliseconds below are the interpreter's, not a measurement.\n")
-        print("| size | algo | bitwise equal to reference | interpreter ms |\n|---|---|---|---|")
-        for nbytes, algo, ok, ms in rows:
-            print(f"| {fmt_size(nbytes)} | {algo} | {'yes' if ok else 'NO'} | {ms:.0f} |")
-    if not all(ok for _, _, ok, _ in rows):
+        print("| size | algo | bitwise equal to reference | interpreter ms (not a GPU timing) |\n|---|---|---|---|")
+        for nbytes, algo, good, ms in rows:
+            print(f"| {fmt_size(nbytes)} | {algo} | {'yes' if good else 'NO'} | {ms:.0f} |")
+        cpu_check_verdict(ok)
+    if not ok:
         raise RuntimeError(f"rank {rank}: a result differs from tpfuse.reference.all_reduce")
 
 
@@ -208,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
                         "smaller ones run large messages in segments)")
     p.add_argument("--plot", action="store_true", help="write a latency-vs-size PNG (needs matplotlib)")
     opts = vars(p.parse_args(argv))
+    opts["gpu_only"] = gpu_only_flags(p, opts, ["out", "quant_max_bytes", "plot"])
     gpu_worker, cpu_worker = _gpu_worker, _cpu_worker
     if opts["quant"]:
         from tpfuse.bench import quant

@@ -62,7 +62,20 @@ def run_header() -> dict:
         header["cuda"] = torch.version.cuda
         nccl = torch.cuda.nccl.version()
         header["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
+        if torch.cuda.device_count() > 1:
+            header["topology"] = gpu_topology()
     return header
+
+
+def gpu_topology() -> str:
+    """How the GPUs are linked, as ``nvidia-smi topo -m``'s first GPU row says (e.g. "GPU0 X
+    NV18 NV18 NV18"), or "unknown"."""
+    try:
+        text = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    rows = [line.split() for line in text.splitlines() if line.startswith("GPU0")]
+    return " ".join(rows[0][:1 + torch.cuda.device_count()]) if rows else "unknown"
 
 
 def collective_header(world: int) -> dict:
@@ -167,6 +180,24 @@ def write_results(out_dir: str, name: str, header: dict, records: list[dict], ma
     return json_path, md_path
 
 
+def gpu_only_flags(parser, opts: dict, names: list[str]) -> list[str]:
+    """The flags among ``names`` (option dests) that ``opts`` sets away from ``parser``'s
+    defaults: on CPU, where those options do not apply, the check says so rather than
+    ignoring them silently."""
+    return [f"--{name.replace('_', '-')}" for name in names if opts.get(name) != parser.get_default(name)]
+
+
+def cpu_check_intro(what: str, gpu_only: list[str]) -> None:
+    """The opening line of every benchmark's CPU check (the same words in each)."""
+    note = f"; {', '.join(gpu_only)} apply to GPU runs only" if gpu_only else ""
+    print(f"CPU check: {what}{note}", flush=True)
+
+
+def cpu_check_verdict(ok: bool) -> None:
+    """The closing line of every benchmark's CPU check."""
+    print("all checks passed" if ok else "SOME CHECKS FAILED", flush=True)
+
+
 def header_markdown(title: str, header: dict) -> str:
     fields = ", ".join(f"{k} {v}" for k, v in header.items())
     return f"# {title}\n\n{fields}\n\n"
@@ -198,9 +229,14 @@ def _rank_main(rank: int, worker, world: int, port: int, opts: dict) -> None:
     CI saw gloo ranks die there with SIGABRT ("terminate called without an active exception",
     benchmarks/NOTES.md), as C++ threads and objects of the process group outlive the Python
     objects they reference. os._exit leaves without running any of it."""
+    import multiprocessing.util
+
     worker(rank, world, port, opts)
     sys.stdout.flush()
     sys.stderr.flush()
+    # multiprocessing's own exit step, which unlinks the named semaphores this rank made (tqdm,
+    # used by torch.compile, makes one): skipped, they are reported as leaked at exit.
+    multiprocessing.util._run_finalizers(0)
     os._exit(0)
 
 
@@ -214,7 +250,6 @@ def run_workers(gpu_worker, cpu_worker, opts: dict) -> int:
     ngpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if ngpu >= 2:
         return spawn_ranks(gpu_worker, ngpu, opts)
-    print(f"{ngpu} CUDA GPU(s): running the CPU emulation instead")
     os.environ["TRITON_INTERPRET"] = "1"  # the spawned ranks run the kernels on CPU
     return spawn_ranks(cpu_worker, 2, opts)
 

@@ -30,8 +30,10 @@ import torch
 import torch.distributed as dist
 
 import tpfuse
-from tpfuse.bench.common import (agreed_max, graph_time_us, header_markdown, init_rank, run_header, run_workers,
-                                 same_bits, spawn_ranks, write_results)
+from tpfuse.bench.common import (agreed_max, cpu_check_intro, cpu_check_verdict, gpu_only_flags, graph_time_us,
+                                 header_markdown, init_rank, run_header, run_workers, same_bits, spawn_ranks,
+                                 write_results)
+from tpfuse.models import PRESETS
 
 BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 BOUNDARIES = ["torch", "symm_mem", "split", "fused"]
@@ -45,14 +47,23 @@ def _options(argv):
                    help="comma-separated batch sizes (default 1,2,...,256)")
     p.add_argument("--compile-batches", type=lambda s: [int(b) for b in s.split(",") if b], default=[1, 32],
                    help="batch sizes also measured under torch.compile (default 1,32; '' for none)")
-    p.add_argument("--prompt", type=int, default=32, help="prompt tokens (default 32)")
+    p.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 32; CPU: 4)")
     p.add_argument("--context", type=int, default=1024, help="KV-cache positions (default 1024)")
-    p.add_argument("--steps", type=int, default=32, help="timed decode steps (default 32)")
+    p.add_argument("--steps", type=int, default=None, help="timed decode steps (default 32; CPU: 6 steps checked)")
     p.add_argument("--boundaries", default=",".join(BOUNDARIES), help="comma-separated (default: all four)")
     p.add_argument("--out", default="bench_out", help="output folder (GPU runs)")
     p.add_argument("--plot", action="store_true", help="also write a PNG plot (needs matplotlib)")
     opts = vars(p.parse_args(argv))
     opts["boundaries"] = opts["boundaries"].split(",")
+    unknown = set(opts["boundaries"]) - set(BOUNDARIES)
+    if unknown or opts["preset"] not in PRESETS:
+        p.error(f"unknown boundary {sorted(unknown)} (choose from {', '.join(BOUNDARIES)})" if unknown else
+                f"unknown preset {opts['preset']!r} (choose from {', '.join(PRESETS)})")
+    gpu = torch.cuda.is_available()
+    opts["prompt"] = opts["prompt"] or (32 if gpu else 4)
+    opts["steps"] = opts["steps"] or (32 if gpu else 6)
+    opts["batch_given"] = opts["batch"] != BATCHES
+    opts["gpu_only"] = gpu_only_flags(p, opts, ["context", "out", "plot"])
     return opts
 
 
@@ -143,7 +154,6 @@ def _measure(comm, config, opts, rank):
 
 def _gpu_worker(rank, world, port, opts):
     init_rank(rank, world, port, "nccl")
-    from tpfuse.models import PRESETS
 
     header = run_header() | {"world_size": world, "preset": opts["preset"], "prompt": opts["prompt"],
                              "context": opts["context"], "steps": opts["steps"]}
@@ -216,32 +226,53 @@ def _plot(records, path, title):
     print("wrote", path)
 
 
-def _cpu_worker(rank, world, port, opts):
-    """Two CPU ranks, a tiny config: split, fused and compiled fused give the same bits."""
-    init_rank(rank, world, port, "gloo")
-    from tpfuse.models import PRESETS, TPModel
+CPU_BATCHES = [2]
+"""The CPU check's batch sizes unless --batch names others."""
 
-    config = PRESETS["llama3-8b"].replace(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
-                                          num_heads=4, num_kv_heads=2, head_dim=16)
-    ids = torch.randint(0, config.vocab_size, (2, 4), generator=torch.Generator().manual_seed(0))
+
+def _cpu_worker(rank, world, port, opts):
+    """Two CPU ranks, the preset's architecture at a tiny size: every boundary asked for, and
+    "fused" compiled (aot_eager) where --compile-batches asks for one, against "split"'s bits."""
+    init_rank(rank, world, port, "gloo")
+    from tpfuse.models import TPModel
+
+    config = PRESETS[opts["preset"]].replace(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
+                                             num_heads=4, num_kv_heads=2, head_dim=16)
+    batches = opts["batch"] if opts["batch_given"] else CPU_BATCHES
+    runs = [(b, False) for b in opts["boundaries"] if b != "symm_mem"] + (
+        [("fused", "aot_eager")] if opts["compile_batches"] and "fused" in opts["boundaries"] else [])
+    if rank == 0:
+        gpu_only = opts["gpu_only"] + (["--boundaries symm_mem"] if "symm_mem" in opts["boundaries"] else [])
+        cpu_check_intro(f"{opts['preset']}'s architecture at hidden 64, 2 layers, {world} emulated ranks; batch "
+                        f"{', '.join(map(str, batches))}, a {opts['prompt']}-token prompt, {opts['steps']} greedy steps; "
+                        "logits of each boundary against split's", gpu_only)
+    failures, t0 = [], time.monotonic()
     with tpfuse.Communicator(max_bytes=1 << 18) as comm:
         model = TPModel.random(config, comm, seed=0, boundary="split")
-        results = {}
-        for boundary, compiled in (("split", False), ("fused", False), ("torch", False), ("fused", "aot_eager")):
-            model.set_boundary(boundary)
-            results[(boundary, compiled)] = model.generate(ids, 6, compile=compiled, return_logits=True)[1]
-    ok = {k: same_bits(v, results[("split", False)]) for k, v in results.items() if k[0] == "fused"}
-    if rank == 0:
-        print("CPU check (2 ranks under Triton's interpreter, a 2-layer hidden-64 model, 6 greedy steps):")
-        for (boundary, compiled), same in ok.items():
-            print(f"  {boundary}{' compiled' if compiled else ''}: logits bitwise equal to split's: {same}")
-        print("  torch boundary: max |logit - split's| "
-              f"{(results[('torch', False)] - results[('split', False)]).abs().max().item():.3g} (torch's "
-              "all-reduce and norm promise closeness to tpfuse's, not bits)")
-        print("Timings need GPUs.")
+        for batch in batches:
+            ids = torch.randint(0, config.vocab_size, (batch, opts["prompt"]), generator=torch.Generator().manual_seed(batch))
+            results = {}
+            for boundary, compiled in [("split", False)] + [r for r in runs if r != ("split", False)]:
+                model.set_boundary(boundary)
+                results[(boundary, compiled)] = model.generate(ids, opts["steps"], compile=compiled, return_logits=True)[1]
+                if (boundary, compiled) == ("split", False):
+                    verdict = "the reference"
+                elif boundary == "torch":  # torch's all-reduce and norm promise closeness to tpfuse's, not bits
+                    diff = (results[(boundary, compiled)] - results[("split", False)]).abs().max().item()
+                    verdict = f"max |logit - split's| {diff:.3g} (closeness, not bits, is promised)"
+                else:
+                    same = same_bits(results[(boundary, compiled)], results[("split", False)])
+                    verdict = f"logits bitwise equal to split's: {'yes' if same else 'NO'}"
+                    if not same:
+                        failures.append(f"batch {batch} {boundary}{' compiled' if compiled else ''}")
+                if rank == 0:
+                    print(f"[{time.monotonic() - t0:5.0f} s] batch {batch} {boundary}"
+                          f"{' compiled' if compiled else ''}: {verdict}", flush=True)
     dist.destroy_process_group()
-    if not all(ok.values()):
-        raise AssertionError("fused logits differ from split's")
+    if rank == 0:
+        cpu_check_verdict(not failures)
+    if failures:
+        raise AssertionError(f"logits differ from split's: {', '.join(failures)}")
 
 
 def main(argv=None) -> int:

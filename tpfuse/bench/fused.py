@@ -27,8 +27,9 @@ import torch.nn.functional as F
 
 import tpfuse
 from tpfuse import reference
-from tpfuse.bench.common import (FlashInferAllReduce, collective_graph_us, collective_header, header_markdown,
-                                 init_rank, layer_inputs, rotation, run_workers, same_bits, write_results)
+from tpfuse.bench.common import (FlashInferAllReduce, collective_graph_us, collective_header, cpu_check_intro,
+                                 cpu_check_verdict, gpu_only_flags, header_markdown, init_rank, layer_inputs, rotation,
+                                 run_workers, same_bits, write_results)
 
 DECODE = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 PREFILL = [512, 1024, 2048, 4096, 8192, 16384]
@@ -163,13 +164,21 @@ def _gpu_worker(rank: int, world: int, port: int | None, opts: dict) -> None:
             dist.destroy_process_group()
 
 
+CPU_SHAPES = [(1, 4096), (16, 1024), (64, 2880)]  # (tokens, hidden)
+
+
 def _cpu_worker(rank: int, world: int, port: int, opts: dict) -> None:
     from tpfuse.comm import Communicator
 
+    shapes = [(t, h) for t, h in CPU_SHAPES if t <= opts["max_tokens"]] or [(opts["max_tokens"], 1024)]
     init_rank(rank, world, port, "gloo")
+    if rank == 0:
+        cpu_check_intro(f"fused one-shot, two-shot and auto at {', '.join(f'{t} x {h}' for t, h in shapes)} "
+                        f"(tokens x hidden), bf16, {world} emulated ranks, bitwise against the split path",
+                        opts["gpu_only"])
     rows = []
     with Communicator(timeout_s=60) as comm:
-        for tokens, hidden in [(1, 4096), (16, 1024), (64, 2880)]:
+        for tokens, hidden in shapes:
             xs, residual, weight = layer_inputs(tokens, hidden, world, "cpu", seed=tokens)
             methods = _methods(comm, weight, None, tokens, hidden)
             split_out = methods["split"](xs[rank], residual)
@@ -177,20 +186,24 @@ def _cpu_worker(rank: int, world: int, port: int, opts: dict) -> None:
                 out = methods[name](xs[rank], residual)
                 rows.append((tokens, hidden, name, all(same_bits(a, b) for a, b in zip(out, split_out))))
     dist.destroy_process_group()
+    ok = all(good for *_, good in rows)
     if rank == 0:
-        print(f"CPU emulation: {world} ranks under Triton's interpreter, bf16 (timings need GPUs).\n")
         print("| tokens x hidden | algo | bitwise equal to split |\n|---|---|---|")
-        for tokens, hidden, name, ok in rows:
-            print(f"| {tokens} x {hidden} | {name} | {'yes' if ok else 'NO'} |")
-    if not all(ok for *_, ok in rows):
+        for tokens, hidden, name, good in rows:
+            print(f"| {tokens} x {hidden} | {name} | {'yes' if good else 'NO'} |")
+        cpu_check_verdict(ok)
+    if not ok:
         raise RuntimeError(f"rank {rank}: a fused result differs from the split path")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tpfuse bench fused", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench_out", help="directory for fused_*.json / .md")
-    p.add_argument("--max-tokens", type=int, default=max(t for t, _ in SHAPES))
-    return run_workers(_gpu_worker, _cpu_worker, vars(p.parse_args(argv)))
+    p.add_argument("--max-tokens", type=int, default=max(t for t, _ in SHAPES),
+                   help="leave out the shapes of more tokens (rows) than this (default: every shape)")
+    opts = vars(p.parse_args(argv))
+    opts["gpu_only"] = gpu_only_flags(p, opts, ["out"])
+    return run_workers(_gpu_worker, _cpu_worker, opts)
 
 
 if __name__ == "__main__":

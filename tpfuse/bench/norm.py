@@ -5,7 +5,7 @@ run; plus in-kernel vs separate dW combine.
 
 Bytes counted (each input read once, each output written once; the weight is negligible):
 forward 2*M*N, residual-add forward 4*M*N, backward 3*M*N elements.
-On a machine without CUDA it runs a small correctness and determinism smoke test instead.
+On a machine without CUDA it runs a correctness and determinism check on small shapes instead.
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ import torch.nn.functional as F
 
 import tpfuse
 from tpfuse import reference
-from tpfuse.bench.common import (copy_bandwidth_gbps, graph_time_us, header_markdown, rotation, run_header,
-                                 write_results)
+from tpfuse.bench.common import (copy_bandwidth_gbps, cpu_check_intro, cpu_check_verdict, gpu_only_flags,
+                                 graph_time_us, header_markdown, rotation, run_header, write_results)
 from tpfuse.kernels.norm_bwd import rms_norm_bwd
 
 MS = [1, 16, 128, 1024, 4096, 16384, 32768, 65536]
+FP32_MS = [1, 1024, 32768]
 NS = [256, 512, 1024, 2048, 2880, 4096, 5120, 7168, 8192, 16384, 65536]
 COMPILE_MS = [4096, 32768]  # torch.compile recompiles per shape: measured on a subset
 COMPILE_NS = [1024, 2048, 4096, 8192, 16384]
@@ -236,56 +237,69 @@ def plot(records: list[dict], out_dir: str) -> None:
         plt.close(fig)
 
 
-def _cpu_smoke() -> int:
-    """Correctness and determinism on small shapes under the interpreter (no timings)."""
-    print("No CUDA GPU: running the kernels under Triton's interpreter on CPU for a correctness and "
-          "determinism check. Timings need a GPU (run `tpfuse bench norm` on one).\n")
-    print(f"{'op':8s} {'dtype':9s} {'M':>4s} {'N':>6s} {'rel err':>9s} {'budget':>9s} {'bitwise/determ.':>16s}")
+CPU_SHAPES = [(4, 1000), (3, 4096), (2, 20000)]
+"""(M, N) of the CPU check unless --m / --n name others (then every M with every N; the
+interpreter is slow: keep them small)."""
+
+
+def _cpu_check(args, gpu_only: list[str]) -> int:
+    """Correctness and determinism under the interpreter (no timings), on ``args``' dtypes, ops
+    and shapes (every --m with every --n, where given)."""
+    shapes = CPU_SHAPES if args.m is None and args.n is None else [
+        (m, n) for m in args.m or [CPU_SHAPES[0][0]] for n in args.n or [CPU_SHAPES[1][1]]]
+    cpu_check_intro(f"{', '.join(args.ops)} at {', '.join(f'{m}x{n}' for m, n in shapes)} ({', '.join(args.dtype)}) "
+                    "against tpfuse.reference, bitwise where the contract is", gpu_only)
+    print(f"{'op':8s} {'dtype':9s} {'M':>5s} {'N':>6s} {'rel err':>9s} {'budget':>9s} {'bitwise/determ.':>16s}")
     ok = True
     g = torch.Generator().manual_seed(0)
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in (DTYPES[d] for d in args.dtype):
         budget = reference.rel_err_budget(dtype)
-        for m, n in [(4, 1000), (3, 4096), (2, 20000)]:
-            x = torch.randn(m, n, generator=g).to(dtype)
-            res = torch.randn(m, n, generator=g).to(dtype)
-            w = torch.randn(n, generator=g).to(dtype)
-            dy = torch.randn(m, n, generator=g).to(dtype)
-            y = tpfuse.rms_norm(x, w)
-            y2, r = tpfuse.add_rms_norm(x, res, w)
-            bitwise = torch.equal(y2, tpfuse.rms_norm(r, w))
-            grads = []
-            for _ in range(3):
-                xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
-                grads.append(torch.autograd.grad(tpfuse.rms_norm(xg, wg), (xg, wg), dy))
-            determ = all(torch.equal(a, b) for gr in grads[1:] for a, b in zip(gr, grads[0]))
-            dx_ref, dw_ref = reference.rms_norm_backward(dy, x, w)
-            ref = reference.rms_norm(x, w)
-            for op, out, want, flag in (("fwd", y, ref, True), ("add_fwd", y2, reference.add_rms_norm(x, res, w)[0],
-                                        bitwise), ("bwd dx", grads[0][0], dx_ref, determ),
-                                        ("bwd dW", grads[0][1], dw_ref, determ)):
+        for m, n in shapes:
+            x, res, w, dy = (torch.randn(*shape, generator=g).to(dtype) for shape in ((m, n), (m, n), (n,), (m, n)))
+            checks = []  # (op, output, reference, the bitwise or determinism check)
+            if "fwd" in args.ops:
+                checks.append(("fwd", tpfuse.rms_norm(x, w), reference.rms_norm(x, w), True))
+            if "add_fwd" in args.ops:
+                y2, r = tpfuse.add_rms_norm(x, res, w)
+                checks.append(("add_fwd", y2, reference.add_rms_norm(x, res, w)[0],
+                               torch.equal(y2, tpfuse.rms_norm(r, w))))
+            if "bwd" in args.ops:
+                grads = []
+                for _ in range(3):
+                    xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+                    grads.append(torch.autograd.grad(tpfuse.rms_norm(xg, wg), (xg, wg), dy))
+                determ = all(torch.equal(a, b) for gr in grads[1:] for a, b in zip(gr, grads[0]))
+                dx_ref, dw_ref = reference.rms_norm_backward(dy, x, w)
+                checks += [("bwd dx", grads[0][0], dx_ref, determ), ("bwd dW", grads[0][1], dw_ref, determ)]
+            for op, out, want, flag in checks:
                 err = reference.rel_err(out, want)
                 good = err <= (1 if op == "fwd" else 2) * budget and flag
                 ok &= good
-                print(f"{op:8s} {str(dtype)[6:]:9s} {m:4d} {n:6d} {err:9.2e} {budget:9.2e} "
-                      f"{'yes' if flag else 'NO':>16s}{'' if good else '  FAIL'}")
-    print("\nall checks passed" if ok else "\nSOME CHECKS FAILED")
+                print(f"{op:8s} {str(dtype)[6:]:9s} {m:5d} {n:6d} {err:9.2e} {budget:9.2e} "
+                      f"{'yes' if flag else 'NO':>16s}{'' if good else '  FAIL'}", flush=True)
+    cpu_check_verdict(ok)
     return 0 if ok else 1
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tpfuse bench norm", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench_out", help="directory for norm.json / norm.md / plots")
-    p.add_argument("--dtype", nargs="+", default=["bf16", "fp32"], choices=list(DTYPES))
-    p.add_argument("--m", nargs="+", type=int, default=MS)
-    p.add_argument("--n", nargs="+", type=int, default=NS)
-    p.add_argument("--fp32-m", nargs="+", type=int, default=[1, 1024, 32768],
-                   help="the rows swept in fp32 (a subset, to bound the run time)")
-    p.add_argument("--ops", nargs="+", default=["fwd", "add_fwd", "bwd"], choices=list(BYTES_PER_ELEMENT))
+    p.add_argument("--dtype", nargs="+", default=["bf16", "fp32"], choices=list(DTYPES), help="input dtypes")
+    p.add_argument("--m", nargs="+", type=int, default=None,
+                   help=f"rows (tokens) per call (default {' '.join(map(str, MS))}; CPU: {' '.join(str(m) for m, _ in CPU_SHAPES)})")
+    p.add_argument("--n", nargs="+", type=int, default=None,
+                   help=f"row length (hidden size) (default {' '.join(map(str, NS))}; "
+                        f"CPU: {' '.join(str(n) for _, n in CPU_SHAPES)})")
+    p.add_argument("--fp32-m", nargs="+", type=int, default=None,
+                   help=f"the rows swept in fp32, a subset to bound the run time (default {' '.join(map(str, FP32_MS))})")
+    p.add_argument("--ops", nargs="+", default=["fwd", "add_fwd", "bwd"], choices=list(BYTES_PER_ELEMENT),
+                   help="forward, residual add + forward, backward (dx and dW)")
     p.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
     p.add_argument("--plot", action="store_true", help="write PNG plots (needs matplotlib)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        return _cpu_smoke()
+        return _cpu_check(args, gpu_only_flags(p, vars(args), ["out", "fp32_m", "no_compile", "plot"]))
+    args.m, args.n, args.fp32_m = args.m or MS, args.n or NS, args.fp32_m or FP32_MS
     return _gpu(args)
 
 

@@ -403,12 +403,13 @@ def _report(opts, world, records, knobs, stopped, wrong, max_bytes, interpreter)
         print("no table written: no knobs derived (no sweep ran to the end with every result correct, or no "
               "crossover lay inside the sizes swept)")
     elif opts["write_table"]:
-        provenance = {k: header[k] for k in ("gpu", "date", "commit", "torch", "triton", "cuda", "device")
+        provenance = {k: header[k] for k in ("gpu", "topology", "date", "commit", "torch", "triton", "cuda", "device")
                       if header.get(k) is not None}
         table = {"world_size": world, "knobs": knobs,
                  "provenance": provenance | {"sweep": os.path.basename(paths[0]), "tolerance": TOLERANCE}}
         os.makedirs(opts["table_dir"], exist_ok=True)
-        path = tables.table_path(opts["table_dir"], world)
+        model = tables.gpu_model(header["gpu"]) if header.get("gpu") else None
+        path = tables.table_path(opts["table_dir"], world, model)
         tables.write_table(path, table)
         print(f"wrote {path}")
 
