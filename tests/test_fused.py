@@ -134,6 +134,8 @@ def _bad_inputs_raise_before_communicating():
             (ValueError, "weight has shape", lambda: comm.all_reduce_rms_norm(x, w[:63])),
             (TypeError, "dtype", lambda: comm.all_reduce_rms_norm(x.to(torch.int32), w)),
             (ValueError, "algo must be", lambda: comm.all_reduce_add_rms_norm(x, x, w, algo="ring")),
+            (ValueError, "eps must be", lambda: comm.all_reduce_add_rms_norm(x, x, w, 0.0)),
+            (ValueError, "eps must be", lambda: comm.all_reduce_rms_norm(x, w, float("nan"))),
             (ValueError, "max_bytes", lambda: comm.all_reduce_rms_norm(torch.randn(600, 1024), None,
                                                                          algo="oneshot")),
             (ValueError, "multiple of 16", lambda: comm.all_reduce_rms_norm(x[:, :60], w[:60], algo="twoshot")),

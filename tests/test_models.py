@@ -155,3 +155,22 @@ def test_unsupported_configs_raise_clear_errors():
                                                              sliding_window=8))
     with pytest.raises(NotImplementedError, match="sliding window"):
         TPModel.random(sliding).generate(torch.zeros(1, 6, dtype=torch.int64), 4)
+
+
+def test_forward_after_a_longer_generate_and_an_empty_prompt():
+    """The rope tables grow with the longest sequence seen; a shorter forward afterwards
+    slices them (it once raised a shape mismatch). An empty prompt is a ValueError. from_hf
+    without a communicator builds on the Hugging Face model's device."""
+    hf = _hf_model("llama", 3)
+    model = TPModel.from_hf(hf, None)
+    assert model.device == next(hf.parameters()).device
+    ids = torch.randint(0, TINY["vocab_size"], (2, 4), generator=torch.Generator().manual_seed(3))
+    before = model(ids)
+    model.generate(ids, 8)
+    after = model(ids)
+    assert torch.equal(before, after)
+    for empty in (torch.zeros(2, 0, dtype=torch.int64), torch.zeros(0, 3, dtype=torch.int64)):
+        with pytest.raises(ValueError, match="at least one token"):
+            model.generate(empty, 4)
+        with pytest.raises(ValueError, match="at least one token"):
+            model(empty)

@@ -8,6 +8,8 @@ public functions, which validate their arguments before anything runs.
 
 from __future__ import annotations
 
+import math
+
 from typing import Optional
 
 import torch
@@ -23,8 +25,12 @@ Tensor = torch.Tensor
 # Validation
 
 
-def check_norm_args(x: Tensor, weight: Optional[Tensor], weight_offset: float, residual: Optional[Tensor] = None):
+def check_norm_args(x: Tensor, weight: Optional[Tensor], eps: float, weight_offset: float,
+                    residual: Optional[Tensor] = None):
     check_float_tensor(x, "x")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
+        # eps = 0 turns an all-zero row into 0 * inf = NaN; a NaN or negative eps, every row.
+        raise ValueError(f"eps must be a finite number > 0, got {eps!r}")
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (the normalised one); got a 0-dim tensor")
     n = x.shape[-1]
@@ -193,7 +199,7 @@ def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, *, w
         x: ``[..., N]``, bfloat16 / float16 / float32, any layout (non-contiguous inputs are
             copied; the bits are the same).
         weight: ``[N]`` in x's dtype or float32, or None for no scaling.
-        eps: added to the mean square.
+        eps: added to the mean square; a finite number > 0 (else ValueError).
         weight_offset: added to weight (requires a weight).
 
     Returns:
@@ -206,7 +212,7 @@ def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, *, w
     that measured faster. Raises TypeError/ValueError for unsupported dtypes, wrong weight
     shape, or tensors on different devices.
     """
-    check_norm_args(x, weight, weight_offset)
+    check_norm_args(x, weight, eps, weight_offset)
     return torch.ops.tpfuse.rms_norm(x, weight, float(eps), float(weight_offset))
 
 
@@ -239,7 +245,7 @@ def add_rms_norm(
     residual_out; x and residual both receive ``d residual_out`` (the two are summed
     inside the backward kernel).
     """
-    check_norm_args(x, weight, weight_offset, residual)
+    check_norm_args(x, weight, eps, weight_offset, residual)
     if inplace:
         if torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (x, residual, weight)

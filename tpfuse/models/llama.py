@@ -131,12 +131,15 @@ class TPModel(nn.Module):
         """Shard a Hugging Face ``transformers`` causal LM (Llama, Mistral, Qwen2, Qwen3, Gemma).
 
         Every rank passes a model with the same weights; weights are taken by name from its
-        state dict and converted to ``dtype`` (default: the model's). The rotary inverse
+        state dict and converted to ``dtype`` (default: the model's). ``device`` defaults to
+        the communicator's, or without one to the Hugging Face model's. The rotary inverse
         frequencies and scaling are taken from the model itself, so any static rope type
         (default, llama3, linear, ...) matches it exactly."""
         config = ModelConfig.from_hf(hf_model.config)
         sd = hf_model.state_dict()
-        dtype = dtype or next(iter(sd.values())).dtype
+        first = next(iter(sd.values()))
+        dtype = dtype or first.dtype
+        device = device if device is not None or comm is not None else first.device
         model = cls(config, comm, boundary=boundary, dtype=dtype, device=device)
         rotary = hf_model.model.rotary_emb
         if getattr(rotary, "rope_type", "default") in ("dynamic", "longrope"):
@@ -208,14 +211,15 @@ class TPModel(nn.Module):
 
     def _rope(self, positions: int) -> tuple[Tensor, Tensor]:
         """cos and sin tables [positions, head_dim] in the model dtype (Hugging Face's math:
-        fp32 angles, cos/sin times the rope scaling, rounded once)."""
+        fp32 angles, cos/sin times the rope scaling, rounded once), sliced from a cache that
+        only grows."""
         if self._rope_cache is None or self._rope_cache[0] < positions:
             t = torch.arange(positions, device=self.device, dtype=torch.float32)
             freqs = t[:, None] * self.inv_freq[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)
             self._rope_cache = (positions, (emb.cos() * self.rope_scaling).to(self.dtype),
                                 (emb.sin() * self.rope_scaling).to(self.dtype))
-        return self._rope_cache[1], self._rope_cache[2]
+        return self._rope_cache[1][:positions], self._rope_cache[2][:positions]
 
     def _embed(self, ids: Tensor) -> Tensor:
         h = F.embedding(ids, self.embed_tokens)
@@ -296,6 +300,8 @@ class TPModel(nn.Module):
                              f"{tuple(input_ids.shape)}")
         if input_ids.device != self.device:
             raise ValueError(f"input_ids is on {input_ids.device}, the model on {self.device}")
+        if input_ids.numel() == 0:
+            raise ValueError(f"input_ids must hold at least one token per sequence, got shape {tuple(input_ids.shape)}")
         total = input_ids.shape[1] + new_tokens
         c = self.config
         if total > c.max_position_embeddings:
