@@ -34,6 +34,33 @@ def _registry():
     with Communicator(max_bytes=1 << 16) as c:  # a closed name is free again
         if c.group_name != world_name:
             failures.append(f"after close, a new communicator is named {c.group_name!r}")
+    failures += _dropped_without_close()
+    return failures
+
+
+def _peer_mappings() -> int:
+    """This process's mappings of tpfuse's /dev/shm peer files."""
+    with open("/proc/self/maps") as f:
+        return sum("/dev/shm/tpfuse-" in line for line in f)
+
+
+def _dropped_without_close():
+    """Communicators dropped without close(), five times: each is freed with its mappings and
+    its registry entry (the registry holds them weakly; a finalizer unmaps)."""
+    import gc
+
+    failures, before = [], _peer_mappings()
+    for _ in range(5):
+        comm = Communicator(max_bytes=1 << 16)
+        comm.all_reduce(torch.ones(8))
+        name = comm.group_name
+        del comm
+        gc.collect()
+        if name in comm_ops._COMMUNICATORS:
+            failures.append(f"a dropped communicator is still registered as {name!r}")
+    if dist.get_world_size() > 1 and _peer_mappings() != before:
+        failures.append(f"{_peer_mappings() - before} peer-memory mappings outlive their dropped communicators")
+    dist.barrier()  # no rank starts the next test's communicator while a peer still maps these
     return failures
 
 

@@ -251,6 +251,47 @@ def test_built_in_defaults_undo_the_tables_applied_at_import(monkeypatch, tmp_pa
             tables.restore(world, replaced)
 
 
+def test_gpu_model_names_for_table_files():
+    assert tables.gpu_model("NVIDIA H100 80GB HBM3") == "h100"
+    assert tables.gpu_model("NVIDIA H200") == "h200"
+    assert tables.gpu_model("NVIDIA A100-SXM4-80GB") == "a100"
+    assert tables.table_path("d", 4, "h100") == os.path.join("d", "w4-h100.json")
+
+
+def test_a_gpu_models_table_replaces_the_any_model_table_and_a_missing_one_is_logged(monkeypatch, tmp_path, caplog):
+    _write(tmp_path, 2, {"ONESHOT_MAX_BYTES": 64 * KiB}, provenance={"gpu": "NVIDIA H200"})
+    with open(tables.table_path(str(tmp_path), 2, "h100"), "w") as f:
+        json.dump({"world_size": 2, "knobs": {"ONESHOT_MAX_BYTES": 32 * KiB, "LL_MAX_BYTES": 0}}, f)
+    _write(tmp_path, 4, {"ONESHOT_MAX_BYTES": 8 * KiB})
+    assert tables.read_tables(str(tmp_path))[2] == {"ONESHOT_MAX_BYTES": 64 * KiB}
+    assert tables.read_tables(str(tmp_path), "h100")[2]["ONESHOT_MAX_BYTES"] == 32 * KiB
+    assert tables.read_tables(str(tmp_path), "h100")[4] == {"ONESHOT_MAX_BYTES": 8 * KiB}  # any model's
+    monkeypatch.setenv(tables.ENV_DIR, str(tmp_path))
+    monkeypatch.setattr(tables, "_APPLIED", {})
+    monkeypatch.setattr(tables, "_GPU_TABLES_USED", set())
+    before = _plan_state()
+    tables.apply_tables()
+    try:
+        assert P.ONESHOT_MAX_BYTES[2] == 64 * KiB
+        with caplog.at_level("WARNING", logger="tpfuse.comm"):
+            tables.use_gpu_tables(2, "NVIDIA H100 80GB HBM3")
+            tables.use_gpu_tables(4, "NVIDIA H100 80GB HBM3")
+            tables.use_gpu_tables(4, "NVIDIA H100 80GB HBM3")  # settled: no second line
+            tables.use_gpu_tables(2, "NVIDIA H200")
+        assert P.ONESHOT_MAX_BYTES[2] == 32 * KiB and P.LL_MAX_BYTES[2] == 0
+        assert P.ONESHOT_MAX_BYTES[4] == 8 * KiB
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) == 2, lines
+        assert "NVIDIA H100 80GB HBM3 at world size 4" in lines[0] and "w4.json" in lines[0]
+        assert "NVIDIA H200 at world size 2" in lines[1] and "w2.json (measured on NVIDIA H200)" in lines[1]
+        with tables.built_in_defaults():
+            assert _plan_state() == before
+    finally:
+        for world, (_, replaced) in tables._APPLIED.items():
+            tables.restore(world, replaced)
+    assert _plan_state() == before
+
+
 def test_table_dir_is_the_environment_variable_when_set(monkeypatch, tmp_path):
     monkeypatch.setenv(tables.ENV_DIR, str(tmp_path))
     assert tables.table_dir() == str(tmp_path)

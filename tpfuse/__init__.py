@@ -1,12 +1,30 @@
-"""tpfuse: exact, fast kernels for the layer boundary of tensor-parallel transformers."""
+"""tpfuse: exact, fast kernels for the layer boundary of tensor-parallel transformers.
+
+The layer boundary is the all-reduce that closes an attention or MLP block, then the residual
+add and RMSNorm. tpfuse's promise: the bits never depend on the path (fused or not, algorithm,
+message size, batch around a row), checked against ``tpfuse.reference`` bit for bit.
+
+Where to start:
+
+- ``tpfuse.rms_norm(x, weight)`` and ``tpfuse.add_rms_norm(x, residual, weight)``, or the
+  module ``tpfuse.RMSNorm``: one GPU (or CPU), differentiable.
+- ``tpfuse.Communicator()``: every rank of a single-node process group makes one, then calls
+  ``comm.all_reduce(x)`` or the fused ``comm.all_reduce_add_rms_norm(x, residual, weight)``.
+- ``tpfuse.models.TPModel``: a tensor-parallel Llama-family model that uses them
+  (``TPModel.from_hf(hf_model, comm)``).
+- ``tpfuse.reference``: the contract in plain torch.
+- On the command line: ``tpfuse bench`` (CPU checks without a GPU), ``tpfuse tune``.
+
+Without CUDA, the kernels run on CPU tensors under Triton's interpreter (set up on import).
+"""
 
 from tpfuse import _runtime  # noqa: F401  (first: selects Triton's interpreter when CUDA is absent)
 from tpfuse import reference
-from tpfuse.comm import CommTimeoutError, Communicator
+from tpfuse.comm import CommError, CommTimeoutError, Communicator
 from tpfuse.kernels.codecs import dequantize, quantize
 from tpfuse.nn import RMSNorm
 from tpfuse.ops import add_rms_norm, rms_norm
 
-__all__ = ["rms_norm", "add_rms_norm", "RMSNorm", "Communicator", "CommTimeoutError", "reference",
+__all__ = ["rms_norm", "add_rms_norm", "RMSNorm", "Communicator", "CommError", "CommTimeoutError", "reference",
            "quantize", "dequantize"]
 __version__ = "0.1.0"

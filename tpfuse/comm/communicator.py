@@ -3,9 +3,11 @@ group's backend as fallback."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import socket
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -35,7 +37,11 @@ MAX_MAX_BYTES = 512 * MiB
 """Keeps every element offset inside a data region below 2**31 (the kernels use int32)."""
 
 
-class CommTimeoutError(RuntimeError):
+class CommError(RuntimeError):
+    """A collective failed across ranks (the base of tpfuse.comm's own errors)."""
+
+
+class CommTimeoutError(CommError):
     """A peer did not arrive within ``timeout_s``; the communicator is unusable afterwards.
 
     Attributes: rank (the rank that gave up), peer (the first rank it waited for in vain),
@@ -61,7 +67,14 @@ class Communicator:
     table has Lamport words to 512 KiB and no row-wise calls, 69 MiB in all; 40 MiB at W=2,
     whose table has Lamport words to 8 MiB and row-wise calls to 64 KiB, 104 MiB in all);
     ``max_bytes`` defaults to 16 MiB on GPUs, 1 MiB on CPU). ``close()`` releases it (local,
-    after the rank's last call); the communicator is also a context manager.
+    after the rank's last call); the communicator is also a context manager. One dropped
+    without ``close()`` releases it when collected (locally), unless its ops were captured
+    into a CUDA graph: the graph's kernels use the workspace, so it is held until ``close()``.
+
+    Construction is bounded by ``timeout_s``: a rank that does not arrive in time makes the
+    constructor raise ``CommError`` naming it on every rank that did (and on the late rank
+    when it comes), and a rank that fails or dies during construction makes the others raise
+    ``CommError``; a failed construction leaves no peer memory mapped and no file in /dev/shm.
 
     Devices: CUDA tensors (NCCL or any group; peer memory from torch symmetric memory), or
     CPU tensors under Triton's interpreter (gloo group; peer memory in /dev/shm).
@@ -113,14 +126,23 @@ class Communicator:
         self.fallback_reason = ""
         """Why no peer workspace exists (empty when one does, or when world_size is 1)."""
         if self.world_size > 1:
-            self._setup()
+            _arrive(self.group, self.rank, self.world_size, self.timeout_s)
+            try:
+                self._setup()
+            except (ValueError, CommError):
+                raise
+            except RuntimeError as e:  # a collective step failed: a peer died or gave up
+                raise CommError(f"rank {self.rank}: creating the Communicator failed in a collective step "
+                                f"({type(e).__name__}: {e}); a peer rank probably failed or exited") from e
         self.group_name = comm_ops.register(self, self.group.group_name)
         """This communicator's name for the ``torch.ops.tpfuse`` collectives (``tpfuse.comm.ops``)."""
 
     def _setup(self) -> None:
         peers = [None] * self.world_size
-        # The plans' knobs come from files each rank reads (tpfuse.comm.tables); ranks whose
-        # knobs differ would pick different algorithms and workspace layouts.
+        # The plans' knobs come from files each rank reads (tpfuse.comm.tables), per world size
+        # and GPU model; ranks whose knobs differ would pick different algorithms and layouts.
+        if self.device.type == "cuda":
+            tables.use_gpu_tables(self.world_size, torch.cuda.get_device_name(self.device))
         knobs = json.dumps(tables.effective_knobs(self.world_size), sort_keys=True)
         dist.all_gather_object(peers, (socket.gethostname(), self.max_bytes, knobs), group=self.group)
         if len({m for _, m, _ in peers}) > 1:
@@ -143,6 +165,9 @@ class Communicator:
             self._log_once(logging.WARNING, f"tpfuse Communicator uses the group's backend for every call: "
                                             f"{self.fallback_reason}")
             return
+        # Dropped without close(), the communicator still releases its mappings (locally: a
+        # finalizer runs whenever this rank collects it, so it never communicates).
+        self._release = weakref.finalize(self, _release_peer, self._peer, self.device)
         # The status record lives in host memory the kernels write (pinned, and so mapped
         # into the device's address space on CUDA), so the host reads it without a sync.
         self._status = torch.zeros(STATUS_WORDS, dtype=torch.int64, pin_memory=self.device.type == "cuda")
@@ -206,12 +231,13 @@ class Communicator:
                              "algorithm")
         return torch.ops.tpfuse.quantized_all_reduce(x, self.group_name, quant, quant_min_bytes)
 
-    def _check_args(self, x: torch.Tensor, residual=None, weight=None, weight_offset=0.0, norm=False) -> None:
+    def _check_args(self, x: torch.Tensor, residual=None, weight=None, eps=1e-6, weight_offset=0.0,
+                    norm=False) -> None:
         """Argument errors, raised by the methods before the op (also for devices, such as
         meta, on which the op would run its fake) and again by the ops' implementations."""
         self._check_open()
         if norm:
-            check_norm_args(x, weight, weight_offset, residual)
+            check_norm_args(x, weight, eps, weight_offset, residual)
         else:
             _runtime.check_float_tensor(x, "x")
         if x.device != self.device and self.world_size > 1:
@@ -313,7 +339,7 @@ class Communicator:
         an explicit algo the workspace cannot serve) are raised before any communication
         starts. Other errors as ``all_reduce``. Not differentiable (no autograd).
         """
-        self._check_args(x, residual, weight, weight_offset, norm=True)
+        self._check_args(x, residual, weight, eps, weight_offset, norm=True)
         _check_no_grad(x, residual, weight)
         check_fused_algo(algo)
         if inplace:
@@ -329,7 +355,7 @@ class Communicator:
         to ``reduced = self.all_reduce(x); y = tpfuse.rms_norm(reduced, weight, eps,
         weight_offset=weight_offset)``. Arguments and errors as ``all_reduce_add_rms_norm``
         without the residual; both outputs are new tensors shaped like x."""
-        self._check_args(x, None, weight, weight_offset, norm=True)
+        self._check_args(x, None, weight, eps, weight_offset, norm=True)
         _check_no_grad(x, None, weight)
         check_fused_algo(algo)
         return torch.ops.tpfuse.all_reduce_rms_norm(x, weight, float(eps), float(weight_offset), self.group_name, algo)
@@ -337,7 +363,7 @@ class Communicator:
     def _all_reduce_norm(self, x, residual, weight, eps, weight_offset, algo, inplace):
         """The fused ops' implementation (``tpfuse.comm.ops``): the methods above."""
         self._check_usable()
-        self._check_args(x, residual, weight, weight_offset, norm=True)
+        self._check_args(x, residual, weight, eps, weight_offset, norm=True)
         check_fused_algo(algo)
         n = x.shape[-1]
         plan = (FusedPlan("split", reason="one rank") if self.world_size == 1 or x.numel() == 0 else
@@ -382,9 +408,7 @@ class Communicator:
             return
         comm_ops.unregister(self.group_name)
         if self._peer is not None:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # no kernel of ours still uses the workspace
-            self._peer.close()
+            self._release()
             self._peer = None
         self._closed = True
 
@@ -412,6 +436,42 @@ class Communicator:
         if message not in self._logged:
             self._logged.add(message)
             logger.log(level, "%s", message)
+
+
+_CONSTRUCTIONS: dict[str, int] = {}
+"""Communicators this process has begun to construct, per process group name."""
+
+
+def _arrive(group: dist.ProcessGroup, rank: int, world_size: int, timeout_s: float) -> None:
+    """Every rank announces, in the process group's store, that it is constructing its k-th
+    communicator of ``group``, and waits at most ``timeout_s`` for the others (a collective
+    would wait for torch.distributed's own timeout, minutes). A rank that gives up marks the
+    k-th construction abandoned, so that a rank arriving later raises too rather than
+    entering the collective steps alone."""
+    k = _CONSTRUCTIONS[group.group_name] = _CONSTRUCTIONS.get(group.group_name, 0) + 1
+    store = dist.distributed_c10d._get_default_store()
+    prefix = f"tpfuse/communicator/{group.group_name}/{k}/"
+    keys = [f"{prefix}arrived/{r}" for r in range(world_size)]
+    store.set(keys[rank], "1")
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout_s))
+    except dist.DistStoreError:
+        store.set(prefix + "abandoned", str(rank))
+        missing = [r for r in range(world_size) if not store.check([keys[r]])]
+        raise CommError(f"rank {rank} waited {timeout_s:g} s for rank(s) {missing} of group {group.group_name!r} to "
+                        "create their Communicator: every rank of the group must create it, with the same "
+                        "arguments") from None
+    if store.check([prefix + "abandoned"]):
+        who = store.get(prefix + "abandoned").decode()
+        raise CommError(f"rank {rank} arrived after rank {who} stopped waiting for it to create the Communicator "
+                        f"of group {group.group_name!r} (timeout_s={timeout_s:g})")
+
+
+def _release_peer(peer: PeerMemory, device: torch.device) -> None:
+    """Unmap ``peer`` once no kernel of this rank still uses it (close(), or the finalizer)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    peer.close()
 
 
 def _check_no_grad(*tensors) -> None:

@@ -7,10 +7,12 @@ each collective is a custom op with a fake implementation (shapes only), and the
 same implementation, and so give the same bits.
 
 A communicator is named by its ``group_name`` (the process group's name, with ``#k``
-appended when another open communicator of the same group already holds that name; ranks
-that construct and close their communicators in the same order agree on the names). It is
+appended when another open communicator of the same group already holds that name). It is
 registered when constructed and unregistered by ``close()``; an op naming no open
-communicator raises ``KeyError``.
+communicator raises ``KeyError``. The registry holds communicators weakly: one dropped
+without ``close()`` is freed (its finalizer releases its peer memory, locally), except that
+a communicator whose ops were captured into a CUDA graph is held until ``close()``, since
+the graph's kernels replay on its workspace.
 
 Ops (every rank of the group must call them in the same order, with the same shapes):
 
@@ -30,14 +32,17 @@ tensors of x's shape and dtype; none aliases an input. The ops are not different
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
 
 Tensor = torch.Tensor
 
-_COMMUNICATORS: dict = {}
-"""Open communicators of this process by group name."""
+_COMMUNICATORS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+"""Open communicators of this process by group name (weakly: the caller owns them)."""
+_HELD_FOR_GRAPHS: dict = {}
+"""Communicators whose ops ran during a CUDA graph capture, by name, held until closed."""
 
 
 def register(comm, group_name: str) -> str:
@@ -52,14 +57,18 @@ def register(comm, group_name: str) -> str:
 
 def unregister(group_name: str) -> None:
     _COMMUNICATORS.pop(group_name, None)
+    _HELD_FOR_GRAPHS.pop(group_name, None)
 
 
 def lookup(group_name: str):
-    """The open communicator named ``group_name``; KeyError naming the open ones otherwise."""
+    """The open communicator named ``group_name``; KeyError naming the open ones otherwise.
+    During a CUDA graph capture it is also held until closed (the graph outlives the call)."""
     comm = _COMMUNICATORS.get(group_name)
     if comm is None:
         raise KeyError(f"no open tpfuse Communicator has group_name {group_name!r} (open: {sorted(_COMMUNICATORS)}); "
                        "construct one on this process group first, and do not close it while ops still use it")
+    if comm.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        _HELD_FOR_GRAPHS[group_name] = comm
     return comm
 
 

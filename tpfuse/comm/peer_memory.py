@@ -4,7 +4,7 @@ The only module of tpfuse that calls torch's symmetric-memory API. Two implement
 
 - CUDA: ``torch.distributed._symmetric_memory`` (``symm_mem.empty`` + ``rendezvous``), plain
   peer loads/stores over NVLink. NVLink multicast is never used: the environment switches
-  below are set before any rendezvous (DESIGN.md 2.8).
+  below are set before any rendezvous (docs/design.md 2.8).
 - CPU (Triton's interpreter): a file per rank in /dev/shm, mapped by every rank's process.
   Each process maps the files at its own addresses, so each builds its own address table.
 
@@ -14,6 +14,7 @@ before its owner has cleared it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 
@@ -91,6 +92,7 @@ class PeerMemory:
             fd = os.open(paths[self.rank], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError as e:
             _agree(group, f"rank {self.rank} cannot create {paths[self.rank]}: {e}")
+        mapped = False
         try:
             error = ""
             try:
@@ -105,10 +107,16 @@ class PeerMemory:
             except RuntimeError as e:
                 error = f"rank {self.rank} cannot map the peer files: {e}"
             _agree(group, error)
+            mapped = True
         finally:
             # Unlinked once every rank has mapped every file (or given up): the mappings keep
-            # the memory alive, and nothing is left in /dev/shm after a crash.
-            os.unlink(paths[self.rank])
+            # the memory alive, and nothing is left in /dev/shm after a crash. On a failure,
+            # every path: a peer that died between creating its file and unlinking it cannot.
+            for path in paths if not mapped else paths[self.rank:self.rank + 1]:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            if not mapped:
+                self._tensors = []
 
     @property
     def local(self) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """How an all-reduce of a given size runs: algorithm and launch shape, in one place.
 
 Everything here is derived from (numel, world size, dtype, workspace layout), which every
-rank has identically, so every rank launches the identical grid (DESIGN.md 2.5).
+rank has identically, so every rank launches the identical grid (docs/design.md 2.5).
 
 The GPU thresholds, CTA counts, tile size and warps were set from the 4x H200 sweep
 (scripts/tune_allreduce.py, W=4 bf16; the knob notes below and benchmarks/NOTES.md), within

@@ -2,7 +2,7 @@
 
 Everything here is derived from (numel, world size, dtype, codec, workspace layout), which
 every rank has identically, so every rank launches the identical sequence of grids
-(DESIGN.md 2.5).
+(docs/design.md 2.5).
 
 **Segments.** A quantized call moves packed data through the same two-shot scatter and
 gather slots as the exact all-reduce (``tpfuse.comm.workspace``). One launch serves at most

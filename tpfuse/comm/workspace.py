@@ -4,7 +4,7 @@ Every rank allocates one buffer of ``WorkspaceLayout.total_bytes`` with this lay
 write into it and the owner reads it. The byte offsets below depend only on the world size
 and the capacity chosen when the communicator is created, never on the size of a message,
 so a larger call after a smaller one can never land on a slot that a slow peer still reads
-(DESIGN.md section 2.1).
+(docs/design.md 2.1).
 
 Layout of one rank's buffer (every region starts at a multiple of ``ALIGN``)::
 

@@ -1,10 +1,13 @@
-"""Measured plan tables: per world size, the size thresholds that "auto" uses.
+"""Measured plan tables: per world size and GPU model, the size thresholds that "auto" uses.
 
 ``tpfuse tune --write-table`` measures, on the machine at hand, the algorithms that the
-plans choose between (``tpfuse.bench.tune``) and writes ``w{W}.json`` into this directory.
-When ``tpfuse.comm`` is imported, each table's values replace the defaults of
-``tpfuse.comm.plan`` and ``tpfuse.comm.quant_plan`` for its world size W only; world sizes
-without a table keep the defaults written there.
+plans choose between (``tpfuse.bench.tune``) and writes ``w{W}-{model}.json`` into this
+directory (model: ``gpu_model`` of the GPU's name, e.g. "h100"); ``w{W}.json`` is a table for
+any GPU model. When ``tpfuse.comm`` is imported, each ``w{W}.json`` replaces the defaults of
+``tpfuse.comm.plan`` and ``tpfuse.comm.quant_plan`` for its world size W only; when a
+``Communicator`` is created on a GPU, the table of that GPU's model at its W, where there is
+one, replaces those (``use_gpu_tables``), and a GPU model without one logs once which table,
+or the defaults, it uses instead. World sizes without a table keep the defaults.
 
 A table file::
 
@@ -13,14 +16,15 @@ A table file::
                "FUSED_ONESHOT_MAX_BYTES": 524288, "FUSED_LL_MAX_BYTES": 131072,
                "FUSED_TWOSHOT_MAX_BYTES": 0,
                "QUANT_MIN_BYTES": {"int4": 2097152, "int6": 4194304, "int8": 4194304, "fp8": null}},
-     "provenance": {"gpu": "...", "date": "...", "commit": "...", "sweep": "tune_w2_bf16.json"}}
+     "provenance": {"gpu": "...", "topology": "...", "date": "...", "commit": "...",
+                    "sweep": "tune_w2_bf16.json"}}
 
 Every knob is optional (a missing one keeps its default, but a missing FUSED_WIDE_* knob
 takes the table's FUSED_* value where it has one: a table measured at one row width, older
 or from a tune cut short, serves every width alike); sizes are message bytes, ints >= 0; a
 codec's None means "never". Anything else raises ValueError naming the file and key.
 
-Every rank must derive the same plan (DESIGN.md 2.5), so the tables come from files that
+Every rank must derive the same plan (docs/design.md 2.5), so the tables come from files that
 every rank reads alike: this package's directory (the same installed files on every rank
 of the node), or ``TPFUSE_TABLE_DIR``, which every rank must then set to the same
 directory. Under Triton's interpreter the package's tables are not read: they hold GPU
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 
@@ -47,15 +52,29 @@ SIZE_KNOBS = ("ONESHOT_MAX_BYTES", "LL_MAX_BYTES", "LAMPORT_MAX_BYTES", "FUSED_O
 """Knobs of tpfuse.comm.plan: {world size: bytes}."""
 QUANT_KNOB = "QUANT_MIN_BYTES"
 """The knob of tpfuse.comm.quant_plan: {codec: {world size: bytes or None}}."""
-_FILE = re.compile(r"w([1-9]\d*)\.json")
+_FILE = re.compile(r"w([1-9]\d*)(?:-([a-z0-9]+))?\.json")
 _ABSENT = object()
 """What ``apply`` reports for a world size that had no entry of its own (it used W=8's)."""
 _APPLIED: dict[int, tuple[dict, dict]] = {}
-"""What ``apply_tables`` did: {world size: (its table's knobs, what they replaced)}."""
+"""What ``apply_tables`` and ``use_gpu_tables`` did: {world size: (the knobs applied, what
+they replaced)}."""
+_GPU_TABLES_USED: set[tuple[int, str]] = set()
+"""(world size, GPU model) pairs ``use_gpu_tables`` has settled in this process."""
+logger = logging.getLogger("tpfuse.comm")
 
 
-def table_path(directory: str, world_size: int) -> str:
-    return os.path.join(directory, f"w{world_size}.json")
+def gpu_model(device_name: str) -> str:
+    """The short model name that table files carry: "h100" for "NVIDIA H100 80GB HBM3", "h200"
+    for "NVIDIA H200" (the first word of letters then digits), else the name's letters and
+    digits."""
+    name = device_name.lower().replace("nvidia", " ")
+    match = re.search(r"\b([a-z]+\d+[a-z]*)\b", name)
+    return match.group(1) if match else re.sub(r"[^a-z0-9]", "", name) or "unknown"
+
+
+def table_path(directory: str, world_size: int, model: str | None = None) -> str:
+    """The table file for ``world_size``: of GPU ``model`` ("h100"), or of any model (None)."""
+    return os.path.join(directory, f"w{world_size}{'-' + model if model else ''}.json")
 
 
 def read_table(path: str) -> dict:
@@ -110,11 +129,19 @@ def _is_size(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def read_tables(directory: str) -> dict[int, dict]:
-    """{world size: knobs} of every ``w{W}.json`` in ``directory`` (none if it does not exist)."""
+def read_tables(directory: str, model: str | None = None) -> dict[int, dict]:
+    """{world size: knobs} of every table in ``directory`` for GPU ``model`` (``w{W}-{model}.json``)
+    or, where it has none, for any model (``w{W}.json``); only the latter with model None.
+    None where the directory does not exist."""
     names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
-    tables = [read_table(os.path.join(directory, name)) for name in names if _FILE.fullmatch(name)]
-    return {t["world_size"]: t["knobs"] for t in tables}
+    found = {}
+    for name in names:
+        match = _FILE.fullmatch(name)
+        if match and match.group(2) in (None, model):
+            table = read_table(os.path.join(directory, name))
+            if match.group(2) is not None or table["world_size"] not in found:
+                found[table["world_size"]] = table["knobs"]
+    return found
 
 
 def apply(world_size: int, knobs: dict) -> dict:
@@ -193,10 +220,35 @@ def write_table(path: str, table: dict) -> None:
 
 
 def apply_tables() -> None:
-    """Apply the tables of ``table_dir()``. Called once, when tpfuse.comm is imported."""
+    """Apply the tables for any GPU model (``w{W}.json``) of ``table_dir()``. Called once, when
+    tpfuse.comm is imported (before any GPU is asked its name)."""
     directory = table_dir()
     for world_size, knobs in (read_tables(directory) if directory else {}).items():
         _APPLIED[world_size] = (knobs, apply(world_size, knobs))
+
+
+def use_gpu_tables(world_size: int, device_name: str) -> None:
+    """Apply the table measured on this GPU model at ``world_size`` (``w{W}-{model}.json`` of
+    ``table_dir()``) over the one ``apply_tables`` applied, once per (world size, model); a
+    model without one logs, once, what the plans use instead. Called by ``Communicator`` on
+    GPUs, before the ranks compare their knobs."""
+    model = gpu_model(device_name)
+    directory = table_dir()
+    if directory is None or (world_size, model) in _GPU_TABLES_USED:
+        return
+    _GPU_TABLES_USED.add((world_size, model))
+    path = table_path(directory, world_size, model)
+    if not os.path.exists(path):
+        generic = table_path(directory, world_size)
+        source = (f"{os.path.basename(generic)} (measured on {read_table(generic)['provenance'].get('gpu', 'a GPU')})"
+                  if os.path.exists(generic) else "the defaults of tpfuse/comm/plan.py")
+        logger.warning("tpfuse: no plan table measured on %s at world size %d (%s); the plans use %s",
+                       device_name, world_size, os.path.basename(path), source)
+        return
+    knobs = read_table(path)["knobs"]
+    if world_size in _APPLIED:
+        restore(world_size, _APPLIED[world_size][1])
+    _APPLIED[world_size] = (knobs, apply(world_size, knobs))
 
 
 @contextlib.contextmanager
