@@ -56,6 +56,7 @@ scripts/join_wheels.sh && [ -d /tmp/site ] \
 # 2026-11-25 it named the last landed commit, not the tree sent), so it is never read here.
 export TPFUSE_COMMIT=${TPFUSE_COMMIT:-unknown}
 nvidia-smi -L | tee "$OUT/gpus.txt"
+nvidia-smi topo -m >> "$OUT/gpus.txt" 2>&1  # the links, for the results' headers and plan tables
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'nccl', torch.cuda.nccl.version())" | tee -a "$OUT/gpus.txt"
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
 status=0
@@ -77,7 +78,7 @@ want test_allreduce && multi test_allreduce && run test_allreduce 270 python3 -m
 want bench_allreduce && multi bench_allreduce && run bench_allreduce 290 python3 -m tpfuse.cli bench allreduce --out "$OUT" --plot ${BENCH_ARGS:-}
 want test_fused && multi test_fused && run test_fused 330 python3 -m pytest -q -x -m multigpu tests/test_fused_gpu.py
 want bench_fused && multi bench_fused && run bench_fused 240 python3 -m tpfuse.cli bench fused --out "$OUT" ${BENCH_ARGS:-}
-want test_quant && multi test_quant && run test_quant 240 python3 -m pytest -q -x -m "gpu or multigpu" tests/test_quant_gpu.py
+want test_quant && multi test_quant && run test_quant 420 python3 -m pytest -q -x -m "gpu or multigpu" tests/test_quant_gpu.py
 want bench_quant && multi bench_quant && run bench_quant 270 python3 -m tpfuse.cli bench allreduce --quant --out "$OUT" ${BENCH_ARGS:-}
 want test_codecs && run test_codecs 240 python3 -m pytest -q -x -m gpu tests/test_quant_gpu.py
 want bench_codecs && run bench_codecs 120 python3 scripts/bench_codecs.py --out "$OUT"
