@@ -268,22 +268,24 @@ def test_a_gpu_models_table_replaces_the_any_model_table_and_a_missing_one_is_lo
     assert tables.read_tables(str(tmp_path), "h100")[4] == {"ONESHOT_MAX_BYTES": 8 * KiB}  # any model's
     monkeypatch.setenv(tables.ENV_DIR, str(tmp_path))
     monkeypatch.setattr(tables, "_APPLIED", {})
-    monkeypatch.setattr(tables, "_GPU_TABLES_USED", set())
+    monkeypatch.setattr(tables, "_GPU_MODEL", None)
+    monkeypatch.setattr(tables, "_GPU_TABLES_LOGGED", set())
     before = _plan_state()
     tables.apply_tables()
     try:
         assert P.ONESHOT_MAX_BYTES[2] == 64 * KiB
         with caplog.at_level("WARNING", logger="tpfuse.comm"):
-            tables.use_gpu_tables(2, "NVIDIA H100 80GB HBM3")
-            tables.use_gpu_tables(4, "NVIDIA H100 80GB HBM3")
-            tables.use_gpu_tables(4, "NVIDIA H100 80GB HBM3")  # settled: no second line
-            tables.use_gpu_tables(2, "NVIDIA H200")
+            tables.use_gpu_tables("NVIDIA H100 80GB HBM3", 2)
+            tables.use_gpu_tables("NVIDIA H100 80GB HBM3", 4)
+            tables.use_gpu_tables("NVIDIA H100 80GB HBM3", 4)  # logged already: no second line
+            tables.use_gpu_tables("NVIDIA H100 80GB HBM3")  # applied already: nothing changes
+            with tables.applied(2, {"LL_MAX_BYTES": 7 * KiB}):
+                assert P.LL_MAX_BYTES[2] == 7 * KiB and P.ONESHOT_MAX_BYTES[2] == 32 * KiB
         assert P.ONESHOT_MAX_BYTES[2] == 32 * KiB and P.LL_MAX_BYTES[2] == 0
         assert P.ONESHOT_MAX_BYTES[4] == 8 * KiB
         lines = [r.getMessage() for r in caplog.records]
-        assert len(lines) == 2, lines
-        assert "NVIDIA H100 80GB HBM3 at world size 4" in lines[0] and "w4.json" in lines[0]
-        assert "NVIDIA H200 at world size 2" in lines[1] and "w2.json (measured on NVIDIA H200)" in lines[1]
+        assert len(lines) == 1, lines
+        assert "NVIDIA H100 80GB HBM3 at world size 4" in lines[0] and "w4.json (measured on test)" in lines[0]
         with tables.built_in_defaults():
             assert _plan_state() == before
     finally:

@@ -142,7 +142,7 @@ class Communicator:
         # The plans' knobs come from files each rank reads (tpfuse.comm.tables), per world size
         # and GPU model; ranks whose knobs differ would pick different algorithms and layouts.
         if self.device.type == "cuda":
-            tables.use_gpu_tables(self.world_size, torch.cuda.get_device_name(self.device))
+            tables.use_gpu_tables(torch.cuda.get_device_name(self.device), self.world_size)
         knobs = json.dumps(tables.effective_knobs(self.world_size), sort_keys=True)
         dist.all_gather_object(peers, (socket.gethostname(), self.max_bytes, knobs), group=self.group)
         if len({m for _, m, _ in peers}) > 1:

@@ -8,7 +8,7 @@ its start (``begin_call``) and works with ``epoch = ctrl[0] + 1``; the last bloc
 (counted by ``ctrl[1]``) stores the new epoch (``end_call``). The epoch therefore lives in
 device memory and is advanced by the kernel itself: a CUDA graph that captured a call holds
 no epoch value, and every replay, interleaved with eager calls in any pattern, runs with the
-next epoch (DESIGN.md 2.2). All ranks make the same sequence of calls, so all agree on it.
+next epoch (docs/design.md 2.2). All ranks make the same sequence of calls, so all agree on it.
 
 **Flags.** Flag words are int64 and have exactly one writer: block b of rank s writes its
 slot (b, s) in the flag region of the phase on each destination rank, storing the call's

@@ -40,6 +40,8 @@ import logging
 import os
 import re
 
+import torch
+
 from tpfuse._runtime import INTERPRETER
 from tpfuse.reference import QUANT_CODECS
 
@@ -58,8 +60,10 @@ _ABSENT = object()
 _APPLIED: dict[int, tuple[dict, dict]] = {}
 """What ``apply_tables`` and ``use_gpu_tables`` did: {world size: (the knobs applied, what
 they replaced)}."""
-_GPU_TABLES_USED: set[tuple[int, str]] = set()
-"""(world size, GPU model) pairs ``use_gpu_tables`` has settled in this process."""
+_GPU_MODEL: str | None = None
+"""The GPU model whose tables ``use_gpu_tables`` applied in this process (None: none yet)."""
+_GPU_TABLES_LOGGED: set[tuple[int, str]] = set()
+"""(world size, GPU model) pairs ``use_gpu_tables`` has logged about."""
 logger = logging.getLogger("tpfuse.comm")
 
 
@@ -178,6 +182,7 @@ def restore(world_size: int, replaced: dict) -> None:
 def applied(world_size: int, knobs: dict):
     """``apply`` for the duration of a with-block (tests, and the tuner measuring under the
     knobs it has derived so far)."""
+    _settle_gpu_tables()
     replaced = apply(world_size, knobs)
     try:
         yield
@@ -227,28 +232,42 @@ def apply_tables() -> None:
         _APPLIED[world_size] = (knobs, apply(world_size, knobs))
 
 
-def use_gpu_tables(world_size: int, device_name: str) -> None:
-    """Apply the table measured on this GPU model at ``world_size`` (``w{W}-{model}.json`` of
-    ``table_dir()``) over the one ``apply_tables`` applied, once per (world size, model); a
-    model without one logs, once, what the plans use instead. Called by ``Communicator`` on
-    GPUs, before the ranks compare their knobs."""
+def use_gpu_tables(device_name: str, world_size: int | None = None) -> None:
+    """Apply the tables measured on this GPU model (``w{W}-{model}.json`` of ``table_dir()``)
+    over the ones ``apply_tables`` applied, once per process; with ``world_size``, log once
+    what the plans use there when the model has no table of its own. Called by
+    ``Communicator`` on GPUs before the ranks compare their knobs, and by ``applied`` and
+    ``built_in_defaults`` (so that a table applied later never undoes theirs)."""
+    global _GPU_MODEL
     model = gpu_model(device_name)
     directory = table_dir()
-    if directory is None or (world_size, model) in _GPU_TABLES_USED:
+    if directory is None:
         return
-    _GPU_TABLES_USED.add((world_size, model))
-    path = table_path(directory, world_size, model)
-    if not os.path.exists(path):
+    if _GPU_MODEL is None:
+        _GPU_MODEL = model
+        for w, knobs in read_tables(directory, model).items():
+            if os.path.exists(table_path(directory, w, model)):
+                if w in _APPLIED:
+                    restore(w, _APPLIED[w][1])
+                _APPLIED[w] = (knobs, apply(w, knobs))
+    if world_size is None or (world_size, model) in _GPU_TABLES_LOGGED:
+        return
+    _GPU_TABLES_LOGGED.add((world_size, model))
+    if model != _GPU_MODEL:
+        logger.warning("tpfuse: this process applied the plan tables of %s GPUs; %s uses them too", _GPU_MODEL,
+                       device_name)
+    elif not os.path.exists(table_path(directory, world_size, model)):
         generic = table_path(directory, world_size)
         source = (f"{os.path.basename(generic)} (measured on {read_table(generic)['provenance'].get('gpu', 'a GPU')})"
                   if os.path.exists(generic) else "the defaults of tpfuse/comm/plan.py")
         logger.warning("tpfuse: no plan table measured on %s at world size %d (%s); the plans use %s",
-                       device_name, world_size, os.path.basename(path), source)
-        return
-    knobs = read_table(path)["knobs"]
-    if world_size in _APPLIED:
-        restore(world_size, _APPLIED[world_size][1])
-    _APPLIED[world_size] = (knobs, apply(world_size, knobs))
+                       device_name, world_size, os.path.basename(table_path(directory, world_size, model)), source)
+
+
+def _settle_gpu_tables() -> None:
+    """``use_gpu_tables`` for this process's GPU (the current device), on GPU machines."""
+    if not INTERPRETER and torch.cuda.is_available():
+        use_gpu_tables(torch.cuda.get_device_name())
 
 
 @contextlib.contextmanager
@@ -257,6 +276,7 @@ def built_in_defaults():
     with-block: what ``apply_tables`` applied at import is undone, then applied again. For
     tests that check those defaults, which a table in this directory would change on GPU
     machines."""
+    _settle_gpu_tables()
     for world_size, (_, replaced) in _APPLIED.items():
         restore(world_size, replaced)
     try:
