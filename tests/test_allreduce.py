@@ -532,7 +532,7 @@ def _assert_ok(results):
     assert len(digests[0]) > 0
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.smoke), 4])
 def test_bitwise_equal_to_reference_for_all_sizes_dtypes_algos(world):
     _assert_ok(run_ranks(world, _sizes_dtypes_algos, SIZES))
 

@@ -130,6 +130,7 @@ def _assert_ok(results):
     assert not failures, "\n".join(failures[:20])
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("world", [1, 2])
 def test_ops_are_registered_by_group_name_and_unregistered_by_close(world):
     _assert_ok(run_ranks(world, _registry))

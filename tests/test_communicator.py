@@ -6,6 +6,7 @@ import multiprocessing as mp
 import os
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -42,6 +43,7 @@ def _late_rank(timeout_s, late_by_s):
     return failures
 
 
+@pytest.mark.smoke
 def test_a_missing_rank_ends_construction_on_every_rank_within_the_timeout():
     results = run_ranks(2, _late_rank, 2.0, 3.0, timeout_s=120)
     failures = [f"rank {r}: {f}" for r, fs in enumerate(results) for f in fs]

@@ -383,6 +383,7 @@ def test_fused_at_world_size_8():
     _assert_ok(run_ranks(8, _fused_vs_split, [(1, 64), (9, 96)], 88, False, timeout_s=600))
 
 
+@pytest.mark.smoke
 def test_fused_uses_each_ranks_own_residual():
     """Residuals that differ across ranks: every rank still gets its own split result."""
     results = run_ranks(2, _fused_vs_split, SHAPES[:4], 5, False, timeout_s=600)
@@ -399,6 +400,7 @@ def test_bad_inputs_raise_before_any_communication():
     _assert_ok(run_ranks(2, _bad_inputs_raise_before_communicating))
 
 
+@pytest.mark.smoke
 def test_sixty_layer_decode_fused_equals_split():
     _assert_ok(run_ranks(2, _decode_layers, 60, 2, 256, 3, timeout_s=600))
 

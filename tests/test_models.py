@@ -117,7 +117,7 @@ def _assert_ranks_agree(results):
     assert len({d for _, d in results}) == 1, "ranks hold different bits"
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.smoke), 4])
 def test_llama_matches_hugging_face_at_every_tp_size(world):
     _assert_ranks_agree(run_ranks(world, _against_hf, "llama", 3, 4, timeout_s=600))
 
@@ -157,6 +157,7 @@ def test_unsupported_configs_raise_clear_errors():
         TPModel.random(sliding).generate(torch.zeros(1, 6, dtype=torch.int64), 4)
 
 
+@pytest.mark.smoke
 def test_forward_after_a_longer_generate_and_an_empty_prompt():
     """The rope tables grow with the longest sequence seen; a shorter forward afterwards
     slices them (it once raised a shape mismatch). An empty prompt is a ValueError. from_hf

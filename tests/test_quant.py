@@ -518,7 +518,7 @@ def _argument_errors():
 
 # ---------------------------------------------------------------- tests
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.smoke), 4])
 def test_quantized_all_reduce_bitwise_equal_to_reference_on_every_rank(world):
     _assert_ok(run_ranks(world, _bits_all_codecs, [1, 33, 4097, 30001]))
 

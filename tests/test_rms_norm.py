@@ -98,8 +98,15 @@ def test_add_rms_norm_is_bitwise_rms_norm_of_rounded_sum(n, dtype):
         assert torch.equal(y, tpfuse.rms_norm(residual_out, w, weight_offset=off))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n", [64, 1000, 2880] + ([4096, 7168, 20000] if ON_GPU else [20000]))
+def _batch_invariance_cases():
+    """(n, dtype): every dtype at every N on GPUs; under the interpreter, where a case costs
+    5-15 s, one dtype per N in turn (every dtype at one N at least)."""
+    ns = [64, 1000, 2880] + ([4096, 7168, 20000] if ON_GPU else [20000])
+    return [(n, dtype) for i, n in enumerate(ns) for j, dtype in enumerate(DTYPES) if ON_GPU or j == i % len(DTYPES)]
+
+
+@pytest.mark.parametrize("n, dtype", _batch_invariance_cases(),
+                         ids=lambda v: str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else None)
 def test_batch_invariance(n, dtype):
     """A row alone and inside a batch of many rows, at a random position: the same bits."""
     m = 1000 if (ON_GPU or n <= 2880) else 40
@@ -391,6 +398,7 @@ def test_narrow_bf16_rows(n):
     assert _same_bits(y2, tpfuse.rms_norm(r, w))
 
 
+@pytest.mark.smoke
 def test_non_contiguous_misaligned_and_leading_shapes_give_the_same_bits():
     n = 1000
     x, w, _ = _inputs(12, n, torch.bfloat16, "plain", seed=9)
@@ -406,6 +414,7 @@ def test_non_contiguous_misaligned_and_leading_shapes_give_the_same_bits():
     assert torch.equal(tpfuse.rms_norm(x.view(3, 4, n), w), y.view(3, 4, n))
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_nan_and_inf_propagate_like_the_reference(dtype):
     x, w, _ = _inputs(4, 64, dtype, "plain", seed=1)
@@ -454,6 +463,7 @@ def test_launchers_reject_inconsistent_outputs():
         rms_norm_bwd(x, x, w, torch.empty_like(x), None, 1e-6, 0.0)
 
 
+@pytest.mark.smoke
 def test_bad_inputs_raise_clear_errors():
     x = torch.randn(4, 64, device=DEVICE)
     with pytest.raises(ValueError, match=r"weight has shape \(63,\); expected \(64,\)"):

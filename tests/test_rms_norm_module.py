@@ -54,6 +54,7 @@ def test_module_gradients_flow_to_weight():
     assert rel_err(ours.weight.grad, ref.weight.grad) <= 2 * rel_err_budget(torch.float32)
 
 
+@pytest.mark.smoke
 def test_custom_ops_pass_opcheck():
     x = torch.randn(5, 64, device=DEVICE, requires_grad=True)
     w = torch.randn(64, device=DEVICE, requires_grad=True)

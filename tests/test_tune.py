@@ -360,6 +360,7 @@ def test_tune_refuses_cpu_timings_into_the_package(capsys):
     assert package_table() == before
 
 
+@pytest.mark.smoke
 @cpu_only
 def test_tune_on_two_cpu_ranks_writes_a_sweep_and_a_table_the_loader_accepts(tmp_path, capfd):
     # The knobs come from the interpreter's wall clock, so which ones are derived (and whether

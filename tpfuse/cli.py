@@ -27,12 +27,9 @@ verdict. `tpfuse bench NAME --help` lists NAME's own options."""
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
+    import tpfuse
 
-    try:
-        return version("tpfuse")
-    except PackageNotFoundError:  # run from a source tree that is not installed
-        return "unknown"
+    return tpfuse.__version__
 
 
 def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
