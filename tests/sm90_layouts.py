@@ -44,6 +44,7 @@ torch.cuda.is_available = lambda: True  # import tpfuse in its GPU mode
 
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
+from triton._C.libtriton import ir  # noqa: E402
 from triton.compiler import ASTSource, compile, make_backend  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
@@ -66,14 +67,40 @@ def _intercept(self, *args, grid, warmup, **kwargs):
 JITFunction.run = _intercept
 
 
-def _compile(kernel: JITFunction, kwargs: dict):
-    """What JITFunction.run would compile for these arguments on an sm_90 GPU."""
+def _source(kernel: JITFunction, kwargs: dict):
+    """(backend, source, options) of what JITFunction.run would compile for these arguments
+    on an sm_90 GPU."""
     backend = make_backend(TARGET)
     kwargs = dict(kwargs, debug=False)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound, specialization, options = binder(**kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
-    return compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
+    return backend, ASTSource(kernel, signature, constexprs, attrs), options.__dict__
+
+
+def _compile(kernel: JITFunction, kwargs: dict):
+    """The compiled kernel, every stage to the cubin (for ptxas's register counts)."""
+    _, source, options = _source(kernel, kwargs)
+    return compile(source, target=TARGET, options=options)
+
+
+def _ttgir(kernel: JITFunction, kwargs: dict) -> str:
+    """The kernel's TTGIR, where Triton has chosen its layouts: ``compile``'s first two stages
+    alone, a third of the whole compile's time (the later stages lower, but do not change,
+    the layouts)."""
+    backend, source, options = _source(kernel, kwargs)
+    options = backend.parse_options(options)
+    stages = {}
+    backend.add_stages(stages, options, source.language)
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    module = source.make_ir(TARGET, options, backend.get_codegen_implementation(options), backend.get_module_map(),
+                            context)
+    metadata = {}
+    for stage in ("ttir", "ttgir"):
+        module = stages[stage](module, metadata)
+    return str(module)
 
 
 def _reductions(axis: int) -> re.Pattern:
@@ -107,7 +134,7 @@ def layouts_for(case: dict) -> dict:
     weight = {"same": torch.empty(n, dtype=dtype), "fp32": torch.empty(n), "none": None}[case["weight"]]
     out = {"case": case, "tail_n": NormConfig.from_shape(n, dtype).tail_n}
     kernel, kwargs = _launch_args(lambda: rms_norm_fwd(x, weight, y, 1e-6, 0.0, res, res_out))
-    out["norm"] = row_reduction_layouts(_compile(kernel, kwargs).asm["ttgir"])
+    out["norm"] = row_reduction_layouts(_ttgir(kernel, kwargs))
     # offsets only: nothing is allocated
     layout = WorkspaceLayout(world, 1 << 24, 128, ll_max_bytes=1 << 24, lamport_max_bytes=1 << 24,
                              rows_max_bytes=1 << 24)
@@ -123,7 +150,7 @@ def layouts_for(case: dict) -> dict:
             x, weight, res, y, res_out, 1e-6, 0.0, algo=algo, grid=1, rows_per_group=rows, table=table,
             table_addrs=addrs, status_addr=1 << 36, rank=1, layout=layout, timeout_ns=10**9,
             protocol=protocol, whole_tiles=whole))
-        out[name] = row_reduction_layouts(_compile(kernel, kwargs).asm["ttgir"])
+        out[name] = row_reduction_layouts(_ttgir(kernel, kwargs))
     cfg = NormConfig.from_shape(n, dtype)
     if n % 16 == 0 and not cfg.tail_n and cfg.num_chunks == 1:  # what the row-wise kernel serves
         piece, pieces = rows_pieces(n, dtype, 1024)
@@ -131,7 +158,7 @@ def layouts_for(case: dict) -> dict:
             x, weight, res, y, res_out, 1e-6, 0.0, algo="oneshot", grid=-(-rows // cfg.rows) * pieces,
             rows_per_group=rows, table=table, table_addrs=addrs, status_addr=1 << 36, rank=1, layout=layout,
             timeout_ns=10**9, protocol="rows", piece_elems=piece))
-        out["oneshot_rows"] = row_reduction_layouts(_compile(kernel, kwargs).asm["ttgir"])
+        out["oneshot_rows"] = row_reduction_layouts(_ttgir(kernel, kwargs))
     return out
 
 
@@ -168,7 +195,7 @@ def backward_reductions(case: dict) -> dict:
     g*x has two operands), for (dtype, n, rows) as in kernel_registers; for chunked rows also
     the chunks per program and the reductions along axis 0 ("vector_reductions")."""
     kernel, kwargs = _norm_kernel_launch(dict(case, kernel="backward"))
-    ttgir = _compile(kernel, kwargs).asm["ttgir"]
+    ttgir = _ttgir(kernel, kwargs)
     return {"case": case, "num_warps": kwargs["num_warps"], "reductions": row_reduction_layouts(ttgir),
             "chunks": kwargs.get("CHUNKS"), "vector_reductions": row_reduction_layouts(ttgir, axis=0)}
 
@@ -229,7 +256,7 @@ def guard_reductions(case: dict) -> dict:
             x, torch.empty_like(x), codec="int4", chunk=1 << 15, grid=4, block=block, num_warps=warps,
             planes=plan.planes, scale_offset=plan.scale_offset, **ranks)
     kernel, kwargs = _launch_args(launch)
-    ttgir = _compile(kernel, kwargs).asm["ttgir"]
+    ttgir = _ttgir(kernel, kwargs)
     aliases = dict(re.findall(r"^(#[\w.]+) = (.*)$", ttgir, re.M))
     spans = []
     for operands in _reductions(0).findall(ttgir):

@@ -63,9 +63,9 @@ class Communicator:
     allocates its peer workspace once (``workspace_bytes`` per rank, about 4 * max_bytes, plus
     2 * world_size slots of the larger of twice the LL messages' and the Lamport messages' bytes
     and one more of the larger for the fused kernel's rows, and 3 * world_size slots of the
-    row-wise fused kernel's largest message, ``plan.workspace_layout``: 4.5 MiB at W=4, whose
-    table has Lamport words to 512 KiB and no row-wise calls, 69 MiB in all; 40 MiB at W=2,
-    whose table has Lamport words to 8 MiB and row-wise calls to 64 KiB, 104 MiB in all);
+    row-wise fused kernel's largest message, ``plan.workspace_layout``: at W=4 69 MiB in all
+    under the table for any GPU, whose Lamport words go to 512 KiB, and 73 MiB under H100's, to
+    1 MiB; 104 MiB at W=2, whose table has Lamport words to 8 MiB and row-wise calls to 64 KiB);
     ``max_bytes`` defaults to 16 MiB on GPUs, 1 MiB on CPU). ``close()`` releases it (local,
     after the rank's last call); the communicator is also a context manager. One dropped
     without ``close()`` releases it when collected (locally), unless its ops were captured
