@@ -3,14 +3,11 @@
 Everything here is derived from (numel, world size, dtype, workspace layout), which every
 rank has identically, so every rank launches the identical grid (docs/design.md 2.5).
 
-The GPU thresholds, CTA counts, tile size and warps were set from the 4x H200 sweep
-(scripts/tune_allreduce.py, W=4 bf16; the knob notes below and benchmarks/NOTES.md), within
-H200's limits (132 SMs).
-
 The size thresholds keyed by world size (``tpfuse.comm.tables.SIZE_KNOBS``) are defaults
-(from the 4x H200 sweep; W=8's entries, never measured, are guesses): a measured table
-``tpfuse/comm/tables/w{W}.json`` (``tpfuse tune --write-table`` on a W-GPU machine) replaces
-them for that W when tpfuse.comm is imported (``tpfuse.comm.tables``).
+(W=8's entries, never measured, are guesses): a measured table of the world size and GPU
+model (``tpfuse tune --write-table``) replaces them (``tpfuse.comm.tables``). CTA counts,
+tiles and warps fit H200's and H100's 132 SMs. What chose each value is in
+benchmarks/NOTES.md, "Knobs", under the knob's name.
 """
 
 from __future__ import annotations
@@ -28,83 +25,46 @@ from tpfuse.kernels.norm import NormConfig
 
 KiB = 1024
 
-# ---- Tunable knobs, all in one place. Set from scripts/tune_allreduce.py on 4x H200
-# (2026-11-20, W=4 bf16, benchmarks/NOTES.md): 16 warps beat 8 at every size for both
-# algorithms (3-12%); one-shot is flat for 32-128 CTAs and beats two-shot to 512 KiB
-# (256 KiB: 8.6 vs 10.7 us; 1 MiB: 16.6 vs 15.8); two-shot with 128 CTAs was within 0-4% of
-# the per-size best from 256 KiB to 128 MiB (32 MiB: 168.9 us, 298 GB/s, NCCL 177.3; 128 MiB
-# 647 us, NCCL 615). The per-world-size thresholds below are W=4's, reused elsewhere, but
-# W reads tables/w{W}.json when it exists (the size knobs of tpfuse.comm.tables.SIZE_KNOBS):
-# W=2 and W=4 have one, from `tpfuse tune` on 2x and 4x H200.
-#
-# ONESHOT_MAX_BYTES: largest message "auto" sends to one-shot, by world size (other sizes:
-#   W=8's). Above it, two-shot.
-# NCCL_MIN_BYTES: smallest message "auto" hands to the group's backend (NCCL), by world size;
-#   None = never (auto stays exact, bitwise equal to tpfuse.reference, at every size the
-#   workspace holds). Set it only where the sweep shows two-shot losing to NCCL by more than
-#   5%: NCCL's results are not bitwise reproducible, so this trades the exactness contract
-#   of "auto" for speed on large messages. A person decides this, so `tpfuse tune` times NCCL
-#   for reference only and no table sets it.
-# TILE_BYTES: bytes of a tile; on GPUs 8 KiB = 512 threads (NUM_WARPS 16) x one 16-byte
-#   vector. The "oneshot_ll" entries of TILE_BYTES, NUM_WARPS and MAX_CTAS serve one-shot
-#   over LL, whose 8-byte words carry 4 data bytes. The interpreter pays per operation, not
-#   per element, so it takes large tiles.
-#   One-shot over Lamport words takes a range of tile sizes instead (`tile_and_warps`).
-# NUM_WARPS: warps per CTA, per algorithm (one-shot over Lamport words: at most).
-# LAMPORT_TILES_PER_CTA: one-shot over Lamport words cuts a message into tiles of
-#   nbytes / (this * MAX_CTAS) rounded down to a power of two, within its TILE_BYTES range, and
-#   takes a warp per 512 bytes of tile (one 16-byte vector per thread, up to NUM_WARPS).
-#   2x H100 sweep (scripts/tune_allreduce.py at 07762fc, W=2 bf16, 2-16 KiB tiles, 4-16
-#   warps, 32-128 CTAs; benchmarks/NOTES.md): the best tile grew with the message,
-#   2 KiB on 4 warps to 1 MiB (7.5 us), 4 KiB on 8 warps at 2 MiB (11.3), 8 KiB on 16 at 4 MiB
-#   (18.7), 16 KiB on 16 at 8 MiB (34.0), all on 128 CTAs: 4 tiles per CTA each time. A
-#   single tile for all sizes lost 4-16% (4 KiB on 8 warps). Once a rank no longer stored
-#   into its own slot (04d26bf), the best tile grew fourfold: 2x H200 sweep at f592754
-#   (results/2xH200/tune_lamport_tiles.md, 128 CTAs): 2 KiB to 256 KiB, 4 KiB at 512 KiB
-#   (4.8 us, 2 KiB 5.1), 8 KiB on 16 warps at 1 MiB (6.55, the old rule's 2 KiB 7.14),
-#   16 KiB at 2 MiB (10.38, old 4 KiB 10.89) and 4 MiB (18.05, old 8 KiB 18.14): tiles of
-#   nbytes / MAX_CTAS within the 2-16 KiB range, which this rule (1) gives at every size swept.
-# MAX_CTAS: CTAs per call, per algorithm. Every CTA of a grid must be resident at once
-#   (block b waits for block b of every peer, see tpfuse.kernels.sync), so a grid must stay
-#   at or below the SM count (132 on H200) with one CTA per SM; MAX_BLOCKS (flag slots) caps
-#   it too. Under the interpreter blocks run one after another and each costs a flag round,
-#   so few large blocks are fastest.
-# GATHER: two-shot's all-gather phase. "push": the owner of chunk c stores its reduced chunk
-#   into gather slot c of every peer, which then copies the W-1 gather slots to its output
-#   (posted remote stores, local polls, one extra local copy). "pull": the owner stores it
-#   into its own gather slot only, and every peer loads it from there straight into its
-#   output (remote loads, no local copy).
-# LL_MAX_BYTES: largest message one-shot sends over the LL protocol (tpfuse.kernels.ll: flags
-#   inside the data words, twice the bytes on the links, no fence and no flag round trip), by
-#   world size (other sizes: W=8's); larger one-shot messages use Lamport words or separate
-#   flags. With FUSED_LL_MAX_BYTES and LAMPORT_MAX_BYTES it sizes the workspace's LL regions
-#   (`workspace_layout`: 2 * W slots of the larger of twice LL's bytes and Lamport's, plus
-#   the larger of the two for the fused kernel's reduced rows). The interpreter's
-#   value keeps both protocols inside the CPU tests' sizes. 4x H200 sweep (W=4 bf16):
-#   LL with 1 KiB tiles on 4 warps (2 words per thread), up to 64 CTAs: 8 KiB 3.65 us (flags
-#   5.06), 64 KiB 5.12 (6.04), 128 KiB 6.71 (6.9), 256 KiB LL 10.6, flags 8.4. A tile of
-#   4 KiB on one CTA took 8.5 us at 8 KiB: a CTA drains its NVLink stores slowly, so LL
-#   wants many small CTAs. W=8 is not measured (its LL sends 7 peers twice the bytes).
-# LAMPORT_MAX_BYTES: largest message one-shot sends over Lamport words (tpfuse.kernels.ll: the
-#   data is its own flag; the bytes of the flag one-shot on the links, no fence and no flag
-#   round trip), by world size, for sizes above LL_MAX_BYTES; larger one-shot messages use
-#   separate flags. 0 (never) until measured at that world size (`tpfuse tune`); the
-#   interpreter's value keeps the protocol inside the CPU tests' sizes.
+# ---- The all-reduce's knobs. The size thresholds keyed by world size are defaults that a
+# measured table replaces (tpfuse.comm.tables); what chose each value: benchmarks/NOTES.md,
+# "Knobs", under the knob's name.
 ONESHOT_MAX_BYTES = {2: 512 * KiB, 4: 512 * KiB, 8: 128 * KiB}
+"""Largest message "auto" sends to one-shot (then two-shot), by world size (others: W=8's)."""
 LL_MAX_BYTES = ({2: 128 * KiB, 4: 128 * KiB, 8: 64 * KiB} if not INTERPRETER else
                 {2: 64 * KiB, 4: 64 * KiB, 8: 64 * KiB})
+"""Largest one-shot message over LL words (tpfuse.kernels.ll): no fence and no flag round
+trip, for twice the bytes on the links. With the fused LL knobs and LAMPORT_MAX_BYTES it sizes
+the workspace's LL regions (``workspace_layout``). The interpreter's keeps the protocols inside
+the CPU tests' sizes."""
 LAMPORT_MAX_BYTES = ({2: 0, 4: 0, 8: 0} if not INTERPRETER else
                      {2: 256 * KiB, 4: 256 * KiB, 8: 128 * KiB})
+"""Largest one-shot message over Lamport words (the data is its own flag), above LL's; 0
+(never) until measured at that world size."""
 NCCL_MIN_BYTES: dict[int, int | None] = {2: None, 4: None, 8: None}
+"""Smallest message "auto" hands to the group's backend; None: never. Setting it trades the
+bitwise contract for speed on large messages, so a person decides it: no table sets it."""
 TILE_BYTES = ({"oneshot": 8 * KiB, "oneshot_ll": 1 * KiB, "oneshot_lamport": (2 * KiB, 16 * KiB), "twoshot": 8 * KiB}
               if not INTERPRETER else
               {"oneshot": 64 * KiB, "oneshot_ll": 64 * KiB, "oneshot_lamport": (64 * KiB, 64 * KiB),
                "twoshot": 64 * KiB})
+"""Bytes of a tile per launch knob (one-shot over Lamport words: a range, ``tile_and_warps``).
+8 KiB is 512 threads of one 16-byte vector; LL words carry 4 data bytes in 8; the interpreter
+pays per operation, not per element, so it takes large tiles."""
 NUM_WARPS = {"oneshot": 16, "oneshot_ll": 4, "oneshot_lamport": 16, "twoshot": 16}
+"""Warps per CTA per launch knob (one-shot over Lamport words: at most)."""
 LAMPORT_TILES_PER_CTA = 1
+"""One-shot over Lamport words cuts a message into tiles of nbytes / (this * MAX_CTAS), a
+power of two within TILE_BYTES's range, with a warp per 512 bytes of tile."""
 MAX_CTAS = ({"oneshot": 32, "oneshot_ll": 64, "oneshot_lamport": 128, "twoshot": 128} if not INTERPRETER else
             {"oneshot": 4, "oneshot_ll": 4, "oneshot_lamport": 4, "twoshot": 4})
+"""CTAs per call per launch knob. Every CTA of a grid must be resident at once (block b waits
+for block b of every peer, tpfuse.kernels.sync), so a grid stays at or below the SM count at
+one CTA per SM, and within MAX_BLOCKS. The interpreter runs blocks one after another, each a
+flag round: few large blocks are fastest there."""
 GATHER = "push"
+"""Two-shot's all-gather: "push" stores each reduced chunk into every peer's gather slot
+(posted remote stores, local polls, one local copy); "pull" has every peer load it from the
+owner's slot into its output (remote loads, no copy)."""
 GATHER_MODES = ("push", "pull")
 MAX_BLOCKS = 128
 """Flag slots per phase in the workspace: every grid above must fit."""
@@ -242,103 +202,51 @@ class AllReducePlan:
         return cls(algo, block=block, grid=grid, num_warps=NUM_WARPS[algo], chunk=chunk, gather=GATHER)
 
 
-# ---- Fused all-reduce + residual add + RMSNorm (Communicator.all_reduce_add_rms_norm).
-# The fused kernels (tpfuse.kernels.fused) take the norm's tile shape and warps, fixed by
-# (N, dtype) (NormConfig), so only the algorithm and the grid are chosen here. Set from
-# `tpfuse bench fused` on 4x H200 (W=4 bf16, benchmarks/NOTES.md), the defaults: W reads
-# tables/w{W}.json when it exists (the FUSED_* size knobs, measured at hidden 4096 bf16 by
-# `tpfuse tune`, and their FUSED_WIDE_* twins, measured at hidden 8192); W=2 and W=4 have one.
-#
-# FUSED_ONESHOT_MAX_BYTES: largest message (x's bytes) "auto" sends to the fused one-shot
-#   kernel, by world size (other sizes: W=8's), and only for hidden sizes whose norm tile
-#   holds at most FUSED_ONESHOT_MAX_VECTORS 16-byte vectors per thread: a decode call is one
-#   CTA per row tile, and its per-thread work is on the critical path. The limit was 2 when
-#   1-token calls used the flag kernel (4x H200, before LL: hidden 8192, 4 vectors per
-#   thread, 0.97x of split at 1 token); those calls now go over LL (below), and above the LL
-#   limit 4 vectors measured faster fused than split (hidden 8192 bf16, flags: 4x H200, 16
-#   tokens 10.4 vs 10.8 us; 2x H100, 16 tokens 8.2 vs 8.5, 128 tokens 14.8 vs 19.2), so the
-#   limit is 4. Tiles of more vectors per thread (bf16 hidden 4112-6144, 8208-16384 and
-#   49152-65536; fp32 4112-16384) go fused only once the call has a row tile for each of
-#   FUSED_MAX_CTAS CTAs (2x H100, hidden 5120 bf16, flags: 16 tokens 9.1 us fused vs 7.9
-#   split, 128 tokens 13.0 vs 15.6). That needs 128 rows under FUSED_ONESHOT_MAX_BYTES, which
-#   no table allows at these sizes now (W=2's 1 MiB since 2e67899 holds 128 rows of 4096 bf16
-#   at most; the wide tile's own knob covers hidden 6160-8192); the rule stays for tables that do.
-# FUSED_LL_MAX_BYTES: largest message the fused one-shot sends over LL, by world size (within
-#   the workspace's LL regions, which it sizes with LL_MAX_BYTES); "auto" takes the
-#   fused one-shot for these whatever FUSED_ONESHOT_MAX_VECTORS says: that kernel spreads each
-#   row over several CTAs (commit d9ff098, W=4: hidden 4096, 1-16 tokens, fused 5.2-8.0 us,
-#   split 5.5-8.6; hidden 8192, 1 token, 5.9 vs 6.6). Above it the flag kernel and the vectors
-#   rule apply (W=4, hidden 4096, 32 tokens: 9.7 vs 10.5 us). A knob of its own because the
-#   fused LL kernel stops paying before the all-reduce's does: W=2 (`tpfuse tune` at 4c797ca),
-#   the all-reduce over LL wins to 256 KiB (5.5 us vs flags 6.2), the fused LL kernel at 256 KiB
-#   (32 tokens) took 9.1 us against split's 7.7.
-# FUSED_LAMPORT_MAX_BYTES: largest message the fused one-shot sends over Lamport words, above
-#   FUSED_LL_MAX_BYTES, by world size (within the workspace's Lamport capacity,
-#   LAMPORT_MAX_BYTES); the same kernel as LL's, with whole row tiles or pieces of a 16-byte
-#   vector per thread, where one of them pays (`tpfuse.kernels.fused.lamport_tiling`; else the
-#   flag kernel's rules apply). Like LL's, "auto" takes it whatever FUSED_ONESHOT_MAX_VECTORS
-#   says. 0 (never) until measured at that world size (`tpfuse tune`).
-# FUSED_TWOSHOT_MAX_BYTES: largest message "auto" sends to the fused two-shot kernel (0: never;
-#   it measured 0.91-0.98x of split from 128 to 1024 tokens).
-#   Above both, "split" (tpfuse all_reduce, then add_rms_norm: the same bits).
-# FUSED_MAX_CTAS: CTAs per fused call. Every CTA must be resident at once (as for MAX_CTAS):
-#   the norm's tiles use at most 32 warps (chunked rows and bf16 rows held narrow; 8
-#   otherwise), so 128 CTAs fit
-#   H200's 132 SMs at one CTA per SM.
+# ---- Fused all-reduce + residual add + RMSNorm (Communicator.all_reduce_add_rms_norm). The
+# fused kernels (tpfuse.kernels.fused) take the norm's tile shape and warps, fixed by (N,
+# dtype), so only the algorithm and the grid are chosen here. The FUSED_* size knobs are
+# measured at hidden 4096 bf16 by `tpfuse tune`, their FUSED_WIDE_* twins at hidden 8192; what
+# chose each value: benchmarks/NOTES.md, "Knobs".
 FUSED_ONESHOT_MAX_BYTES = {2: 512 * KiB, 4: 512 * KiB, 8: 128 * KiB}
+"""Largest message (x's bytes) "auto" sends to the fused one-shot with flags, by world size,
+for norm tiles of at most FUSED_ONESHOT_MAX_VECTORS vectors per thread (a decode call is a CTA
+per row tile, its per-thread work on the critical path); wider tiles only once the call has a
+row tile for each of FUSED_MAX_CTAS CTAs."""
 FUSED_ONESHOT_MAX_VECTORS = 4
+"""The most 16-byte vectors per thread of a norm tile that the fused flag one-shot takes."""
 FUSED_LL_MAX_BYTES = ({2: 128 * KiB, 4: 128 * KiB, 8: 64 * KiB} if not INTERPRETER else  # LL_MAX_BYTES's defaults
                       {2: 16 * KiB, 4: 16 * KiB, 8: 16 * KiB})
+"""Largest message the fused one-shot sends over LL words (a row spread over several CTAs),
+whatever the tile's vectors; a knob of its own, as it stops paying before the all-reduce's."""
 FUSED_LAMPORT_MAX_BYTES = {2: 0, 4: 0, 8: 0} if not INTERPRETER else {2: 128 * KiB, 4: 128 * KiB, 8: 128 * KiB}
+"""Largest message the fused one-shot sends over Lamport words, above LL's (whole row tiles or
+pieces, ``tpfuse.kernels.fused.lamport_tiling``); 0 until measured at that world size."""
 FUSED_TWOSHOT_MAX_BYTES = {2: 0, 4: 0, 8: 0}
-# FUSED_ROWS_MAX_BYTES: largest message the fused one-shot runs row-wise (protocol "rows",
-#   before LL's and Lamport's): the CTAs that store the pieces of a row tile, as Lamport words,
-#   each poll the whole tile and normalise it, storing only their own piece of y and
-#   residual_out. No handoff count between them (its acq_rel release cost 0.3 us on a small
-#   call wherever it stood) and no round trip through the reduced region; each CTA polls the
-#   whole tile instead, so only tiles of at most FUSED_ROWS_MAX_TILE_BYTES held in registers
-#   without a tail (NormConfig) run row-wise, one piece per CTA within FUSED_MAX_CTAS. 2x H200,
-#   the measurement-only fused_ab variant redundant_norm (LL words, acd19a5): hidden 4096 x 1
-#   token 4.48 us against the LL kernel's 4.87, x 2 4.75 against 4.98, 2880 x 1 (a row padded
-#   to 4096 lanes) 4.35 against 4.70, 5120 x 1 (a tail: not row-wise here) 8.45 against 5.54 (20
-#   CTAs of 4 warps, each polling an 8192-lane row). The kernel, 2x H200 at 93bad7f
-#   (results/2xH200/fused_ab.md), against the same tree with it off: hidden 4096 x 1 / 2 / 4 /
-#   8 / 16 tokens 3.95 / 4.26 / 4.64 / 4.78 / 5.42 us against 4.62 / 4.95 / 5.11 / 5.38 / 5.64,
-#   2880 x 1 / 16 3.91 / 5.04 against 4.48 / 5.44. Once the Lamport kernel's threads spin on
-#   their own vectors (results/2xH200/fused_rows_ab.md, 2e67899): 4096 x 1 / 2 / 4 / 8 / 16
-#   3.97 / 4.33 / 4.57 / 4.78 / 5.45 against 4.53 / 4.48 / 4.62 / 4.87 / 5.13 (split 5.36 at 16),
-#   2880 x 16 5.06 against 4.99: W=2's 64 KiB. 4x H200, W=4 (results/4xH200/fused_ab_w4.md):
-#   slower, 4096 x 1 5.51 against 4.81, so never there; W=8 never, not measured. Narrower rows
-#   take it by the same rule, unmeasured (bf16 hidden 1024 to 64 tokens, 256 to 256: 128
-#   CTAs, each polling a tile of at most 8 KiB as at 4096). A row-wise call first zeroes the last
-#   one's words (up to W x 64 KiB), on its own grid: after an 8-token call a 1-token call at
-#   4096 zeroes 128 KiB on 8 CTAs, once, on a change of batch size. Not swept by `tpfuse tune`,
-#   which times the other protocols with it off; row-wise also needs FUSED_ONESHOT_MAX_BYTES
-#   (the "auto" one-shot limit) to reach it, which a table could set below it unmeasured.
-# FUSED_ROWS_PIECE_BYTES: bytes of x each CTA of a row-wise call stores, 1 KiB: the LL kernel's
-#   pieces at hidden 4096 (8 CTAs a row), as in the measurement above. The interpreter runs
-#   CTAs one after another, so a CTA waiting for pieces of its own rank that a later CTA stores
-#   would wait for ever: there a piece is a whole tile.
+"""Largest message "auto" sends to the fused two-shot; above every fused limit, "split"."""
 FUSED_ROWS_MAX_BYTES = {2: 64 * KiB, 4: 0, 8: 0} if not INTERPRETER else {2: 1 * KiB, 4: 1 * KiB, 8: 1 * KiB}
+"""Largest message the fused one-shot runs row-wise (protocol "rows", before LL's and
+Lamport's): each CTA that stores a piece of a row tile polls the whole tile and normalises
+it, storing only its piece; no count between CTAs. Only for tiles of at most
+FUSED_ROWS_MAX_TILE_BYTES held without a tail. Not swept by `tpfuse tune`; it sizes the
+workspace's rows regions."""
 FUSED_ROWS_MAX_TILE_BYTES = 8 * KiB
+"""The largest norm tile the row-wise kernel takes (each CTA polls all of it)."""
 FUSED_ROWS_PIECE_BYTES = 1 * KiB if not INTERPRETER else 64 * KiB
-# FUSED_WIDE_TILE: (hidden, dtype) of the row on which `tpfuse tune` measures the FUSED_WIDE_*
-#   thresholds; calls whose norm tile is that row's (the same bytes, chunks, rows and warps:
-#   bf16 and fp16 hidden 6160-8192, fp32 2064-4096) take them in place of the four above,
-#   which are measured at hidden 4096 bf16 and serve every other tile. A fused kernel's cost
-#   follows the norm's tile while split's is the all-reduce's at every width, so one
-#   threshold per kernel could not serve both within 3% (2x H200 at 4c718f7: at 8 MiB the
-#   flag one-shot tied split at hidden 4096, 42.0 vs 42.8 us, and won at 8192, 39.2 vs 42.7;
-#   the fused two-shot won at 8192 x 2048 tokens, 135.0 vs 141.6, and never at 4096). Other
-#   tiles (e.g. bf16 hidden 5120, 16384) are not measured and keep the hidden-4096 values.
-#   Defaults: the narrow ones; a table without FUSED_WIDE_* entries gives wide rows its
-#   narrow values (``tpfuse.comm.tables.read_table``).
+"""Bytes of x each CTA of a row-wise call stores. The interpreter runs CTAs one after another,
+so a CTA waiting for a piece a later CTA stores would wait for ever: a piece is a whole tile."""
 FUSED_WIDE_TILE = (8192, torch.bfloat16)
+"""(hidden, dtype) of the row on which `tpfuse tune` measures the FUSED_WIDE_* thresholds;
+calls whose norm tile is that row's (bf16/fp16 hidden 6160-8192, fp32 2064-4096) take them in
+place of the four above: a fused kernel's cost follows the norm's tile, split's does not, so
+one threshold per kernel could not serve both widths. A table without FUSED_WIDE_* entries
+gives wide rows its narrow values (``tpfuse.comm.tables.read_table``)."""
 FUSED_WIDE_LL_MAX_BYTES = dict(FUSED_LL_MAX_BYTES)
 FUSED_WIDE_LAMPORT_MAX_BYTES = dict(FUSED_LAMPORT_MAX_BYTES)
 FUSED_WIDE_ONESHOT_MAX_BYTES = dict(FUSED_ONESHOT_MAX_BYTES)
 FUSED_WIDE_TWOSHOT_MAX_BYTES = dict(FUSED_TWOSHOT_MAX_BYTES)
 FUSED_MAX_CTAS = 128 if not INTERPRETER else 4
+"""CTAs per fused call; every CTA resident at once, as for MAX_CTAS (the norm's tiles use at
+most 32 warps)."""
 FUSED_HIDDEN_MULTIPLE = TRITON_DIVISIBILITY
 """The fused kernels serve hidden sizes that are multiples of this, the divisibility Triton
 specialises on: for other sizes the compiler cannot prove rows 16-byte aligned, and the

@@ -93,65 +93,32 @@ _MIN_BWD_TILE_BYTES = 8 * 1024
 # N=5120 71 -> 86 (4 warps), N=10240 62 -> 89 (8), fp32 N=2880 79 -> 87 (4), N=5120 93 -> 94
 # (8). bf16 N=2880 (an 8 KiB tile) did not gain: 73 -> 71 at best.
 _MIN_BWD_SPLIT_BYTES = 16 * 1024
-# Backward tiles of up to this many lanes (rows x the pieces' widths) and bytes prefetch the
-# next tile (two tiles in flight); larger ones run out of registers. H200 M=32768, without
-# -> with prefetch: bf16 N=4096 311 -> 219 us; % of copy, bf16 N=8192 72 -> 89, split
-# N=12288 (12288 lanes, 24 KiB) 62 -> 93, fp32 split N=5120 (20 KiB) 90 -> 94; but bf16
-# N=16384 87 -> 42, fp32 split N=10240 (40 KiB) 85 -> 64, fp32 split N=12288 (48 KiB, 16
-# warps) 91 -> 56.
+# The backward's tile rules; what measured each: benchmarks/NOTES.md, "Knobs", the norm.
 _MAX_PREFETCH_LANES = 12288
 _MAX_PREFETCH_BYTES = 32 * 1024
-# Single-row tiles whose threads hold 32 or more elements each re-read the weight for dx
-# rather than hold g = dy * w across the row reductions (bwd_reload_weight); that frees a
-# register per element. H200 M=32768, % of copy, g held -> weight re-read: bf16 N=16384
-# 72 -> 87 (ptxas no longer spills), split N=6144 63 -> 91, N=12288 62 -> 93, fp32 N=16384
-# 76 -> 81 (88 on 8 warps); neutral at 40 elements per thread (bf16 split N=5120 86 -> 86,
-# N=10240 89 -> 88). With fewer it is worth -14 to +1 points (fp32 split N=2880 on 4 warps:
-# 87 -> 73).
+"""Backward tiles of up to this many lanes (rows x the pieces' widths) and bytes prefetch the
+next tile (two tiles in flight); larger ones run out of registers."""
 _MIN_RELOAD_ELEMS_PER_THREAD = 32
-# Unsplit single-row tiles over 32 KiB (fp32 rows of 12289 to 16384) run on 8 warps, not
-# 16: fp32 N=16384 with the weight re-read 88% vs 81% (32 warps 80%). Split fp32 rows of
-# 8193 to 12288 keep the split's warps (16): N=10240 85% (84 on 8 warps), N=12288 89% (91).
+"""Single-row tiles whose threads hold this many elements or more re-read the weight for dx
+rather than hold g = dy * w across the row reductions: a register per element freed."""
 _MAX_BWD_TILE_BYTES_16_WARPS = 32 * 1024
-# Two separate row reductions beat one tuple reduction on single rows of 4096 columns (H200
-# bf16 M=32768, % of copy: N=4096 90 vs 70, N=2880 71 vs 55); the tuple wins elsewhere
-# (N=16384 71 vs 69, N=5120 70 vs 68, N=1024 in 4-row tiles 79 vs 69). fp32 rows of 2049 to
-# 3072 (pieces of a 4096-column tile) reduce each piece in two as well: 87% with them.
+"""Unsplit single-row tiles over this run on 8 warps, not 16."""
 _BWD_TWO_REDUCTION_BLOCK_N = 4096
-# Rows of 2049 to 3072 elements (a 4096-column tile over a quarter padding) stack two rows per
-# backward tile, unsplit, with one tuple reduction: 16-bit rows on 16 warps, fp32 on 8. H200,
-# us, one row per tile (fp32: in two pieces on 4 warps; both with two reductions) -> two rows,
-# M=1024 and M=32768 (scripts/tune_norm.py bwd, benchmarks/NOTES.md 2026-11-24): bf16 N=2560
-# 14.1 -> 12.8 and 180.2 -> 171.9, N=2880 14.7 -> 13.5 and 184.3 -> 183.0, N=3072 15.2 -> 13.7
-# and 188.4 -> 191.0; fp32 N=2560 21.1 -> 16.5 and 287.6 -> 276.3, N=2880 21.8 -> 17.0 and
-# 308.0 -> 297.9, N=3072 23.1 -> 17.6 and 322.0 -> 316.1. Only rows of a multiple of
-# TRITON_DIVISIBILITY elements: for others Triton cannot prove the second row 16-byte
-# aligned, and ptxas (sm_90, on CPU) spilled 1.2 KiB (bf16 N=3000) to 4.2 KiB (fp32 N=2049,
-# 3000) per thread. The 16-bit tile spills 4 bytes (one register), and still won as measured
-# above (tests/test_norm_registers.py holds it to that).
+"""Single rows of this many columns reduce in two separate reductions, not one tuple
+reduction (fp32 rows of 2049-3072, in pieces of such a tile, too)."""
 _BWD_STACKED_BLOCK_N = 4096
 _BWD_STACKED_ROWS = 2
 _BWD_STACKED_WARPS = {2: 16, 4: 8}  # by element size
-
-
-# Backward programs that run through long stretches of rows (_LONG_RUN_ROWS or more per dW
-# partial: M of about 32768 and more at 256 partials) take twice the warps on tiles whose warps
-# already span a row, when each thread still holds two 16-byte vectors (``bwd_long_run_warps``).
-# Triton lays a tile's warps along its columns first, up to a row's vectors / 32, and the rest
-# along its rows: there the extra warps take rows, each row is reduced in the same layout, and
-# dx keeps its bits at every M (tests/test_norm_bwd_layouts.py; scripts/tune_norm.py bwdm
-# compares them too). That holds only where every access of the tile is in 16-byte vectors
-# (bwd_num_warps' whole_vectors): with unaligned rows or an fp32 weight beside 16-bit rows the
-# tile is laid out in narrower vectors, a row spans more warps, and more warps would split it.
-# H200, us, 4 -> 8 warps at M=32768 and 65536 (benchmarks/NOTES.md 2026-11-25): bf16
-# N=128 14.3 -> 13.8 and 22.1 -> 20.0, N=256 23.6 -> 22.8 and 38.9 -> 35.6, N=512 34.8 -> 35.6 and
-# 61.8 -> 60.3, N=768 54.0 -> 53.7 and 100.5 -> 98.0, N=1024 61.7 -> 60.1 and 115.7 -> 111.5; fp16
-# N=256 23.4 -> 22.8 and 38.7 -> 35.4; fp32 N=64 13.0 -> 12.5 and 20.5 -> 18.9, N=256 34.3 -> 32.3
-# and 62.2 -> 56.8, N=384 54.8 -> 50.2 and 102.4 -> 93.0, N=512 61.8 -> 57.3 and 117.9 -> 108.2. With
-# one vector per thread they lost (bf16 N=64, 4 KiB tiles: 9.9 -> 10.4 and 14.0 -> 14.5), and at
-# 64 rows per partial (M=16384) as often as they won (bf16 N=512 21.0 -> 23.0, fp32 N=512 34.0 ->
-# 32.2).
+"""Rows of 2049 to 3072 elements (a 4096-column tile over a quarter padding), of a multiple of
+TRITON_DIVISIBILITY elements, stack two rows per backward tile, unsplit, with one tuple
+reduction (others: Triton cannot prove the second row aligned, and ptxas spills). The 16-bit
+tile spills 4 bytes; tests/test_norm_registers.py holds it to that."""
 _LONG_RUN_ROWS = 128
+"""Backward programs that run through this many rows or more per dW partial take twice the
+warps on tiles whose warps already span a row, where each thread still holds two 16-byte
+vectors (``bwd_long_run_warps``): the extra warps take rows, each row is reduced in the same
+layout, and dx keeps its bits at every M (tests/test_norm_bwd_layouts.py). Only where every
+access of the tile is a 16-byte vector (bwd_num_warps' whole_vectors)."""
 
 
 def warps_take_rows(block_n: int, num_warps: int, esize: int) -> bool:
