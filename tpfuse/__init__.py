@@ -23,7 +23,7 @@ from tpfuse import reference
 from tpfuse.comm import CommError, CommTimeoutError, Communicator
 from tpfuse.kernels.codecs import dequantize, quantize
 from tpfuse.nn import RMSNorm
-from tpfuse.ops import add_rms_norm, rms_norm
+from tpfuse.norm_ops import add_rms_norm, rms_norm
 
 __all__ = ["rms_norm", "add_rms_norm", "RMSNorm", "Communicator", "CommError", "CommTimeoutError", "reference",
            "quantize", "dequantize"]

@@ -7,7 +7,7 @@ import numbers
 import torch
 from torch import nn
 
-from tpfuse.ops import add_rms_norm, rms_norm
+from tpfuse.norm_ops import add_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from tpfuse import _runtime
-from tpfuse.comm import ops as comm_ops
+from tpfuse.comm import collective_ops
 from tpfuse.comm import tables
 from tpfuse.comm.peer_memory import PeerMemory, PeerMemoryUnavailable
 from tpfuse.comm.plan import AllReducePlan, FusedPlan, check_algo, check_fused_algo, workspace_layout
@@ -23,7 +23,7 @@ from tpfuse.kernels.allreduce import OP_NAMES, all_reduce_into
 from tpfuse.kernels.fused import all_reduce_norm_into
 from tpfuse.kernels.quant_allreduce import quant_all_reduce_into
 from tpfuse.kernels.sync import STATUS_WORDS, decode_status
-from tpfuse.ops import add_rms_norm, check_norm_args, rms_norm
+from tpfuse.norm_ops import add_rms_norm, check_norm_args, rms_norm
 
 MAX_WORLD_SIZE = 8
 
@@ -134,8 +134,8 @@ class Communicator:
             except RuntimeError as e:  # a collective step failed: a peer died or gave up
                 raise CommError(f"rank {self.rank}: creating the Communicator failed in a collective step "
                                 f"({type(e).__name__}: {e}); a peer rank probably failed or exited") from e
-        self.group_name = comm_ops.register(self, self.group.group_name)
-        """This communicator's name for the ``torch.ops.tpfuse`` collectives (``tpfuse.comm.ops``)."""
+        self.group_name = collective_ops.register(self, self.group.group_name)
+        """This communicator's name for the ``torch.ops.tpfuse`` collectives (``tpfuse.comm.collective_ops``)."""
 
     def _setup(self) -> None:
         peers = [None] * self.world_size
@@ -361,7 +361,7 @@ class Communicator:
         return torch.ops.tpfuse.all_reduce_rms_norm(x, weight, float(eps), float(weight_offset), self.group_name, algo)
 
     def _all_reduce_norm(self, x, residual, weight, eps, weight_offset, algo, inplace):
-        """The fused ops' implementation (``tpfuse.comm.ops``): the methods above."""
+        """The fused ops' implementation (``tpfuse.comm.collective_ops``): the methods above."""
         self._check_usable()
         self._check_args(x, residual, weight, eps, weight_offset, norm=True)
         check_fused_algo(algo)
@@ -406,7 +406,7 @@ class Communicator:
         unregister ``group_name``."""
         if self._closed:
             return
-        comm_ops.unregister(self.group_name)
+        collective_ops.unregister(self.group_name)
         if self._peer is not None:
             self._release()
             self._peer = None

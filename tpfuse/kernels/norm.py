@@ -19,7 +19,7 @@ and combine).
 
 Launchers write into caller-provided outputs and take 2-D contiguous, 16-byte-aligned
 operands (``tpfuse._runtime.aligned_contiguous``); allocation, validation and autograd live
-in ``tpfuse.ops``.
+in ``tpfuse.norm_ops``.
 """
 
 from __future__ import annotations

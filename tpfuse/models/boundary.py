@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import tpfuse
+from tpfuse.norm_ops import add_rms_norm, rms_norm
 
 Tensor = torch.Tensor
 BOUNDARIES = ("torch", "symm_mem", "split", "fused")
@@ -126,7 +126,7 @@ class Boundary:
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float, offset: float) -> Tensor:
         if self.tpfuse_norm:
-            return tpfuse.rms_norm(x, weight, eps, weight_offset=offset)
+            return rms_norm(x, weight, eps, weight_offset=offset)
         w = weight if offset == 0.0 else (weight.float() + offset).to(x.dtype)
         return F.rms_norm(x, (x.shape[-1],), w, eps)
 
@@ -146,7 +146,7 @@ class Boundary:
             return self.comm.all_reduce_add_rms_norm(partial, residual, weight, eps, weight_offset=offset)
         reduced = self.all_reduce(partial)
         if self.tpfuse_norm:
-            return tpfuse.add_rms_norm(reduced, residual, weight, eps, weight_offset=offset)
+            return add_rms_norm(reduced, residual, weight, eps, weight_offset=offset)
         residual = reduced + residual
         return self.rms_norm(residual, weight, eps, offset), residual
 

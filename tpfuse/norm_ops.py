@@ -60,7 +60,8 @@ def _rows(t: Tensor) -> Tensor:
     return aligned_contiguous(t.reshape(-1, t.shape[-1]))
 
 
-def _opt_rows(w: Optional[Tensor]) -> Optional[Tensor]:
+def _aligned_weight(w: Optional[Tensor]) -> Optional[Tensor]:
+    """The weight (or None) contiguous and 16-byte aligned (a copy only when needed)."""
     return None if w is None else aligned_contiguous(w)
 
 
@@ -72,7 +73,7 @@ def _opt_rows(w: Optional[Tensor]) -> Optional[Tensor]:
 def _rms_norm_op(x: Tensor, weight: Optional[Tensor], eps: float, weight_offset: float) -> Tensor:
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.numel():
-        rms_norm_fwd(_rows(x), _opt_rows(weight), y.view(-1, x.shape[-1]), eps, weight_offset)
+        rms_norm_fwd(_rows(x), _aligned_weight(weight), y.view(-1, x.shape[-1]), eps, weight_offset)
     return y
 
 
@@ -89,7 +90,7 @@ def _add_rms_norm_op(
     residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.numel():
         n = x.shape[-1]
-        rms_norm_fwd(_rows(x), _opt_rows(weight), y.view(-1, n), eps, weight_offset,
+        rms_norm_fwd(_rows(x), _aligned_weight(weight), y.view(-1, n), eps, weight_offset,
                         residual=_rows(residual), residual_out=residual_out.view(-1, n))
     return y, residual_out
 
@@ -109,7 +110,7 @@ def _add_rms_norm_inplace_op(
         n = x.shape[-1]
         res = _rows(residual)  # residual itself where it is contiguous and aligned, else a copy
         # The kernel may write residual_out over the residual (rms_norm_fwd).
-        rms_norm_fwd(_rows(x), _opt_rows(weight), y.view(-1, n), eps, weight_offset, residual=res, residual_out=res)
+        rms_norm_fwd(_rows(x), _aligned_weight(weight), y.view(-1, n), eps, weight_offset, residual=res, residual_out=res)
         if res.data_ptr() != residual.data_ptr():
             residual.copy_(res.view(residual.shape))
     return y
@@ -130,7 +131,7 @@ def _rms_norm_backward_op(
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     dweight = torch.empty(0 if weight is None else weight.shape, dtype=x.dtype if weight is None else weight.dtype,
                           device=x.device)
-    rms_norm_bwd(_rows(dy), _rows(x), _opt_rows(weight), dx.view(-1, n),
+    rms_norm_bwd(_rows(dy), _rows(x), _aligned_weight(weight), dx.view(-1, n),
                     dweight if weight is not None else None, eps, weight_offset,
                     dresidual_out=None if dresidual_out is None else _rows(dresidual_out))
     return dx, dweight

@@ -1,4 +1,4 @@
-"""The collectives as custom ops (``tpfuse.comm.ops``) on CPU ranks: the registry by group
+"""The collectives as custom ops (``tpfuse.comm.collective_ops``) on CPU ranks: the registry by group
 name, the schemas and fakes (``torch.library.opcheck``), and ``torch.compile(fullgraph=True)``
 over dynamic batch sizes giving the bits of eager (aot_eager backend: the CPU can run no
 inductor-compiled Triton; the GPU suite compiles with inductor and replays CUDA graphs).
@@ -11,7 +11,7 @@ import torch.distributed as dist
 from tests.multiproc import run_ranks
 from tests.test_allreduce import _inputs, _same_bits
 from tpfuse.comm import Communicator
-from tpfuse.comm import ops as comm_ops
+from tpfuse.comm import collective_ops
 
 HIDDEN = 64
 
@@ -22,7 +22,7 @@ def _registry():
     with Communicator(max_bytes=1 << 16) as a, Communicator(max_bytes=1 << 16) as b:
         if (a.group_name, b.group_name) != (world_name, f"{world_name}#1"):
             failures.append(f"names {a.group_name!r}, {b.group_name!r} for group {world_name!r}")
-        if comm_ops.lookup(b.group_name) is not b:
+        if collective_ops.lookup(b.group_name) is not b:
             failures.append("lookup does not find the second communicator")
     for name in (a.group_name, b.group_name):
         try:
@@ -56,7 +56,7 @@ def _dropped_without_close():
         name = comm.group_name
         del comm
         gc.collect()
-        if name in comm_ops._COMMUNICATORS:
+        if name in collective_ops._COMMUNICATORS:
             failures.append(f"a dropped communicator is still registered as {name!r}")
     if dist.get_world_size() > 1 and _peer_mappings() != before:
         failures.append(f"{_peer_mappings() - before} peer-memory mappings outlive their dropped communicators")
