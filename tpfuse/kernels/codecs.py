@@ -45,9 +45,10 @@ from tpfuse import _runtime
 from tpfuse.kernels.common import EXACT_FP, round_to, to_f32
 from tpfuse.reference import QUANT_CODECS, QUANT_GROUP, _check_codec, packed_layout
 
-# Codec ids (the CODEC constexpr of every kernel here) and their bits per value.
+# Codec ids (the CODEC constexpr of every kernel here); the sub-byte codecs (int6, int4) last.
 FP8, INT8, INT6, INT4 = 0, 1, 2, 3
 CODEC_IDS = {"fp8": FP8, "int8": INT8, "int6": INT6, "int4": INT4}
+_FP8, _INT6, _INT4 = tl.constexpr(FP8), tl.constexpr(INT6), tl.constexpr(INT4)  # as the kernels see them
 
 _GROUP = tl.constexpr(QUANT_GROUP)
 _INF_BITS = tl.constexpr(0x7F800000)
@@ -120,7 +121,7 @@ def encode_groups(x, CODEC: tl.constexpr, HW_E4M3: tl.constexpr):
     """(codes [GB, 32] int32, scales [GB] int32 bf16 bits) of fp32 groups x [GB, 32]
     (``reference._encode``). The codes of a group with NaN or Inf are undefined here:
     ``store_packed`` stores them as zeros, and its NaN scale decodes them to NaN."""
-    K: tl.constexpr = (5 if CODEC == 2 else 3) if CODEC >= 2 else 7  # bits - 1
+    K: tl.constexpr = (5 if CODEC == _INT6 else 3) if CODEC >= _INT6 else 7  # bits - 1
     # The fp32 bits rotated left by one, (magnitude << 1) | sign, compare as unsigned ints by
     # magnitude, negative on a tie: one maximum gives the largest magnitude (NaN and Inf
     # included), and whether a negative value attains it.
@@ -128,7 +129,7 @@ def encode_groups(x, CODEC: tl.constexpr, HW_E4M3: tl.constexpr):
     top = tl.max((bits << 1) | (bits >> 31), axis=1)
     amax = (top >> 1).to(tl.int32)
     bad = amax >= _INF_BITS
-    if CODEC == 0:
+    if CODEC == _FP8:
         e = amax >> 23
         quot = ((amax & 0x7FFFFF) | 0x800000) // 7
         low = (quot < (1 << 21)).to(tl.int32)
@@ -140,7 +141,7 @@ def encode_groups(x, CODEC: tl.constexpr, HW_E4M3: tl.constexpr):
         scale = s_mag | tl.where(((top & 1) == 0) & (amax != 0), 0x8000, 0)
     scale = tl.where(bad, _SCALE_NAN, scale)
     v = x * tl.math.div_rn(1.0, bf16_bits_to_f32(scale))[:, None]
-    if CODEC == 0:
+    if CODEC == _FP8:
         codes = _e4m3_encode(v, HW_E4M3)
     else:
         t = tl.minimum(tl.maximum(v + _RINT_MAGIC, _RINT_MAGIC - (1 << K)), _RINT_MAGIC + ((1 << K) - 1))
@@ -152,9 +153,9 @@ def encode_groups(x, CODEC: tl.constexpr, HW_E4M3: tl.constexpr):
 def decode_groups(codes, scale, CODEC: tl.constexpr, HW_E4M3: tl.constexpr):
     """fp32 values [GB, 32] of codes [GB, 32] and bf16 scale bits [GB] (``reference._decode``)."""
     s = bf16_bits_to_f32(scale & 0x7FFF)
-    if CODEC == 0 and HW_E4M3:
+    if CODEC == _FP8 and HW_E4M3:
         v = _e4m3_decode(codes)
-    elif CODEC == 0:
+    elif CODEC == _FP8:
         mag = codes & 0x7F
         e4 = mag >> 3
         sig = (mag & 7) + tl.where(e4 > 0, 8, 0)
@@ -211,11 +212,11 @@ def store_packed(addr, p0, p1, psc, gidx, gmask, codes, scale, CODEC: tl.constex
     ``addr`` whose planes and scales start at byte offsets p0, p1 (int6 only) and psc. A
     group with a NaN scale is stored with zero codes."""
     bad = (scale == _SCALE_NAN)[:, None]
-    if CODEC == 2:
+    if CODEC == _INT6:
         tl.store(_plane_ptrs(addr + p0, gidx, 4), tl.where(bad, 0, _pack_plane(codes, 0, 4)), mask=gmask[:, None])
         tl.store(_plane_ptrs(addr + p1, gidx, 2), tl.where(bad, 0, _pack_plane(codes, 4, 2)), mask=gmask[:, None])
     else:
-        BITS: tl.constexpr = 4 if CODEC == 3 else 8
+        BITS: tl.constexpr = 4 if CODEC == _INT4 else 8
         tl.store(_plane_ptrs(addr + p0, gidx, BITS), tl.where(bad, 0, _pack_plane(codes, 0, BITS)),
                  mask=gmask[:, None])
     scale_ptr = (addr + psc).to(tl.pointer_type(tl.uint16))
@@ -227,16 +228,16 @@ def load_packed(addr, p0, p1, psc, gidx, gmask, CODEC: tl.constexpr):
     """(codes [GB, 32] int32, scales [GB] int32) of groups ``gidx`` of a packed buffer (the
     inverse of ``store_packed``; masked groups give zero codes and a zero scale). Peers may
     have written the buffer, so it is read through L2 (``.cg``)."""
-    if CODEC == 2:
+    if CODEC == _INT6:
         lo = tl.load(_plane_ptrs(addr + p0, gidx, 4), mask=gmask[:, None], other=0, cache_modifier=".cg")
         hi = tl.load(_plane_ptrs(addr + p1, gidx, 2), mask=gmask[:, None], other=0, cache_modifier=".cg")
         codes = _unpack_plane(lo, 4) | (_unpack_plane(hi, 2) << 4)
     else:
-        BITS: tl.constexpr = 4 if CODEC == 3 else 8
+        BITS: tl.constexpr = 4 if CODEC == _INT4 else 8
         w = tl.load(_plane_ptrs(addr + p0, gidx, BITS), mask=gmask[:, None], other=0, cache_modifier=".cg")
         codes = _unpack_plane(w, BITS)
-    if CODEC != 0:
-        SIGN: tl.constexpr = (32 if CODEC == 2 else 8) if CODEC >= 2 else 128
+    if CODEC != _FP8:
+        SIGN: tl.constexpr = (32 if CODEC == _INT6 else 8) if CODEC >= _INT6 else 128
         codes = (codes ^ SIGN) - SIGN
     scale_ptr = (addr + psc).to(tl.pointer_type(tl.uint16))
     scale = tl.load(scale_ptr + gidx, mask=gmask, other=0, cache_modifier=".cg").to(tl.int32)
