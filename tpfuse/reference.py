@@ -20,6 +20,9 @@ from typing import Sequence
 
 import torch
 
+from tpfuse.quant_format import (QUANT_CODECS, QUANT_GROUP, QUANT_PLANES, SCALE_MIN_EXP,  # noqa: F401  (re-exported)
+                                 check_codec, packed_layout)
+
 
 def rms_norm(
     x: torch.Tensor,
@@ -129,29 +132,14 @@ def all_reduce_rms_norm(
 # The codecs below are the bit-exact specification of ``tpfuse.quantize``/``dequantize`` and
 # of ``Communicator.all_reduce(x, quant=...)``. Every step is an integer operation or an IEEE
 # fp32 operation that is exact or rounds once, written the way the kernels write it (NaN
-# payloads excepted, as everywhere: the module's docstring).
-
-QUANT_CODECS = ("fp8", "int8", "int6", "int4")
-QUANT_GROUP = 32
-"""Consecutive values of the flattened tensor that share one scale."""
-
-QUANT_PLANES = {"fp8": (8,), "int8": (8,), "int6": (4, 2), "int4": (4,)}
-"""Bit planes of each codec's payload, in storage order: int6 keeps each value's low 4 bits
-in one plane and its high 2 bits in another, so every plane packs a power-of-two number of
-values into a 32-bit word."""
+# payloads excepted, as everywhere: the module's docstring). The packed format itself
+# (codecs, groups, planes, byte layout) is ``tpfuse.quant_format``'s, shared with the kernels.
 
 QUANT_ERROR_BUDGET = {"int8": 0.010, "int6": 0.035, "fp8": 0.040, "int4": 0.13}
 """Published bound on the relative RMS error of the quantized all-reduce (Gaussian inputs,
 W=2..8) against the float64 sum."""
 
-_PACK_ALIGN = 16
-_SCALE_MIN_EXP = -117
-"""Scales never go below 2**-117, so every decoded non-zero value (at least 2**-9 * 2**-117
-for fp8) is a normal fp32: the kernels never produce a subnormal, whose handling could differ
-between the GPU and the CPU. Only groups whose largest magnitude is below about 1e-33 (fp8)
-or 2**-117 * 2**(bits-1) (int codecs) are quantized more coarsely than their magnitude
-allows."""
-_SCALE_MIN_BITS = (127 + _SCALE_MIN_EXP) << 23
+_SCALE_MIN_BITS = (127 + SCALE_MIN_EXP) << 23
 _SCALE_MIN_BF16 = _SCALE_MIN_BITS >> 16
 _SCALE_NAN = 0x7FC0
 _FP32_INF_BITS = 0x7F800000
@@ -160,35 +148,6 @@ _E4M3_MAX = 0x7E
 _RINT_MAGIC = 12582912.0
 """1.5 * 2**23: in fp32, (v + M) - M rounds |v| < 2**22 to an integer, half to even (M is
 even, so the tie rule of the sum is the tie rule of v)."""
-
-
-def _check_codec(codec: str) -> None:
-    if codec not in QUANT_CODECS:
-        raise ValueError(f"codec must be one of {', '.join(map(repr, QUANT_CODECS))}, got {codec!r}")
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def packed_layout(numel: int, codec: str, groups: int | None = None) -> tuple[tuple[int, ...], int, int]:
-    """(byte offset of each payload plane, byte offset of the scales, total bytes) of the
-    packed form of ``numel`` values, or of room for ``groups`` groups when given.
-
-    The format (little-endian): each plane holds, for group g = 0, 1, ..., ``4 * bits`` bytes
-    (the group's 32 values at ``bits`` bits each, value j of the group at bits
-    ``bits * (j % (32 // bits))`` of 32-bit word ``j // (32 // bits)``; int8 and fp8 thus
-    store one byte per value in order, int4 two values per byte, low nibble first); then one
-    bf16 scale per group. Every region starts at a multiple of 16 bytes.
-    """
-    _check_codec(codec)
-    if groups is None:
-        groups = -(-numel // QUANT_GROUP)
-    offsets, pos = [], 0
-    for bits in QUANT_PLANES[codec]:
-        offsets.append(pos)
-        pos = _round_up(pos + groups * 4 * bits, _PACK_ALIGN)
-    return tuple(offsets), pos, _round_up(pos + 2 * groups, _PACK_ALIGN)
 
 
 def _groups_f32(x: torch.Tensor) -> torch.Tensor:
@@ -327,14 +286,14 @@ def _unpack(packed: torch.Tensor, codec: str, numel: int) -> tuple[torch.Tensor,
 def quantize(x: torch.Tensor, codec: str) -> torch.Tensor:
     """The packed form (uint8, on x's device) of x's values in flattened order; see
     ``packed_layout`` for the format and ``_encode`` for the codec."""
-    _check_codec(codec)
+    check_codec(codec)
     codes, scale = _encode(_groups_f32(x.detach()), codec)
     return _pack(codes, scale, codec, x.numel())
 
 
 def dequantize(packed: torch.Tensor, codec: str, shape, dtype: torch.dtype) -> torch.Tensor:
     """The values ``packed`` holds, decoded in fp32 and rounded once to dtype, as ``shape``."""
-    _check_codec(codec)
+    check_codec(codec)
     numel = 1
     for d in shape:
         numel *= int(d)
@@ -346,7 +305,7 @@ def quantized_all_reduce(tensors: Sequence[torch.Tensor], quant: str) -> torch.T
     """The quantized all-reduce contract: each rank's values are encoded and decoded
     (``quantize``), the decoded fp32 values summed in rank order 0..W-1, the sum encoded and
     decoded again, and rounded once to the inputs' dtype. Every rank holds these bits."""
-    _check_codec(quant)
+    check_codec(quant)
     if len(tensors) == 0:
         raise ValueError("quantized_all_reduce needs at least one tensor")
     shape, dtype, numel = tensors[0].shape, tensors[0].dtype, tensors[0].numel()

@@ -30,7 +30,7 @@ import torch
 from tpfuse._runtime import INTERPRETER
 from tpfuse.comm.plan import for_world
 from tpfuse.comm.workspace import ALIGN, WorkspaceLayout
-from tpfuse.reference import QUANT_CODECS, QUANT_GROUP, packed_layout
+from tpfuse.quant_format import QUANT_CODECS, QUANT_GROUP, packed_layout
 
 MiB = 1024 * 1024
 

@@ -43,7 +43,7 @@ import triton.language as tl
 
 from tpfuse import _runtime
 from tpfuse.kernels.common import EXACT_FP, round_to, to_f32
-from tpfuse.reference import QUANT_CODECS, QUANT_GROUP, _check_codec, packed_layout
+from tpfuse.quant_format import QUANT_CODECS, QUANT_GROUP, check_codec, packed_layout
 
 # Codec ids (the CODEC constexpr of every kernel here); the sub-byte codecs (int6, int4) last.
 FP8, INT8, INT6, INT4 = 0, 1, 2, 3
@@ -53,7 +53,7 @@ _FP8, _INT6, _INT4 = tl.constexpr(FP8), tl.constexpr(INT6), tl.constexpr(INT4)  
 _GROUP = tl.constexpr(QUANT_GROUP)
 _INF_BITS = tl.constexpr(0x7F800000)
 _SCALE_NAN = tl.constexpr(0x7FC0)
-_SCALE_MIN_BITS = tl.constexpr((127 - 117) << 23)  # 2**-117 as fp32 bits (reference._SCALE_MIN_EXP)
+_SCALE_MIN_BITS = tl.constexpr((127 - 117) << 23)  # 2**-117 as fp32 bits (quant_format.SCALE_MIN_EXP)
 _SCALE_MIN_BF16 = tl.constexpr((127 - 117) << 7)
 _RINT_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23
 _RINT_MAGIC_BITS = tl.constexpr(0x4B400000)
@@ -302,16 +302,16 @@ def quantize(x: torch.Tensor, codec: str) -> torch.Tensor:
         x: bf16, fp16 or fp32 tensor, any shape and layout, on the kernels' device.
         codec: "fp8" (e4m3), "int8", "int6" or "int4".
 
-    Returns a new 1-D uint8 tensor on x's device of ``tpfuse.reference.packed_layout(
+    Returns a new 1-D uint8 tensor on x's device of ``tpfuse.quant_format.packed_layout(
     x.numel(), codec)[2]`` bytes: groups of 32 consecutive values, each a payload of
     8/8/6/4 bits per value plus one bf16 scale; layout and codec in
-    ``tpfuse.reference.packed_layout`` and ``_encode``. Bitwise equal to
+    ``tpfuse.quant_format.packed_layout`` and ``_encode``. Bitwise equal to
     ``tpfuse.reference.quantize``. A group holding NaN or Inf decodes to NaN.
 
     Raises TypeError (not a float tensor of a supported dtype) or ValueError (unknown codec,
     wrong device).
     """
-    _check_codec(codec)
+    check_codec(codec)
     _runtime.check_float_tensor(x, "x")
     # Zeroed: the alignment gaps between regions are part of the bytes and must not vary.
     packed = torch.zeros(packed_layout(x.numel(), codec)[2], dtype=torch.uint8, device=x.device)
@@ -327,7 +327,7 @@ def dequantize(packed: torch.Tensor, codec: str, shape, dtype: torch.dtype) -> t
     Raises ValueError for an unknown codec, a packed tensor that is not uint8 or too small
     for ``shape``, or on the wrong device; TypeError for an unsupported dtype.
     """
-    _check_codec(codec)
+    check_codec(codec)
     if dtype not in _runtime.SUPPORTED_DTYPES:
         raise TypeError(f"dtype {dtype} is not supported; tpfuse supports bfloat16, float16 and float32")
     if not isinstance(packed, torch.Tensor):

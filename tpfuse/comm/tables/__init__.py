@@ -43,7 +43,7 @@ import re
 import torch
 
 from tpfuse._runtime import INTERPRETER
-from tpfuse.reference import QUANT_CODECS
+from tpfuse.quant_format import QUANT_CODECS
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 ENV_DIR = "TPFUSE_TABLE_DIR"
