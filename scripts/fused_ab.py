@@ -92,7 +92,7 @@ def _release_before_wait(slot0, slot_words, woffs, wmask, flag, ctrl, status, ep
                       LAMPORT, own)
 
 
-_begin, _ll_reduce, _ll_pieces = fused._begin, fused.ll_reduce, fused.ll_pieces
+_begin, _ll_reduce, _ll_pieces = fused.begin_collective, fused.ll_reduce, fused.ll_pieces
 
 
 def _double_pieces(n, dtype, protocol="ll", whole_tiles=False):
@@ -102,7 +102,7 @@ def _double_pieces(n, dtype, protocol="ll", whole_tiles=False):
 
 VARIANTS = {"base": None, "no_prefetch": ("_prefetch_norm_operands", _no_prefetch),
             "relaxed_count": ("_count_piece", _relaxed_count), "double_pieces": ("ll_pieces", _double_pieces),
-            "early_release": ("_begin", _early_release), "release_before_wait": ("ll_reduce", _release_before_wait),
+            "early_release": ("begin_collective", _early_release), "release_before_wait": ("ll_reduce", _release_before_wait),
             "rows": None, "rows_64": None, "rows_128": None, "no_rows": None, "rows_4k_pieces": None,
             "lamport_4m": None}
 ROWS_MAX_BYTES = {"rows": 16 << 10, "rows_64": 64 << 10, "rows_128": 128 << 10, "no_rows": 0,

@@ -300,7 +300,7 @@ def _slow_rank_mid_kernel(calls, seed):
     few: the sequence must take one-shot over LL and over Lamport words, two-shot on grids of
     1 and 2 blocks, both dtypes, and an LL or Lamport call right after another (the peers'
     call k+1 writes the LL regions that the slow rank still reads for call k); a failure
-    says so if it does not. With the rotation removed (``_begin``'s ``epoch % 2`` as 0), the
+    says so if it does not. With the rotation removed (``begin_collective``'s ``epoch % 2`` as 0), the
     5 calls of seed 8 still hang, at the LL call after the Lamport one (checked)."""
     world, failures, digests = dist.get_world_size(), [], []
     rng = random.Random(seed)

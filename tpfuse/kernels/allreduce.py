@@ -41,7 +41,8 @@ import triton.language as tl
 
 from tpfuse.kernels.common import EXACT_FP, round_to, to_f32
 from tpfuse.kernels.ll import lamport_pack, lamport_word, ll_flag, ll_pack, ll_reduce
-from tpfuse.kernels.sync import begin_call, end_call, signal, wait
+from tpfuse.kernels.peer import begin_collective, flag_row, push_to_peers, sum_in_rank_order, typed_ptr
+from tpfuse.kernels.sync import end_call, signal, wait
 
 # Operation codes of the status record (``sync.wait``), named for error messages.
 OP_ONESHOT = tl.constexpr(1)
@@ -57,78 +58,19 @@ OP_NAMES = {1: "one-shot all_reduce", 2: "two-shot all_reduce (reduce-scatter ph
 
 
 @triton.jit
-def _typed(base, byte_offset, ELEM: tl.constexpr):
-    """A typed pointer to a workspace address (16-byte aligned by the layout)."""
-    return tl.multiple_of((base + byte_offset).to(tl.pointer_type(ELEM)), 16)
-
-
-@triton.jit
-def sum_in_rank_order(slot0, slot_elems, offs, mask, W: tl.constexpr, own=None, rank=0):
-    """fp32 sum over the W slots ``slot0 + s * slot_elems`` (s = 0..W-1, in that order) at
-    ``offs``; the data was written by peers, so it is read through L2 (``.cg``). With ``own``
-    (this rank's elements at offs, widened to fp32), slot ``rank`` is not read: own stands
-    in for it, so a kernel that passes own need not store its elements into its own slot."""
-    for s in tl.static_range(W):
-        if own is None:
-            vals = to_f32(tl.load(slot0 + s * slot_elems + offs, mask=mask, other=0.0, cache_modifier=".cg"))
-        else:  # s == rank is a uniform scalar: that slot's load is predicated off as a whole
-            vals = to_f32(tl.load(slot0 + s * slot_elems + offs, mask=mask & (s != rank), other=0.0,
-                                  cache_modifier=".cg"))
-            vals = tl.where(s == rank, own, vals)
-        if s == 0:
-            acc = vals
-        else:
-            acc += vals
-    return acc
-
-
-@triton.jit
-def _push(table_ptr, byte_offset, vals, offs, mask, rank, W: tl.constexpr, OWN: tl.constexpr):
-    """Store ``vals`` at ``byte_offset`` + offs (elements) in every other rank's workspace and,
-    with OWN, this rank's own, starting with this rank's (``rank``, then ``rank + 1``, ...):
-    ranks working in step then write to different peers at any moment instead of all to the
-    same one."""
-    for k in tl.static_range(0 if OWN else 1, W):
-        dst = (rank + k) % W
-        tl.store(_typed(tl.load(table_ptr + dst), byte_offset, vals.dtype) + offs, vals, mask=mask)
-
-
-@triton.jit
-def _flag_row(local, flags_offset, W: tl.constexpr):
-    """This block's W local flag words (one per source rank) in a phase's flag region."""
-    return (local + flags_offset + tl.program_id(0) * W * 8).to(tl.pointer_type(tl.int64))
-
-
-@triton.jit
-def _begin(local, status_addr, data_offset, data_bytes, n, BLOCK: tl.constexpr):
-    """Both kernels' prologue: this block's index and the grid size, the control and status
-    words as pointers, this call's epoch (``sync.begin_call``), the byte offset of this
-    epoch's data region (parity rotation) and the number of BLOCK-element tiles in ``n``
-    elements."""
-    pid = tl.program_id(0)
-    grid = tl.num_programs(0)
-    ctrl = local.to(tl.pointer_type(tl.int64))
-    status = status_addr.to(tl.pointer_type(tl.int64))
-    epoch = begin_call(ctrl)
-    data = data_offset + (epoch % 2) * data_bytes
-    n_tiles = tl.cdiv(n, BLOCK)
-    return pid, grid, ctrl, status, epoch, data, n_tiles
-
-
-@triton.jit
 def oneshot_all_reduce_kernel(x_ptr, out_ptr, numel, table_ptr, local, status_addr, rank, timeout_ns, flags_offset,
                               data_offset, data_bytes, slot_elems, W: tl.constexpr, PEERS: tl.constexpr,
                               BLOCK: tl.constexpr):
     ELEM: tl.constexpr = x_ptr.dtype.element_ty
-    pid, grid, ctrl, status, epoch, data, n_tiles = _begin(local, status_addr, data_offset, data_bytes, numel, BLOCK)
+    pid, grid, ctrl, status, epoch, data, n_tiles = begin_collective(local, status_addr, data_offset, data_bytes, numel, BLOCK)
     for tile in range(pid, n_tiles, grid):
         offs = tile * BLOCK + tl.arange(0, BLOCK)
         mask = offs < numel
         vals = tl.load(x_ptr + offs, mask=mask)
-        _push(table_ptr, data, vals, rank * slot_elems + offs, mask, rank, W, False)
+        push_to_peers(table_ptr, data, vals, rank * slot_elems + offs, mask, rank, W, False)
     signal(table_ptr, flags_offset + (pid * W + rank) * 8, epoch, W, PEERS)
-    if wait(_flag_row(local, flags_offset, W), ctrl, status, epoch, rank, timeout_ns, OP_ONESHOT, W, PEERS):
-        slot0 = _typed(local, data, ELEM)
+    if wait(flag_row(local, flags_offset, W), ctrl, status, epoch, rank, timeout_ns, OP_ONESHOT, W, PEERS):
+        slot0 = typed_ptr(local, data, ELEM)
         for tile in range(pid, n_tiles, grid):
             offs = tile * BLOCK + tl.arange(0, BLOCK)
             mask = offs < numel
@@ -149,7 +91,7 @@ def ll_oneshot_all_reduce_kernel(x_ptr, out_ptr, numel, n_words, table_ptr, loca
     ELEM: tl.constexpr = x_ptr.dtype.element_ty
     WORDS: tl.constexpr = BLOCK if LAMPORT else BLOCK * ELEM.primitive_bitwidth // 32
     WORD: tl.constexpr = lamport_word(ELEM) if LAMPORT else tl.uint64
-    pid, grid, ctrl, status, epoch, region, n_tiles = _begin(local, status_addr, ll_offset, ll_bytes, numel, BLOCK)
+    pid, grid, ctrl, status, epoch, region, n_tiles = begin_collective(local, status_addr, ll_offset, ll_bytes, numel, BLOCK)
     flag = ll_flag(epoch)
     for tile in range(pid, n_tiles, grid):
         offs = tile * BLOCK + tl.arange(0, BLOCK)
@@ -159,8 +101,8 @@ def ll_oneshot_all_reduce_kernel(x_ptr, out_ptr, numel, n_words, table_ptr, loca
             words = lamport_pack(vals)
         else:
             words = ll_pack(vals, flag)
-        _push(table_ptr, region, words, rank * slot_words + woffs, woffs < n_words, rank, W, False)
-    slot0 = _typed(local, region, WORD)
+        push_to_peers(table_ptr, region, words, rank * slot_words + woffs, woffs < n_words, rank, W, False)
+    slot0 = typed_ptr(local, region, WORD)
     for tile in range(pid, n_tiles, grid):
         offs = tile * BLOCK + tl.arange(0, BLOCK)
         woffs = tile * WORDS + tl.arange(0, WORDS)
@@ -176,7 +118,7 @@ def twoshot_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, st
                               flags_offset, flags_bytes, data_offset, data_bytes, gather_offset, slot_elems,
                               W: tl.constexpr, PEERS: tl.constexpr, BLOCK: tl.constexpr, GATHER_PULL: tl.constexpr):
     ELEM: tl.constexpr = x_ptr.dtype.element_ty
-    pid, grid, ctrl, status, epoch, data, n_tiles = _begin(local, status_addr, data_offset, data_bytes, chunk, BLOCK)
+    pid, grid, ctrl, status, epoch, data, n_tiles = begin_collective(local, status_addr, data_offset, data_bytes, chunk, BLOCK)
     # Reduce-scatter, part 1: chunk c of my input into scatter slot `rank` of rank c, from
     # c = rank + 1 on, so that ranks working in step write to different peers at any moment.
     # My own chunk stays in x, which part 2 reads in place of my own scatter slot.
@@ -186,13 +128,13 @@ def twoshot_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, st
             c = (rank + k) % W
             mask = (offs < chunk) & (c * chunk + offs < numel)
             vals = tl.load(x_ptr + c * chunk + offs, mask=mask)
-            dst = _typed(tl.load(table_ptr + c), data, ELEM) + rank * slot_elems
+            dst = typed_ptr(tl.load(table_ptr + c), data, ELEM) + rank * slot_elems
             tl.store(dst + offs, vals, mask=mask)
     signal(table_ptr, flags_offset + (pid * W + rank) * 8, epoch, W, PEERS)
     # Part 2: sum my chunk's W contributions, round once, store the result into my output
     # and (push) into gather slot `rank` of every peer, or (pull) into my own gather slot.
-    if wait(_flag_row(local, flags_offset, W), ctrl, status, epoch, rank, timeout_ns, OP_TWOSHOT_SCATTER, W, PEERS):
-        slot0 = _typed(local, data, ELEM)
+    if wait(flag_row(local, flags_offset, W), ctrl, status, epoch, rank, timeout_ns, OP_TWOSHOT_SCATTER, W, PEERS):
+        slot0 = typed_ptr(local, data, ELEM)
         for tile in range(pid, n_tiles, grid):
             offs = tile * BLOCK + tl.arange(0, BLOCK)
             mask = (offs < chunk) & (rank * chunk + offs < numel)
@@ -200,14 +142,14 @@ def twoshot_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, st
             y = round_to(sum_in_rank_order(slot0, slot_elems, offs, mask, W, own, rank), ELEM)
             tl.store(out_ptr + rank * chunk + offs, y, mask=mask)
             if GATHER_PULL:
-                tl.store(_typed(local, data + gather_offset, ELEM) + rank * slot_elems + offs, y, mask=mask)
+                tl.store(typed_ptr(local, data + gather_offset, ELEM) + rank * slot_elems + offs, y, mask=mask)
             else:
-                _push(table_ptr, data + gather_offset, y, rank * slot_elems + offs, mask, rank, W, False)
+                push_to_peers(table_ptr, data + gather_offset, y, rank * slot_elems + offs, mask, rank, W, False)
     # All-gather: after a failed first wait the abort word makes this wait return at once.
     # Pull: a peer reads my gather slot of call k until it has finished call k; I rewrite it
     # in call k + 2 only after every peer has signalled call k + 2's scatter (parity rotation).
     signal(table_ptr, flags_offset + flags_bytes + (pid * W + rank) * 8, epoch, W, PEERS)
-    gather_flags = _flag_row(local, flags_offset + flags_bytes, W)
+    gather_flags = flag_row(local, flags_offset + flags_bytes, W)
     if wait(gather_flags, ctrl, status, epoch, rank, timeout_ns, OP_TWOSHOT_GATHER, W, PEERS):
         for tile in range(pid, n_tiles, grid):
             offs = tile * BLOCK + tl.arange(0, BLOCK)
@@ -215,9 +157,9 @@ def twoshot_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, st
                 if c != rank:
                     mask = (offs < chunk) & (c * chunk + offs < numel)
                     if GATHER_PULL:
-                        src = _typed(tl.load(table_ptr + c), data + gather_offset, ELEM) + c * slot_elems
+                        src = typed_ptr(tl.load(table_ptr + c), data + gather_offset, ELEM) + c * slot_elems
                     else:
-                        src = _typed(local, data + gather_offset, ELEM) + c * slot_elems
+                        src = typed_ptr(local, data + gather_offset, ELEM) + c * slot_elems
                     vals = tl.load(src + offs, mask=mask, cache_modifier=".cg")
                     tl.store(out_ptr + c * chunk + offs, vals, mask=mask)
     end_call(ctrl, epoch)

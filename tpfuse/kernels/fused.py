@@ -49,10 +49,10 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.allreduce import _begin, _flag_row, _push, _typed, sum_in_rank_order
+from tpfuse.kernels.peer import begin_collective, flag_row, push_to_peers, sum_in_rank_order, typed_ptr
 from tpfuse.kernels.common import EXACT_FP, prefetch_l2, round_to, to_f32
 from tpfuse.kernels.ll import lamport_pack, lamport_word, ll_flag, ll_pack, ll_reduce, ll_wait
-from tpfuse.kernels.norm import NormConfig, _store_normed, norm_tile, row_inv_rms
+from tpfuse.kernels.norm import NormConfig, store_normed, norm_tile, row_inv_rms
 from tpfuse.kernels.sync import begin_call, end_call, signal, wait
 
 # Operation codes of the status record; their names are in allreduce.OP_NAMES.
@@ -96,7 +96,7 @@ def oneshot_all_reduce_norm_kernel(
     HAS_WEIGHT: tl.constexpr, WORLD: tl.constexpr, PEERS: tl.constexpr,
 ):
     ELEM: tl.constexpr = X.dtype.element_ty
-    pid, grid, ctrl, status, epoch, data, n_tiles = _begin(local, status_addr, data_offset, data_bytes, n_rows, ROWS)
+    pid, grid, ctrl, status, epoch, data, n_tiles = begin_collective(local, status_addr, data_offset, data_bytes, n_rows, ROWS)
     for tile in range(pid, n_tiles, grid):
         rows = tile * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK_N)[None, :]
@@ -104,16 +104,16 @@ def oneshot_all_reduce_norm_kernel(
             ccols = c * BLOCK_N + cols
             mask = (rows < n_rows)[:, None] & (ccols < N)
             offs = rows.to(tl.int64)[:, None] * N + ccols
-            _push(table_ptr, data, tl.load(X + offs, mask=mask), rank * slot_elems + offs, mask, rank, WORLD, True)
+            push_to_peers(table_ptr, data, tl.load(X + offs, mask=mask), rank * slot_elems + offs, mask, rank, WORLD, True)
     signal(table_ptr, flags_offset + (pid * WORLD + rank) * 8, epoch, WORLD, PEERS)
     # The first tile's residual and weight, after the stores the peers wait on (before them it
     # delayed the peers), for tiles held in registers (up to 1024 lines each). Prefetching every
     # tile of a CTA made one-shot calls of 1024+ tokens up to 49% slower (benchmarks/NOTES.md).
     if NUM_CHUNKS == 1:
         _prefetch_norm_operands(RES, W, pid * ROWS * N, n_rows * N, N, ROWS * BLOCK_N, HAS_WEIGHT)
-    if wait(_flag_row(local, flags_offset, WORLD), ctrl, status, epoch, rank, timeout_ns, OP_FUSED_ONESHOT, WORLD,
+    if wait(flag_row(local, flags_offset, WORLD), ctrl, status, epoch, rank, timeout_ns, OP_FUSED_ONESHOT, WORLD,
             PEERS):
-        slot0 = _typed(local, data, ELEM)
+        slot0 = typed_ptr(local, data, ELEM)
         for tile in range(pid, n_tiles, grid):
             rows = tile * ROWS + tl.arange(0, ROWS)
             norm_tile(slot0, rows.to(tl.int64) * N, slot_elems, RES, W, Y, RES_OUT, rows, rows < n_rows, N, eps,
@@ -167,7 +167,7 @@ def ll_oneshot_all_reduce_norm_kernel(
     ELEM: tl.constexpr = X.dtype.element_ty
     PACK: tl.constexpr = 1 if LAMPORT else 32 // ELEM.primitive_bitwidth  # elements per word
     WORD: tl.constexpr = lamport_word(ELEM) if LAMPORT else tl.uint64
-    pid, grid, ctrl, status, epoch, region, n_tiles = _begin(local, status_addr, ll_offset, ll_bytes, n_rows, ROWS)
+    pid, grid, ctrl, status, epoch, region, n_tiles = begin_collective(local, status_addr, ll_offset, ll_bytes, n_rows, ROWS)
     flag = ll_flag(epoch)
     tile_words = ROWS * N // PACK
     n_words = tl.multiple_of(n_rows * N // PACK, 8)
@@ -179,9 +179,9 @@ def ll_oneshot_all_reduce_norm_kernel(
             words = lamport_pack(vals)
         else:
             words = ll_pack(vals, flag)
-        _push(table_ptr, region, words, rank * slot_words + woffs, wmask, rank, WORLD, False)
-    slot0 = _typed(local, region, WORD)
-    reduced = _typed(local, reduced_offset, ELEM)
+        push_to_peers(table_ptr, region, words, rank * slot_words + woffs, wmask, rank, WORLD, False)
+    slot0 = typed_ptr(local, region, WORD)
+    reduced = typed_ptr(local, reduced_offset, ELEM)
     arrived = (local + handoff_offset).to(tl.pointer_type(tl.int64))
     for piece in range(pid, n_tiles * PIECES, grid):
         woffs, wmask = _piece_words(piece, tile_words, n_words, PIECE_WORDS, PIECES)
@@ -259,17 +259,17 @@ def rows_oneshot_all_reduce_norm_kernel(
     # between them (the PTX model alone would allow the reverse; the load is issued an L2 round
     # trip and a peer's poll before any such store, as end_call's count rests on its reads).
     res = tl.load(RES + row_offs + cols, mask=mask & (has_residual != 0), other=0.0)
-    _push(table_ptr, region, lamport_pack(tl.load(X + offs, mask=pmask)), rank * slot_words + offs, pmask, rank,
+    push_to_peers(table_ptr, region, lamport_pack(tl.load(X + offs, mask=pmask)), rank * slot_words + offs, pmask, rank,
           WORLD, True)
     # The last row-wise call's words (of any dtype: counted in bytes), in the rotation before
     # this one's, a share per CTA.
-    stale = _typed(local, rows_offset + ((calls + 2) % 3) * rows_bytes, WORD)
+    stale = typed_ptr(local, rows_offset + ((calls + 2) % 3) * rows_bytes, WORD)
     stale_words = stale_bytes // (WORD.primitive_bitwidth // 8)
     for start in range(pid * PIECE, stale_words, tl.num_programs(0) * PIECE):
         zoffs = start + tl.arange(0, PIECE)
         for s in tl.static_range(WORLD):
             tl.store(stale + s * slot_words + zoffs, tl.zeros([PIECE], WORD), mask=zoffs < stale_words)
-    acc = ll_wait(_typed(local, region, WORD), slot_words, row_offs + cols, mask, 0, ctrl, status, epoch, rank,
+    acc = ll_wait(typed_ptr(local, region, WORD), slot_words, row_offs + cols, mask, 0, ctrl, status, epoch, rank,
                   timeout_ns, OP_FUSED_ONESHOT, WORLD, ELEM, True)
     x = round_to(tl.where(mask, acc, 0.0), ELEM)  # padding lanes as norm_tile's: 0, not an absent word's NaN
     if has_residual:
@@ -277,7 +277,7 @@ def rows_oneshot_all_reduce_norm_kernel(
     mine = mask & ((tl.arange(0, ROWS)[:, None] * N + cols) // PIECE == pid % PIECES)
     tl.store(RES_OUT + row_offs + cols, x, mask=mine)
     xf = to_f32(x)
-    _store_normed(xf, row_inv_rms(xf * xf, N, eps), W, Y, row_offs, cols, mine, N, weight_offset, HAS_WEIGHT, "")
+    store_normed(xf, row_inv_rms(xf * xf, N, eps), W, Y, row_offs, cols, mine, N, weight_offset, HAS_WEIGHT, "")
     end_call(ctrl, epoch, n_words * (WORD.primitive_bitwidth // 8))
 
 
@@ -290,7 +290,7 @@ def twoshot_all_reduce_norm_kernel(
     HAS_WEIGHT: tl.constexpr, WORLD: tl.constexpr, PEERS: tl.constexpr,
 ):
     ELEM: tl.constexpr = X.dtype.element_ty
-    pid, grid, ctrl, status, epoch, data, n_tiles = _begin(local, status_addr, data_offset, data_bytes,
+    pid, grid, ctrl, status, epoch, data, n_tiles = begin_collective(local, status_addr, data_offset, data_bytes,
                                                            rows_per_group, ROWS)
     cols = tl.arange(0, BLOCK_N)[None, :]
     # Reduce-scatter, part 1: group g of my rows into scatter slot `rank` of rank g.
@@ -298,15 +298,15 @@ def twoshot_all_reduce_norm_kernel(
         local_rows = tile * ROWS + tl.arange(0, ROWS)
         for g in tl.static_range(WORLD):
             rows = g * rows_per_group + local_rows
-            dst = _typed(tl.load(table_ptr + g), data, ELEM) + rank * slot_elems
+            dst = typed_ptr(tl.load(table_ptr + g), data, ELEM) + rank * slot_elems
             _copy_rows(X, dst, N, rows, local_rows, (local_rows < rows_per_group) & (rows < n_rows), BLOCK_N,
                        NUM_CHUNKS)
     signal(table_ptr, flags_offset + (pid * WORLD + rank) * 8, epoch, WORLD, PEERS)
     # Part 2: sum my group's W contributions in rank order, round once, and store the
     # reduced rows into gather slot `rank` of every rank (this one included).
-    if wait(_flag_row(local, flags_offset, WORLD), ctrl, status, epoch, rank, timeout_ns, OP_FUSED_SCATTER, WORLD,
+    if wait(flag_row(local, flags_offset, WORLD), ctrl, status, epoch, rank, timeout_ns, OP_FUSED_SCATTER, WORLD,
             PEERS):
-        slot0 = _typed(local, data, ELEM)
+        slot0 = typed_ptr(local, data, ELEM)
         for tile in range(pid, n_tiles, grid):
             local_rows = tile * ROWS + tl.arange(0, ROWS)
             row_ok = (local_rows < rows_per_group) & (rank * rows_per_group + local_rows < n_rows)
@@ -315,12 +315,12 @@ def twoshot_all_reduce_norm_kernel(
                 mask = row_ok[:, None] & (ccols < N)
                 offs = local_rows.to(tl.int64)[:, None] * N + ccols
                 reduced = round_to(sum_in_rank_order(slot0, slot_elems, offs, mask, WORLD), ELEM)
-                _push(table_ptr, data + gather_offset, reduced, rank * slot_elems + offs, mask, rank, WORLD, True)
+                push_to_peers(table_ptr, data + gather_offset, reduced, rank * slot_elems + offs, mask, rank, WORLD, True)
     # All-gather; after a failed first wait the abort word makes this one return at once.
     signal(table_ptr, flags_offset + flags_bytes + (pid * WORLD + rank) * 8, epoch, WORLD, PEERS)
-    if wait(_flag_row(local, flags_offset + flags_bytes, WORLD), ctrl, status, epoch, rank, timeout_ns,
+    if wait(flag_row(local, flags_offset + flags_bytes, WORLD), ctrl, status, epoch, rank, timeout_ns,
             OP_FUSED_GATHER, WORLD, PEERS):
-        gather0 = _typed(local, data + gather_offset, ELEM)
+        gather0 = typed_ptr(local, data + gather_offset, ELEM)
         for tile in range(pid, n_tiles, grid):
             local_rows = tile * ROWS + tl.arange(0, ROWS)
             for g in tl.static_range(WORLD):  # unrolled: the W groups' loads are in flight together

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.allreduce import sum_in_rank_order
+from tpfuse.kernels.peer import sum_in_rank_order
 from tpfuse.kernels.common import EXACT_FP, TRITON_DIVISIBILITY, round_to, to_f32
 
 # A row of up to 16384 elements is held in registers and read from memory once (fp32 rows of
@@ -272,7 +272,7 @@ def widen_again(x):
 
 
 @triton.jit
-def _store_normed(x, inv, W, Y, row_offs, cols, mask, N, weight_offset, HAS_WEIGHT: tl.constexpr,
+def store_normed(x, inv, W, Y, row_offs, cols, mask, N, weight_offset, HAS_WEIGHT: tl.constexpr,
                   CACHE: tl.constexpr):
     """Y[row_offs + cols] = x * inv (* (W[cols] + weight_offset)), rounded once, stored with
     cache modifier CACHE."""
@@ -311,8 +311,8 @@ def norm_tile(SRC, src_rows, slot_elems, RES, W, Y, RES_OUT, rows, row_mask, N, 
         xt = to_f32(_load_norm_input(SRC, src_offs + tcols, slot_elems, RES, RES_OUT, row_offs + tcols, tmask,
                                      has_residual, store_out, SLOTS, ""))
         inv = inv_rms(tl.sum(x * x, axis=1) + tl.sum(xt * xt, axis=1), N, eps)
-        _store_normed(x, inv, W, Y, row_offs, cols, mask, N, weight_offset, HAS_WEIGHT, "")
-        _store_normed(xt, inv, W, Y, row_offs, tcols, tmask, N, weight_offset, HAS_WEIGHT, "")
+        store_normed(x, inv, W, Y, row_offs, cols, mask, N, weight_offset, HAS_WEIGHT, "")
+        store_normed(xt, inv, W, Y, row_offs, tcols, tmask, N, weight_offset, HAS_WEIGHT, "")
     elif NUM_CHUNKS == 1:
         # A row longer than fp32 registers hold (bf16 only, see _MIN_NARROW_ROW_ELEMS) is kept
         # in its 16-bit form across the reduction and widened again for y.
@@ -325,7 +325,7 @@ def norm_tile(SRC, src_rows, slot_elems, RES, W, Y, RES_OUT, rows, row_mask, N, 
         inv = row_inv_rms(xf * xf, N, eps)
         if HOLD_NARROW:
             xf = widen_again(x)
-        _store_normed(xf, inv, W, Y, row_offs, cols, mask, N, weight_offset, HAS_WEIGHT, "")
+        store_normed(xf, inv, W, Y, row_offs, cols, mask, N, weight_offset, HAS_WEIGHT, "")
     else:
         # Streaming chunks (rows of 128 KiB and more, see NormConfig) ask L2 to keep what pass
         # one reads, to drop it once pass two has read it, and to stream y past it.
@@ -355,7 +355,7 @@ def norm_tile(SRC, src_rows, slot_elems, RES, W, Y, RES_OUT, rows, row_mask, N, 
             else:
                 x = to_f32(_load_norm_input(SRC, src_offs + ccols, slot_elems, RES, RES_OUT, row_offs + ccols, mask,
                                             has_residual, False, SLOTS, DROP))
-            _store_normed(x, inv, W, Y, row_offs, ccols, mask, N, weight_offset, HAS_WEIGHT, Y_CACHE)
+            store_normed(x, inv, W, Y, row_offs, ccols, mask, N, weight_offset, HAS_WEIGHT, Y_CACHE)
 
 
 # has_residual is a runtime flag, not a constexpr, so rms_norm and add_rms_norm run the SAME

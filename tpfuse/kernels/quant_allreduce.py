@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.allreduce import _begin, _flag_row
+from tpfuse.kernels.peer import begin_collective, flag_row
 from tpfuse.kernels.codecs import (CODEC_IDS, decode_groups, encode_groups, hardware_e4m3, load_groups, load_packed,
                                    store_packed)
 from tpfuse.kernels.common import EXACT_FP, round_to
@@ -47,7 +47,7 @@ def quant_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, stat
                             CODEC: tl.constexpr, HW_E4M3: tl.constexpr):
     ELEM: tl.constexpr = out_ptr.dtype.element_ty
     GB: tl.constexpr = BLOCK // 32
-    pid, grid, ctrl, status, epoch, data, n_tiles = _begin(local, status_addr, data_offset, data_bytes, chunk, BLOCK)
+    pid, grid, ctrl, status, epoch, data, n_tiles = begin_collective(local, status_addr, data_offset, data_bytes, chunk, BLOCK)
     # 1. Encode chunk c of my input into scatter slot `rank` of rank c, from c = rank on, so
     # that ranks working in step write to different peers at any moment.
     for tile in range(pid, n_tiles, grid):
@@ -60,7 +60,7 @@ def quant_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, stat
                          CODEC)
     signal(table_ptr, flags_offset + (pid * W + rank) * 8, epoch, W, PEERS)
     # 2. Decode my chunk's W contributions, sum in rank order, encode the sum, push it.
-    if wait(_flag_row(local, flags_offset, W), ctrl, status, epoch, rank, timeout_ns, OP_QUANT_SCATTER, W, PEERS):
+    if wait(flag_row(local, flags_offset, W), ctrl, status, epoch, rank, timeout_ns, OP_QUANT_SCATTER, W, PEERS):
         limit = tl.minimum(chunk, numel - rank * chunk)
         for tile in range(pid, n_tiles, grid):
             gidx = tile * GB + tl.arange(0, GB)
@@ -81,7 +81,7 @@ def quant_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, stat
     # 3. Decode the other ranks' reduced chunks. After a failed first wait the abort word
     # makes this wait return at once.
     signal(table_ptr, flags_offset + flags_bytes + (pid * W + rank) * 8, epoch, W, PEERS)
-    gather_flags = _flag_row(local, flags_offset + flags_bytes, W)
+    gather_flags = flag_row(local, flags_offset + flags_bytes, W)
     if wait(gather_flags, ctrl, status, epoch, rank, timeout_ns, OP_QUANT_GATHER, W, PEERS):
         for tile in range(pid, n_tiles, grid):
             gidx = tile * GB + tl.arange(0, GB)

@@ -1,0 +1,93 @@
+"""Hashes of tpfuse's kernels' sm_90 TTGIR, compiled on any machine (no GPU), through the real
+launchers with the plans' arguments: the norm forward and backward, the all-reduce (one-shot
+over flags, LL words and Lamport words; two-shot, push and pull), the fused all-reduce + RMSNorm
+(each protocol, and two-shot), the quantized all-reduce and the codecs.
+
+A refactor that should not change the generated code proves it: run this before and after and
+compare (source locations are left out of the hashes).
+
+    python scripts/ttgir_hashes.py > before.json   # ... change ..., run again, diff
+"""
+
+import hashlib
+import json
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(ROOT, "tests"), ROOT]
+sys.argv = sys.argv[:1] + ["[]"]  # sm90_layouts reads its cases from argv
+import sm90_layouts as S  # noqa: E402  (imports tpfuse in its GPU mode and intercepts launches)
+import torch  # noqa: E402
+
+from tpfuse.comm.plan import AllReducePlan  # noqa: E402
+from tpfuse.comm.quant_plan import QuantPlan  # noqa: E402
+from tpfuse.comm.workspace import WorkspaceLayout  # noqa: E402
+from tpfuse.kernels import codecs  # noqa: E402
+from tpfuse.kernels.allreduce import all_reduce_into  # noqa: E402
+from tpfuse.kernels.quant_allreduce import quant_all_reduce_into  # noqa: E402
+from tpfuse.quant_format import QUANT_CODECS  # noqa: E402
+
+WORLD = 4
+LAYOUT = WorkspaceLayout(WORLD, 1 << 24, 128, ll_max_bytes=1 << 24, lamport_max_bytes=1 << 24, rows_max_bytes=1 << 24)
+PEERS = dict(table=torch.zeros(WORLD, dtype=torch.int64), table_addrs=[(1 << 40) + r * (1 << 30) for r in range(WORLD)],
+             status_addr=1 << 36, rank=1, layout=LAYOUT, timeout_ns=10**9)
+
+
+def _hash(ttgir: str) -> str:
+    ttgir = re.sub(r"\s*loc\(#loc\d*\)", "", ttgir)
+    return hashlib.sha1("\n".join(line for line in ttgir.splitlines() if not line.startswith("#loc")).encode()).hexdigest()
+
+
+def _launches(launch) -> list:
+    S._launches.clear()
+    launch()
+    return list(S._launches)
+
+
+def main() -> None:
+    hashes = {}
+
+    def record(name, launch):
+        for i, (kernel, kwargs) in enumerate(_launches(launch)):
+            hashes[f"{name}:{i}:{kernel.fn.__name__}"] = _hash(S._ttgir(kernel, kwargs))
+
+    for dtype, n, rows in (("bf16", 4096, 5), ("fp32", 2880, 64), ("bf16", 20000, 1)):
+        case = dict(dtype=dtype, n=n, rows=rows, weight="same")
+        for kernel_name in ("forward", "backward"):
+            kernel, kwargs = S._norm_kernel_launch(dict(case, kernel=kernel_name))
+            hashes[f"norm_{kernel_name}:{dtype}:{n}:{rows}"] = _hash(S._ttgir(kernel, kwargs))
+        compiled = []  # what layouts_for compiles: the norm forward, then each fused kernel
+        ttgir = S._ttgir
+        S._ttgir = lambda kernel, kwargs: compiled.append((kernel.fn.__name__, ttgir(kernel, kwargs))) or compiled[-1][1]
+        try:
+            S.layouts_for(dict(case, world=WORLD))
+        finally:
+            S._ttgir = ttgir
+        for i, (name, text) in enumerate(compiled):
+            hashes[f"fused_case:{dtype}:{n}:{rows}:{i}:{name}"] = _hash(text)
+    for dtype in (torch.bfloat16, torch.float32):
+        for nbytes, algo, protocol in ((8192, "oneshot", "ll"), (1 << 18, "oneshot", "lamport"),
+                                       (1 << 19, "oneshot", "flags"), (1 << 22, "twoshot", "flags")):
+            numel = nbytes // dtype.itemsize
+            plan = AllReducePlan.from_numel(numel, WORLD, dtype, LAYOUT, algo)
+            x, out = torch.empty(numel, dtype=dtype), torch.empty(numel, dtype=dtype)
+            for gather in (("push", "pull") if algo == "twoshot" else ("push",)):
+                record(f"allreduce_{algo}_{protocol}_{gather}:{dtype}", lambda: all_reduce_into(  # noqa: B023
+                    x, out, algo=algo, grid=plan.grid, block=plan.block, num_warps=plan.num_warps, chunk=plan.chunk,
+                    gather=gather, protocol=protocol if algo == "oneshot" else "flags", **PEERS))
+    for codec in QUANT_CODECS:
+        x, packed = torch.empty(1 << 20, dtype=torch.bfloat16), torch.empty(1 << 20, dtype=torch.uint8)
+        record(f"quantize:{codec}", lambda: codecs.quantize_into(x, packed, codec))  # noqa: B023
+        record(f"dequantize:{codec}", lambda: codecs.dequantize_into(packed, codec, x))  # noqa: B023
+        plan = QuantPlan.for_layout(LAYOUT, torch.bfloat16, codec)
+        seg = plan.segments(x.numel())[0]
+        record(f"quant_allreduce:{codec}", lambda: quant_all_reduce_into(  # noqa: B023
+            x[:seg.numel], x[:seg.numel], codec=codec, chunk=seg.chunk, grid=seg.grid, block=seg.block,
+            num_warps=seg.num_warps, planes=plan.planes, scale_offset=plan.scale_offset, **PEERS))
+    print(json.dumps(hashes, indent=1, sort_keys=True))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""Device functions of the peer protocol that every collective kernel shares: typed
+workspace pointers, the push of a tile to the peers, a block's flag row, the collective
+prologue (epoch and data region) and the rank-order sum over the slots.
+
+The synchronisation itself (epochs, flags, bounded waits) is ``tpfuse.kernels.sync``'s; the
+LL and Lamport words are ``tpfuse.kernels.ll``'s.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from tpfuse.kernels.common import to_f32
+from tpfuse.kernels.sync import begin_call
+
+
+@triton.jit
+def typed_ptr(base, byte_offset, ELEM: tl.constexpr):
+    """A typed pointer to a workspace address (16-byte aligned by the layout)."""
+    return tl.multiple_of((base + byte_offset).to(tl.pointer_type(ELEM)), 16)
+
+
+@triton.jit
+def sum_in_rank_order(slot0, slot_elems, offs, mask, W: tl.constexpr, own=None, rank=0):
+    """fp32 sum over the W slots ``slot0 + s * slot_elems`` (s = 0..W-1, in that order) at
+    ``offs``; the data was written by peers, so it is read through L2 (``.cg``). With ``own``
+    (this rank's elements at offs, widened to fp32), slot ``rank`` is not read: own stands
+    in for it, so a kernel that passes own need not store its elements into its own slot."""
+    for s in tl.static_range(W):
+        if own is None:
+            vals = to_f32(tl.load(slot0 + s * slot_elems + offs, mask=mask, other=0.0, cache_modifier=".cg"))
+        else:  # s == rank is a uniform scalar: that slot's load is predicated off as a whole
+            vals = to_f32(tl.load(slot0 + s * slot_elems + offs, mask=mask & (s != rank), other=0.0,
+                                  cache_modifier=".cg"))
+            vals = tl.where(s == rank, own, vals)
+        if s == 0:
+            acc = vals
+        else:
+            acc += vals
+    return acc
+
+
+@triton.jit
+def push_to_peers(table_ptr, byte_offset, vals, offs, mask, rank, W: tl.constexpr, OWN: tl.constexpr):
+    """Store ``vals`` at ``byte_offset`` + offs (elements) in every other rank's workspace and,
+    with OWN, this rank's own, starting with this rank's (``rank``, then ``rank + 1``, ...):
+    ranks working in step then write to different peers at any moment instead of all to the
+    same one."""
+    for k in tl.static_range(0 if OWN else 1, W):
+        dst = (rank + k) % W
+        tl.store(typed_ptr(tl.load(table_ptr + dst), byte_offset, vals.dtype) + offs, vals, mask=mask)
+
+
+@triton.jit
+def flag_row(local, flags_offset, W: tl.constexpr):
+    """This block's W local flag words (one per source rank) in a phase's flag region."""
+    return (local + flags_offset + tl.program_id(0) * W * 8).to(tl.pointer_type(tl.int64))
+
+
+@triton.jit
+def begin_collective(local, status_addr, data_offset, data_bytes, n, BLOCK: tl.constexpr):
+    """A collective kernel's prologue: this block's index and the grid size, the control and status
+    words as pointers, this call's epoch (``sync.begin_call``), the byte offset of this
+    epoch's data region (parity rotation) and the number of BLOCK-element tiles in ``n``
+    elements."""
+    pid = tl.program_id(0)
+    grid = tl.num_programs(0)
+    ctrl = local.to(tl.pointer_type(tl.int64))
+    status = status_addr.to(tl.pointer_type(tl.int64))
+    epoch = begin_call(ctrl)
+    data = data_offset + (epoch % 2) * data_bytes
+    n_tiles = tl.cdiv(n, BLOCK)
+    return pid, grid, ctrl, status, epoch, data, n_tiles
