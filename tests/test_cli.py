@@ -45,6 +45,8 @@ def test_a_benchmarks_help_has_no_banner_and_documents_every_option(capsys):
         assert text in flat, f"{option}: no help text {text!r}"
     code, out = _run(capsys, "bench", "fused", "--help")
     assert "--max-tokens" in out and "leave out the shapes" in out
+    code, out = _run(capsys, "bench", "allreduce", "--help")
+    assert "the messages' dtype" in " ".join(out.split())
 
 
 @pytest.mark.smoke

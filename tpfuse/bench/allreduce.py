@@ -205,7 +205,7 @@ def _cpu_worker(rank: int, world: int, port: int, opts: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tpfuse bench allreduce", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench_out", help="directory for allreduce_*.json / .md / .png")
-    p.add_argument("--dtype", default="bf16", choices=list(DTYPES))
+    p.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="the messages' dtype (default bf16)")
     p.add_argument("--min-bytes", type=int, default=None, help="smallest message (default 4 KiB; --quant: 1 MiB)")
     p.add_argument("--max-bytes", type=int, default=None,
                    help="largest message, and tpfuse's max_bytes (default 256 MiB; --quant: 512 MiB)")
