@@ -410,6 +410,10 @@ class Communicator:
         if self._peer is not None:
             self._release()
             self._peer = None
+        # Nor does it keep the process group: held past destroy_process_group, the group would
+        # be destroyed at interpreter exit, when gloo's threads can no longer take the GIL to
+        # drop what they hold (an abort: "terminate called without an active exception").
+        self.group = None
         self._closed = True
 
     def __enter__(self) -> "Communicator":
