@@ -242,7 +242,8 @@ def _cpu_worker(rank, world, port, opts):
     runs = [(b, False) for b in opts["boundaries"] if b != "symm_mem"] + (
         [("fused", "aot_eager")] if opts["compile_batches"] and "fused" in opts["boundaries"] else [])
     if rank == 0:
-        gpu_only = opts["gpu_only"] + (["--boundaries symm_mem"] if "symm_mem" in opts["boundaries"] else [])
+        asked_symm_mem = "symm_mem" in opts["boundaries"] and opts["boundaries"] != BOUNDARIES
+        gpu_only = opts["gpu_only"] + (["--boundaries symm_mem"] if asked_symm_mem else [])
         cpu_check_intro(f"{opts['preset']}'s architecture at hidden 64, 2 layers, {world} emulated ranks; batch "
                         f"{', '.join(map(str, batches))}, a {opts['prompt']}-token prompt, {opts['steps']} greedy steps; "
                         "logits of each boundary against split's", gpu_only)
