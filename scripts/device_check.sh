@@ -7,7 +7,7 @@
 #        and bench_decode), all. DECODE_ARGS passes arguments to bench_decode. A device call may run 600 s, so "all" needs the largest machines' patience:
 #        pick steps per call. BENCH_ARGS passes extra arguments to every benchmark.
 #        tune (2+ GPUs; not in "all"): `tpfuse tune` at W = every GPU, the sweep under $OUT and
-#        the plan table $OUT/w{W}.json (never into the package: copy it into
+#        the plan table $OUT/w{W}-{gpu model}.json (never into the package: copy it into
 #        tpfuse/comm/tables/ after review). TUNE_ARGS passes arguments to it (e.g. --sizes).
 #        tune_allreduce (2+ GPUs; not in "all"): scripts/tune_allreduce.py, the launch knobs'
 #        sweep, with TUNE_ALLREDUCE_ARGS (e.g. --algos oneshot --knobs '{...}').

@@ -7,6 +7,9 @@ import sys
 import pytest
 
 from tpfuse import cli
+from tpfuse._runtime import INTERPRETER
+
+cpu_only = pytest.mark.skipif(not INTERPRETER, reason="the benchmarks' CPU checks run without CUDA only")
 
 
 
@@ -57,6 +60,7 @@ def test_usage_errors_exit_two(capsys, argv):
 
 
 @pytest.mark.smoke
+@cpu_only
 def test_bench_on_cpu_honours_its_options_and_names_the_gpu_only_ones(capsys):
     code, out = _run(capsys, "bench", "norm", "--m", "2", "--n", "48", "--ops", "fwd", "--dtype", "fp32", "--plot")
     assert code == 0
@@ -68,11 +72,12 @@ def test_bench_on_cpu_honours_its_options_and_names_the_gpu_only_ones(capsys):
     assert "== tpfuse bench norm: PASS" in out
 
 
-def test_the_command_is_installed_and_exits_zero_on_help():
+def test_the_module_runs_as_a_command_and_exits_zero_on_help():
     proc = subprocess.run([sys.executable, "-m", "tpfuse.cli", "--help"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "bench" in proc.stdout
 
 
+@cpu_only
 @pytest.mark.parametrize("argv, checked", [
     (["allreduce", "--max-bytes", "4096"], "| 4 KiB | auto | yes |"),
     (["allreduce", "--quant", "--dtype", "bf16"], "| 64 KiB | int4 | yes |"),

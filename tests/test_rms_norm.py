@@ -484,6 +484,9 @@ def test_bad_inputs_raise_clear_errors():
         tpfuse.rms_norm(torch.tensor(1.0, device=DEVICE))
     with pytest.raises(ValueError, match="weight_offset"):
         tpfuse.rms_norm(x, None, weight_offset=1.0)
+    import numpy as np
+
+    assert torch.equal(tpfuse.rms_norm(x, None, np.float32(1e-5)), tpfuse.rms_norm(x, None, 1e-5))  # any real
     for eps in (0.0, -1e-6, float("nan"), float("inf"), "1e-6", True):
         with pytest.raises(ValueError, match="eps must be a finite number > 0"):
             tpfuse.rms_norm(x, None, eps)

@@ -255,6 +255,8 @@ def test_gpu_model_names_for_table_files():
     assert tables.gpu_model("NVIDIA H100 80GB HBM3") == "h100"
     assert tables.gpu_model("NVIDIA H200") == "h200"
     assert tables.gpu_model("NVIDIA A100-SXM4-80GB") == "a100"
+    assert tables.gpu_model("NVIDIA H100 PCIe") == "h100-pcie" and tables.gpu_model("NVIDIA H200 NVL") == "h200-nvl"
+    assert tables.table_path("d", 2, "h100-pcie") == os.path.join("d", "w2-h100-pcie.json")
     assert tables.table_path("d", 4, "h100") == os.path.join("d", "w4-h100.json")
 
 

@@ -45,9 +45,11 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     bench.add_argument("-h", "--help", action="store_true", help="show this help (or NAME's) and exit")
     bench.add_argument("name", nargs="?", choices=list(BENCHES), metavar="NAME", help="one of: " + ", ".join(BENCHES))
     bench.add_argument("--out", metavar="DIR", help="where GPU runs write their results (default bench_out)")
+    bench.add_argument("--version", action="version", version=f"tpfuse {_version()}")
     tune = sub.add_parser("tune", add_help=False, help="measure the plan thresholds of \"auto\" on this machine "
                           "(`tpfuse tune --help`)")
     tune.add_argument("-h", "--help", action="store_true")
+    tune.add_argument("--version", action="version", version=f"tpfuse {_version()}")
     return p, bench
 
 
@@ -74,8 +76,8 @@ def run_benches(names: list[str], options: list[str]) -> int:
         start = time.monotonic()
         try:
             rc = importlib.import_module(BENCHES[name][0]).main(options)
-        except SystemExit as e:  # argparse's error exit, inside a bench
-            rc = e.code if isinstance(e.code, int) else 2
+        except SystemExit as e:  # argparse's exit inside a bench (None: success)
+            rc = 0 if e.code is None else e.code if isinstance(e.code, int) else 2
         seconds = time.monotonic() - start
         results.append((name, rc, seconds))
         print(f"== tpfuse bench {name}: {'PASS' if rc == 0 else 'FAIL'} ({seconds:.0f} s)", flush=True)

@@ -9,6 +9,7 @@ public functions, which validate their arguments before anything runs.
 from __future__ import annotations
 
 import math
+import numbers
 
 from typing import Optional
 
@@ -28,7 +29,7 @@ Tensor = torch.Tensor
 def check_norm_args(x: Tensor, weight: Optional[Tensor], eps: float, weight_offset: float,
                     residual: Optional[Tensor] = None):
     check_float_tensor(x, "x")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not math.isfinite(eps) or eps <= 0:
         # eps = 0 turns an all-zero row into 0 * inf = NaN; a NaN or negative eps, every row.
         raise ValueError(f"eps must be a finite number > 0, got {eps!r}")
     if x.dim() == 0:

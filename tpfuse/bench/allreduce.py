@@ -177,13 +177,13 @@ def _cpu_worker(rank: int, world: int, port: int, opts: dict) -> None:
     from tpfuse.comm import Communicator
 
     dtype = DTYPES[opts["dtype"]]
-    sizes = [s for s in CPU_SIZES if opts["min_bytes"] <= s <= opts["max_bytes"]] or [opts["min_bytes"]]
+    sizes = [s for s in CPU_SIZES if opts["min_bytes"] <= s <= opts["max_bytes"]] or [min(opts["min_bytes"], opts["max_bytes"])]
     init_rank(rank, world, port, "gloo")
     if rank == 0:
         cpu_check_intro(f"one-shot, two-shot and auto all-reduce at {', '.join(map(fmt_size, sizes))}, "
                         f"{opts['dtype']}, {world} emulated ranks, bitwise against tpfuse.reference", opts["gpu_only"])
     rows = []
-    with Communicator(timeout_s=60) as comm:
+    with Communicator(max_bytes=max(1 << 20, *sizes), timeout_s=60) as comm:
         for nbytes in sizes:
             xs = random_inputs(nbytes // dtype.itemsize, dtype, world, "cpu", seed=nbytes)
             ref = reference.all_reduce(xs)

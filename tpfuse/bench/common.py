@@ -250,8 +250,15 @@ def run_workers(gpu_worker, cpu_worker, opts: dict) -> int:
     ngpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if ngpu >= 2:
         return spawn_ranks(gpu_worker, ngpu, opts)
-    os.environ["TRITON_INTERPRET"] = "1"  # the spawned ranks run the kernels on CPU
-    return spawn_ranks(cpu_worker, 2, opts)
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"  # the spawned ranks (they inherit it) run the kernels on CPU
+    try:
+        return spawn_ranks(cpu_worker, 2, opts)
+    finally:  # not for what this process runs next (a TP=1 GPU decode, say)
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = before
 
 
 def init_rank(rank: int, world: int, port: int | None, backend: str) -> None:

@@ -60,8 +60,12 @@ def _options(argv):
         p.error(f"unknown boundary {sorted(unknown)} (choose from {', '.join(BOUNDARIES)})" if unknown else
                 f"unknown preset {opts['preset']!r} (choose from {', '.join(PRESETS)})")
     gpu = torch.cuda.is_available()
-    opts["prompt"] = opts["prompt"] or (32 if gpu else 4)
-    opts["steps"] = opts["steps"] or (32 if gpu else 6)
+    if opts["prompt"] is None:
+        opts["prompt"] = 32 if gpu else 4
+    if opts["steps"] is None:
+        opts["steps"] = 32 if gpu else 6
+    if opts["prompt"] < 1 or opts["steps"] < 1:
+        p.error("--prompt and --steps must be >= 1")
     opts["batch_given"] = opts["batch"] != BATCHES
     opts["gpu_only"] = gpu_only_flags(p, opts, ["context", "out", "plot"])
     return opts
@@ -232,7 +236,8 @@ CPU_BATCHES = [2]
 
 def _cpu_worker(rank, world, port, opts):
     """Two CPU ranks, the preset's architecture at a tiny size: every boundary asked for, and
-    "fused" compiled (aot_eager) where --compile-batches asks for one, against "split"'s bits."""
+    "fused" compiled (aot_eager) at every batch unless --compile-batches is empty, against
+    "split"'s bits."""
     init_rank(rank, world, port, "gloo")
     from tpfuse.models import TPModel
 

@@ -238,8 +238,8 @@ def plot(records: list[dict], out_dir: str) -> None:
 
 
 CPU_SHAPES = [(4, 1000), (3, 4096), (2, 20000)]
-"""(M, N) of the CPU check unless --m / --n name others (then every M with every N; the
-interpreter is slow: keep them small)."""
+"""(M, N) of the CPU check unless --m / --n name others: then every M with every N, M 4 where
+only --n is given and N 4096 where only --m is (the interpreter is slow: keep them small)."""
 
 
 def _cpu_check(args, gpu_only: list[str]) -> int:

@@ -19,7 +19,8 @@ derived all-reduce), so it measures what "auto" will do. Timing is ``tpfuse benc
 first checked bitwise against tpfuse.reference (the codecs: against
 ``reference.quantized_all_reduce``, and their error against the codec's budget). A method that fails its check fails the run and no table is
 written. Writes tune_w{W}_bf16.json / .md under --out; with --write-table also the table
-w{W}.json, into tpfuse/comm/tables/ or --table-dir. The sweep's results are also written after
+w{W}-{model}.json of the GPU's model (``tpfuse.comm.tables.gpu_model``; w{W}.json without a
+GPU), into tpfuse/comm/tables/ or --table-dir. The sweep's results are also written after
 each sweep but the last, so a run killed later leaves what it measured. --budget-s, counted
 from the start of the command (spawning the ranks and setting up take part of it), stops the
 sweep (all ranks together); a sweep cut short gives no knobs.
@@ -432,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     p = argparse.ArgumentParser(prog="tpfuse tune", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="tune_out", help="directory for tune_w{W}_bf16.json / .md")
-    p.add_argument("--write-table", action="store_true", help="also write the plan table w{W}.json")
+    p.add_argument("--write-table", action="store_true", help="also write the plan table w{W}-{gpu model}.json")
     p.add_argument("--table-dir", default=tables.PACKAGE_DIR,
                    help="where --write-table writes (default: tpfuse/comm/tables, which the plans read)")
     p.add_argument("--budget-s", type=float, default=420.0,

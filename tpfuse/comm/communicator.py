@@ -71,10 +71,12 @@ class Communicator:
     without ``close()`` releases it when collected (locally), unless its ops were captured
     into a CUDA graph: the graph's kernels use the workspace, so it is held until ``close()``.
 
-    Construction is bounded by ``timeout_s``: a rank that does not arrive in time makes the
+    Arrival is bounded by ``timeout_s``: a rank that does not arrive in time makes the
     constructor raise ``CommError`` naming it on every rank that did (and on the late rank
-    when it comes), and a rank that fails or dies during construction makes the others raise
-    ``CommError``; a failed construction leaves no peer memory mapped and no file in /dev/shm.
+    when it comes). A rank that raises or dies during the construction's collective steps
+    makes the others raise ``CommError`` where the backend reports it (gloo: at once; a rank
+    stuck there holds the others for the process group's own timeout). A failed construction
+    leaves no peer memory mapped and no file in /dev/shm.
 
     Devices: CUDA tensors (NCCL or any group; peer memory from torch symmetric memory), or
     CPU tensors under Triton's interpreter (gloo group; peer memory in /dev/shm).
@@ -129,7 +131,7 @@ class Communicator:
             _arrive(self.group, self.rank, self.world_size, self.timeout_s)
             try:
                 self._setup()
-            except (ValueError, CommError):
+            except (ValueError, CommError, torch.OutOfMemoryError):
                 raise
             except RuntimeError as e:  # a collective step failed: a peer died or gave up
                 raise CommError(f"rank {self.rank}: creating the Communicator failed in a collective step "
@@ -449,9 +451,10 @@ _CONSTRUCTIONS: dict[str, int] = {}
 def _arrive(group: dist.ProcessGroup, rank: int, world_size: int, timeout_s: float) -> None:
     """Every rank announces, in the process group's store, that it is constructing its k-th
     communicator of ``group``, and waits at most ``timeout_s`` for the others (a collective
-    would wait for torch.distributed's own timeout, minutes). A rank that gives up marks the
-    k-th construction abandoned, so that a rank arriving later raises too rather than
-    entering the collective steps alone."""
+    would wait for torch.distributed's own timeout, minutes). The first rank to settle the
+    outcome writes it, atomically: "go" once it saw every rank, or that it stopped waiting.
+    Every rank, a late one included, acts on that one verdict, so no rank goes on to the
+    collective steps alone."""
     k = _CONSTRUCTIONS[group.group_name] = _CONSTRUCTIONS.get(group.group_name, 0) + 1
     store = dist.distributed_c10d._get_default_store()
     prefix = f"tpfuse/communicator/{group.group_name}/{k}/"
@@ -459,16 +462,15 @@ def _arrive(group: dist.ProcessGroup, rank: int, world_size: int, timeout_s: flo
     store.set(keys[rank], "1")
     try:
         store.wait(keys, datetime.timedelta(seconds=timeout_s))
-    except dist.DistStoreError:
-        store.set(prefix + "abandoned", str(rank))
+        mine = "go"
+    except RuntimeError:  # the store's timeout (DistStoreError, or RuntimeError from a FileStore)
         missing = [r for r in range(world_size) if not store.check([keys[r]])]
-        raise CommError(f"rank {rank} waited {timeout_s:g} s for rank(s) {missing} of group {group.group_name!r} to "
-                        "create their Communicator: every rank of the group must create it, with the same "
-                        "arguments") from None
-    if store.check([prefix + "abandoned"]):
-        who = store.get(prefix + "abandoned").decode()
-        raise CommError(f"rank {rank} arrived after rank {who} stopped waiting for it to create the Communicator "
-                        f"of group {group.group_name!r} (timeout_s={timeout_s:g})")
+        mine = f"rank {rank} waited {timeout_s:g} s for rank(s) {missing}"
+    verdict = store.compare_set(prefix + "verdict", "", mine)
+    verdict = verdict.decode() if isinstance(verdict, bytes) else verdict
+    if verdict != "go":
+        raise CommError(f"creating the Communicator of group {group.group_name!r} failed on rank {rank}: {verdict} to "
+                        "arrive; every rank of the group must create it, with the same arguments, within timeout_s")
 
 
 def _release_peer(peer: PeerMemory, device: torch.device) -> None:

@@ -43,7 +43,7 @@ import triton.language as tl
 
 from tpfuse import _runtime
 from tpfuse.kernels.common import EXACT_FP, round_to, to_f32
-from tpfuse.quant_format import QUANT_CODECS, QUANT_GROUP, check_codec, packed_layout
+from tpfuse.quant_format import QUANT_CODECS, QUANT_GROUP, SCALE_MIN_EXP, check_codec, packed_layout
 
 # Codec ids (the CODEC constexpr of every kernel here); the sub-byte codecs (int6, int4) last.
 FP8, INT8, INT6, INT4 = 0, 1, 2, 3
@@ -53,8 +53,8 @@ _FP8, _INT6, _INT4 = tl.constexpr(FP8), tl.constexpr(INT6), tl.constexpr(INT4)  
 _GROUP = tl.constexpr(QUANT_GROUP)
 _INF_BITS = tl.constexpr(0x7F800000)
 _SCALE_NAN = tl.constexpr(0x7FC0)
-_SCALE_MIN_BITS = tl.constexpr((127 - 117) << 23)  # 2**-117 as fp32 bits (quant_format.SCALE_MIN_EXP)
-_SCALE_MIN_BF16 = tl.constexpr((127 - 117) << 7)
+_SCALE_MIN_BITS = tl.constexpr((127 + SCALE_MIN_EXP) << 23)  # the scales' floor as fp32 bits
+_SCALE_MIN_BF16 = tl.constexpr((127 + SCALE_MIN_EXP) << 7)
 _RINT_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23
 _RINT_MAGIC_BITS = tl.constexpr(0x4B400000)
 _E4M3_MAX = tl.constexpr(0x7E)

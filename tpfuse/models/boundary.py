@@ -105,6 +105,8 @@ class Boundary:
     def __init__(self, name: str, comm=None, *, max_bytes: int = 64 << 20):
         if name not in BOUNDARIES:
             raise ValueError(f"boundary must be one of {', '.join(map(repr, BOUNDARIES))}, got {name!r}")
+        if comm is not None and comm.group is None:
+            raise RuntimeError("the Communicator is closed: build the boundary (the model) on an open one")
         self.name, self.comm = name, comm
         self.world_size = 1 if comm is None else comm.world_size
         self.group_name = None if comm is None else comm.group.group_name

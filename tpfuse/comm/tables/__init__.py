@@ -54,7 +54,7 @@ SIZE_KNOBS = ("ONESHOT_MAX_BYTES", "LL_MAX_BYTES", "LAMPORT_MAX_BYTES", "FUSED_O
 """Knobs of tpfuse.comm.plan: {world size: bytes}."""
 QUANT_KNOB = "QUANT_MIN_BYTES"
 """The knob of tpfuse.comm.quant_plan: {codec: {world size: bytes or None}}."""
-_FILE = re.compile(r"w([1-9]\d*)(?:-([a-z0-9]+))?\.json")
+_FILE = re.compile(r"w([1-9]\d*)(?:-([a-z0-9-]+))?\.json")
 _ABSENT = object()
 """What ``apply`` reports for a world size that had no entry of its own (it used W=8's)."""
 _APPLIED: dict[int, tuple[dict, dict]] = {}
@@ -68,12 +68,16 @@ logger = logging.getLogger("tpfuse.comm")
 
 
 def gpu_model(device_name: str) -> str:
-    """The short model name that table files carry: "h100" for "NVIDIA H100 80GB HBM3", "h200"
-    for "NVIDIA H200" (the first word of letters then digits), else the name's letters and
-    digits."""
+    """The short model name that table files carry: the first word of letters then digits,
+    with the form factor where it is not the SXM module's ("h100" for "NVIDIA H100 80GB
+    HBM3", "h100-pcie" for "NVIDIA H100 PCIe", "h200-nvl" for "NVIDIA H200 NVL": their links
+    and clocks differ); else the name's letters and digits."""
     name = device_name.lower().replace("nvidia", " ")
     match = re.search(r"\b([a-z]+\d+[a-z]*)\b", name)
-    return match.group(1) if match else re.sub(r"[^a-z0-9]", "", name) or "unknown"
+    if not match:
+        return re.sub(r"[^a-z0-9]", "", name) or "unknown"
+    form = next((f for f in ("pcie", "nvl") if re.search(rf"\b{f}\b", name)), None)
+    return match.group(1) + (f"-{form}" if form else "")
 
 
 def table_path(directory: str, world_size: int, model: str | None = None) -> str:
@@ -136,7 +140,7 @@ def _is_size(value) -> bool:
 def read_tables(directory: str, model: str | None = None) -> dict[int, dict]:
     """{world size: knobs} of every table in ``directory`` for GPU ``model`` (``w{W}-{model}.json``)
     or, where it has none, for any model (``w{W}.json``); only the latter with model None.
-    None where the directory does not exist."""
+    Empty where the directory does not exist."""
     names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
     found = {}
     for name in names:
