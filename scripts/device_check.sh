@@ -2,7 +2,8 @@
 # One call on the GPU machine: GPU tests and benchmarks, results under $OUT.
 #   scripts/device_check.sh [STEP|GROUP ...]   (default: all)
 # Steps: test_norm bench_norm test_allreduce bench_allreduce test_fused bench_fused
-#        test_quant bench_quant test_codecs bench_codecs test_models bench_decode tune tune_allreduce; groups: norm,
+#        test_quant bench_quant test_codecs bench_codecs test_models bench_decode bench_decode_tp1 tune
+#        tune_allreduce; groups: norm,
 #        allreduce, fused, quant, codecs (one GPU: the codec kernels alone), models (test_models
 #        and bench_decode), all. DECODE_ARGS passes arguments to bench_decode. A device call may run 600 s, so "all" needs the largest machines' patience:
 #        pick steps per call. BENCH_ARGS passes extra arguments to every benchmark.
@@ -113,6 +114,9 @@ if want ll_ablation && multi ll_ablation; then
 fi
 want nvlink_probe && multi nvlink_probe && run nvlink_probe 300 python3 scripts/nvlink_probe.py --out "$OUT"
 want tune && multi tune && run tune 540 python3 -m tpfuse.cli tune --out "$OUT" --write-table --table-dir "$OUT" --budget-s 480 ${TUNE_ARGS:-}
-# Every visible GPU is one rank: TP=2 on two GPUs, the TP=1 baseline on one.
+# Every visible GPU is one rank: TP=2 on two GPUs; bench_decode_tp1 (not in "all"), the TP=1
+# baseline on GPU 0 of the same machine.
 want bench_decode && run bench_decode 540 python3 -m tpfuse.cli bench decode --out "$OUT" --plot ${DECODE_ARGS:-}
+want bench_decode_tp1 && run bench_decode_tp1 400 env CUDA_VISIBLE_DEVICES=0 python3 -m tpfuse.cli bench decode \
+  --out "$OUT" ${DECODE_ARGS:-}
 exit $status
