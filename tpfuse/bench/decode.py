@@ -73,7 +73,7 @@ def _options(argv):
 
 def _decode(model, ids, steps, context, compile):
     """Greedy decode of ``steps`` tokens after ``ids``: (per-step ms, logits [steps, B, V])."""
-    dec = model.decoder(ids.shape[0], context, compile=compile)
+    dec = model.decode_session(ids.shape[0], context, compile=compile)
     logits = dec.prefill(ids)
     out, times = [], []
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -149,7 +149,7 @@ def _measure(comm, config, opts, rank):
                       + (f"  bits==split: {rec['bitwise_vs_split']}" if "bitwise_vs_split" in rec else ""),
                       flush=True)
             del logits
-            if compiled:  # torch.compile's cache keeps a compiled decoder (and its KV cache) alive
+            if compiled:  # torch.compile's cache keeps a compiled decode session (and its KV cache) alive
                 model.set_boundary("split")
                 torch._dynamo.reset()
         torch.cuda.empty_cache()

@@ -2,6 +2,6 @@
 
 from tpfuse.models.boundary import BOUNDARIES
 from tpfuse.models.config import ARCHITECTURES, PRESETS, ModelConfig
-from tpfuse.models.llama import Decoder, TPModel
+from tpfuse.models.llama import DecodeSession, TPModel
 
-__all__ = ["TPModel", "Decoder", "ModelConfig", "PRESETS", "ARCHITECTURES", "BOUNDARIES"]
+__all__ = ["TPModel", "DecodeSession", "ModelConfig", "PRESETS", "ARCHITECTURES", "BOUNDARIES"]

@@ -18,7 +18,7 @@ holding 1/W of each block:
 rank passes the same model and keeps its shard); ``TPModel.random(config, comm, seed=...)``
 makes seeded random weights (benchmarks of large shapes without downloads). ``model(ids)``
 is a prefill returning logits; ``model.generate(ids, n)`` decodes greedily with a KV cache,
-the decode step captured in a CUDA graph on GPUs (``Decoder``) and optionally compiled.
+the decode step captured in a CUDA graph on GPUs (``DecodeSession``) and optionally compiled.
 """
 
 from __future__ import annotations
@@ -111,19 +111,19 @@ class TPModel(nn.Module):
         self.inv_freq = torch.empty(config.head_dim // 2, dtype=torch.float32, device=device)
         self.rope_scaling = 1.0  # cos and sin are multiplied by it (Hugging Face's attention_scaling)
         self._rope_cache: tuple[int, Tensor, Tensor] | None = None
-        self._decoder: Decoder | None = None
+        self._session: DecodeSession | None = None
 
     # ------------------------------------------------------------------ construction
 
     def set_boundary(self, name: str) -> None:
         """Switch the layer boundary (drops captured decode graphs; collective on the group)."""
         self.boundary = Boundary(name, self.comm)
-        self._drop_decoder()
+        self._drop_session()
 
-    def _drop_decoder(self) -> None:
-        # A Decoder refers to itself through its step function: only the cycle collector
+    def _drop_session(self) -> None:
+        # A DecodeSession refers to itself through its step function: only the cycle collector
         # frees it, and with it a KV cache of up to tens of GB.
-        self._decoder = None
+        self._session = None
         gc.collect()
 
     @classmethod
@@ -313,16 +313,16 @@ class TPModel(nn.Module):
 
     # ------------------------------------------------------------------ decoding
 
-    def decoder(self, batch: int, seq_len: int, *, cuda_graph: bool | None = None,
-                compile: bool | str = False) -> "Decoder":
-        """A ``Decoder`` for ``batch`` sequences of up to ``seq_len`` tokens (reused while the
-        arguments and the boundary stay the same; a new one frees the previous cache)."""
+    def decode_session(self, batch: int, seq_len: int, *, cuda_graph: bool | None = None,
+                       compile: bool | str = False) -> "DecodeSession":
+        """A ``DecodeSession`` for ``batch`` sequences of up to ``seq_len`` tokens (reused while
+        the arguments and the boundary stay the same; a new one frees the previous cache)."""
         cuda_graph = self.device.type == "cuda" if cuda_graph is None else cuda_graph
         key = (batch, seq_len, cuda_graph, compile)
-        if self._decoder is None or self._decoder.key != key:
-            self._drop_decoder()  # free the old cache first
-            self._decoder = Decoder(self, batch, seq_len, cuda_graph=cuda_graph, compile=compile)
-        return self._decoder
+        if self._session is None or self._session.key != key:
+            self._drop_session()  # free the old cache first
+            self._session = DecodeSession(self, batch, seq_len, cuda_graph=cuda_graph, compile=compile)
+        return self._session
 
     @torch.no_grad()
     def generate(self, input_ids: Tensor, max_new_tokens: int, *, cuda_graph: bool | None = None,
@@ -338,7 +338,7 @@ class TPModel(nn.Module):
         t = self._check_ids(input_ids, max_new_tokens)
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        dec = self.decoder(input_ids.shape[0], t + max_new_tokens, cuda_graph=cuda_graph, compile=compile)
+        dec = self.decode_session(input_ids.shape[0], t + max_new_tokens, cuda_graph=cuda_graph, compile=compile)
         logits = [dec.prefill(input_ids)]
         tokens = [input_ids, logits[0].argmax(-1, keepdim=True)]
         for _ in range(max_new_tokens - 1):
@@ -355,7 +355,7 @@ def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotated * sin
 
 
-class Decoder:
+class DecodeSession:
     """Greedy decode state of a ``TPModel``: the KV cache ([B, kv_heads, seq_len, head_dim]
     per layer, zero-initialised) and the decode step, captured as a CUDA graph when
     ``cuda_graph`` (inputs copied into static buffers, replayed per token) and compiled
@@ -414,7 +414,7 @@ class Decoder:
     def prefill(self, input_ids: Tensor) -> Tensor:
         t = input_ids.shape[1]
         if input_ids.shape[0] != self.batch or t >= self.seq_len:
-            raise ValueError(f"prefill of {tuple(input_ids.shape)} does not fit this decoder "
+            raise ValueError(f"prefill of {tuple(input_ids.shape)} does not fit this decode session "
                              f"(batch {self.batch}, {self.seq_len} tokens)")
         for k, v in self.caches:
             k.zero_()
@@ -426,7 +426,7 @@ class Decoder:
     @torch.no_grad()
     def step(self, tokens: Tensor) -> Tensor:
         if self.position >= self.seq_len:
-            raise ValueError(f"the decoder holds {self.seq_len} tokens: no position left")
+            raise ValueError(f"the decode session holds {self.seq_len} tokens: no position left")
         self.tokens.copy_(tokens)
         self.pos.fill_(self.position)
         self.position += 1
