@@ -18,6 +18,7 @@
 #        ll_ablation (2 GPUs; not in "all"): scripts/ll_ablation.py once per VARIANT:MAX_BYTES item
 #        of LL_ABLATION_RUNS (default "base:16777216"), in that order, with LL_ABLATION_ARGS
 #        (e.g. --sizes 4096 1048576).
+#        bench_ab (2+ GPUs; not in "all"): see below.
 #        nvlink_probe (2+ GPUs; not in "all"): scripts/nvlink_probe.py, the copy engines' and
 #        SM kernels' rates between GPUs 0 and 1.
 #        AB_TREES (fused_ab, ll_ablation): the package trees to time side by side, each item
@@ -83,7 +84,7 @@ want test_quant && multi test_quant && run test_quant 420 python3 -m pytest -q -
 want bench_quant && multi bench_quant && run bench_quant 270 python3 -m tpfuse.cli bench allreduce --quant --out "$OUT" ${BENCH_ARGS:-}
 want test_codecs && run test_codecs 240 python3 -m pytest -q -x -m gpu tests/test_quant_gpu.py
 want bench_codecs && run bench_codecs 120 python3 scripts/bench_codecs.py --out "$OUT"
-want test_models && multi test_models && run test_models 360 python3 -m pytest -q -x -m multigpu tests/test_models_gpu.py
+want test_models && multi test_models && run test_models 560 python3 -m pytest -q -x -m multigpu tests/test_models_gpu.py
 want tune_allreduce && multi tune_allreduce && run tune_allreduce 420 python3 scripts/tune_allreduce.py --out "$OUT" --budget-s 360 ${TUNE_ALLREDUCE_ARGS:-}
 if want fused_ab && multi fused_ab && { [ "$ngpu" -ge "${FUSED_AB_WORLD:-2}" ] \
     || { echo "== fused_ab: FUSED_AB_WORLD=${FUSED_AB_WORLD} needs as many GPUs, skipped"; status=1; false; }; }; then
@@ -111,6 +112,29 @@ if want ll_ablation && multi ll_ablation; then
         --out "$OUT"
     done
   done
+fi
+# bench_ab (2+ GPUs; not in "all"): `tpfuse bench allreduce` and `tpfuse bench fused` of each
+# AB_TREES tree (the tree's own bench code, run from /tmp so that PYTHONPATH picks the tree),
+# interleaved over AB_ROUNDS rounds (default 2; fused in the first only), with AB_BENCH_ARGS
+# for allreduce; logs and markdown tables in one file, $OUT/bench_ab.tgz.
+if want bench_ab && multi bench_ab; then
+  mkdir -p /tmp/bench_ab; repo=$PWD
+  for round in $(seq "${AB_ROUNDS:-2}"); do
+    t=0
+    for tree in ${AB_TREES:-.}; do
+      t=$((t + 1))
+      for bench in allreduce fused; do
+        [ "$bench" = fused ] && [ "$round" -gt 1 ] && continue
+        name="${bench}_r${round}_t$t"
+        echo "== bench_ab $name: tree ${tree%%:*}"
+        (cd /tmp && PYTHONPATH="$repo/${tree%%:*}:$PYTHONPATH" TPFUSE_COMMIT="$(tree_commit "$tree")" timeout 200 \
+          python3 -m tpfuse.cli bench "$bench" --out "/tmp/bench_ab/$name" \
+          $([ "$bench" = allreduce ] && echo "${AB_BENCH_ARGS:-}")) > "/tmp/bench_ab/$name.log" 2>&1 \
+          || { status=1; tail -n 20 "/tmp/bench_ab/$name.log"; }
+      done
+    done
+  done
+  tar -czf "$OUT/bench_ab.tgz" -C /tmp bench_ab
 fi
 want nvlink_probe && multi nvlink_probe && run nvlink_probe 300 python3 scripts/nvlink_probe.py --out "$OUT"
 want tune && multi tune && run tune 540 python3 -m tpfuse.cli tune --out "$OUT" --write-table --table-dir "$OUT" --budget-s 480 ${TUNE_ARGS:-}

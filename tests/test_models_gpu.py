@@ -7,7 +7,7 @@ Run on a machine with >= 2 GPUs:  python -m pytest -m multigpu tests/test_models
   replays them (new inputs copied in before each replay).
 - ``TPModel`` at TP=2 matches Hugging Face's own model (fp32, tolerance as on CPU), and in
   bf16: "fused" gives "split"'s logits bit for bit at every step, eagerly, under CUDA graphs,
-  compiled, and in a second decoder (a new capture); every boundary's greedy decode repeats
+  compiled, and in a second decode session (a new capture); every boundary's greedy decode repeats
   bit for bit in new processes (run-to-run determinism) at batch 1, 8 and 32; at TP=2 and at
   TP = every GPU.
 - The teardown after a graph-captured ``generate`` (close, destroy_process_group) returns.
@@ -15,6 +15,7 @@ Run on a machine with >= 2 GPUs:  python -m pytest -m multigpu tests/test_models
 
 import hashlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -23,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.multiproc import run_ranks
+from tests.multiproc import capture_graph, run_ranks
 
 pytestmark = pytest.mark.multigpu
 
@@ -33,6 +34,31 @@ if NGPU < 2:
 
 WORLDS = sorted({2, NGPU})
 HIDDEN = 4096
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_teardown_after_generate_returns(world):
+    """examples/tp_model.py (graph-captured generate, then the Communicator closed and the
+    process group destroyed) exits, on every rank, well inside the limit: on 2 and 4 GPUs
+    (a841eb3) that teardown hung for minutes until the processes were killed. First in the
+    file, so that a suite cut short still says whether it returns."""
+    pytest.importorskip("transformers")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    start = time.monotonic()
+    # A session of its own, so that a hang is ended with every rank (torchrun's children too).
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                             str(world), os.path.join(root, "examples", "tp_model.py")], cwd=root, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"the example did not return within 180 s: {out[-2000:]} {err[-2000:]}")
+    took = time.monotonic() - start
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    assert "prefill logits (1, 8, 128)" in out
+    assert took < 120, f"the example took {took:.0f} s"
 
 
 def _same(a, b):
@@ -66,14 +92,7 @@ def _compiled_ops(seed):
         res_in = torch.empty_like(x_in)
         x_in.normal_(generator=g)
         res_in.normal_(generator=g)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            f(x_in, res_in)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-            outs = f(x_in, res_in)
+        graph, outs = capture_graph(lambda: f(x_in, res_in))
         for i in range(3):
             x_in.normal_(generator=g)
             res_in.normal_(generator=g)
@@ -163,20 +182,3 @@ def test_tp2_model_matches_hugging_face_on_gpus():
     pytest.importorskip("transformers")
     failures = run_ranks(2, _against_hf, 3, backend="nccl", timeout_s=600)
     assert not any(failures), failures
-
-
-@pytest.mark.parametrize("world", WORLDS)
-def test_teardown_after_generate_returns(world):
-    """examples/tp_model.py (graph-captured generate, then the Communicator closed and the
-    process group destroyed) exits, on every rank, well inside the limit: on 2 and 4 GPUs
-    (a841eb3) that teardown hung for minutes until the processes were killed."""
-    pytest.importorskip("transformers")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(world), os.path.join(root, "examples", "tp_model.py")],
-                          check=False, capture_output=True, text=True, timeout=300, cwd=root)
-    took = time.monotonic() - start
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "prefill logits (1, 8, 128)" in proc.stdout
-    assert took < 120, f"the example took {took:.0f} s"
