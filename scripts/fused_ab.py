@@ -121,19 +121,19 @@ def main():
         setattr(fused, name, fn)
         if name == "ll_pieces":  # the plan sizes the grid by the pieces too
             setattr(plan, name, fn)
-    from tpfuse.comm import Communicator
+    from tpfuse.comm import Communicator, knobs_for
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    # Before the Communicator sizes its workspace from the knobs.
-    plan.FUSED_ROWS_MAX_BYTES[world] = ROWS_MAX_BYTES.get(opts.variant, 0)
-    if opts.variant == "rows_4k_pieces":
-        plan.FUSED_ROWS_PIECE_BYTES = 4 << 10
-    if opts.variant == "lamport_4m":  # after the tables (imported with tpfuse.comm above)
-        plan.FUSED_LAMPORT_MAX_BYTES[world] = plan.FUSED_WIDE_LAMPORT_MAX_BYTES[world] = 4 << 20
     torch.cuda.set_device(rank)
+    changes = {"fused_rows_max_bytes": ROWS_MAX_BYTES.get(opts.variant, 0)}  # it sizes the workspace too
+    if opts.variant == "rows_4k_pieces":
+        changes["fused_rows_piece_bytes"] = 4 << 10
+    if opts.variant == "lamport_4m":
+        changes["fused_lamport_max_bytes"] = changes["fused_wide_lamport_max_bytes"] = 4 << 20
+    knobs = knobs_for(world, torch.cuda.get_device_name()).replace(**changes)
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
     rows = []
-    with Communicator() as comm:
+    with Communicator(knobs=knobs) as comm:
         for tokens, hidden in SHAPES:
             xs, residual, weight = layer_inputs(tokens, hidden, world, "cuda", seed=tokens * 100_003 + hidden + 11)
             x = xs[rank]
@@ -145,7 +145,7 @@ def main():
                                                                   algo="oneshot"),
             }
             want = methods["split"](0)
-            fplan = plan.FusedPlan.from_shape(tokens, hidden, world, x.dtype, comm.layout, "oneshot")
+            fplan = plan.FusedPlan.from_shape(tokens, hidden, x.dtype, comm.layout, comm.knobs, "oneshot")
             for method, fn in methods.items():
                 exact = all(same_bits(a, b) for a, b in zip(fn(0), want))
                 us = collective_graph_us(fn, rot)

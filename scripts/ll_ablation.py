@@ -131,7 +131,7 @@ def main():
         ZB_OFFSET = tl.constexpr(comm.layout.reduced_offset)
         from tpfuse.comm.plan import AllReducePlan
         for nbytes in opts.sizes:
-            protocol = AllReducePlan.from_numel(nbytes // 2, world, torch.bfloat16, comm.layout).protocol
+            protocol = AllReducePlan.from_numel(nbytes // 2, torch.bfloat16, comm.layout, comm.knobs).protocol
             if opts.variant == "zero_behind" and (protocol != "ll" or nbytes // 4 > ZB_STRIDE.value):
                 raise SystemExit(f"zero_behind times LL sizes of at most {4 * ZB_STRIDE.value} bytes; "
                                  f"{nbytes} is {protocol}")

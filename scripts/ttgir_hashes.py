@@ -9,6 +9,7 @@ compare (source locations are left out of the hashes).
     python scripts/ttgir_hashes.py > before.json   # ... change ..., run again, diff
 """
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -21,6 +22,7 @@ sys.argv = sys.argv[:1] + ["[]"]  # sm90_layouts reads its cases from argv
 import sm90_layouts as S  # noqa: E402  (imports tpfuse in its GPU mode and intercepts launches)
 import torch  # noqa: E402
 
+from tpfuse.comm import knobs_for  # noqa: E402
 from tpfuse.comm.plan import AllReducePlan  # noqa: E402
 from tpfuse.comm.quant_plan import QuantPlan  # noqa: E402
 from tpfuse.comm.workspace import WorkspaceLayout  # noqa: E402
@@ -30,9 +32,9 @@ from tpfuse.kernels.quant_allreduce import quant_all_reduce_into  # noqa: E402
 from tpfuse.quant_format import QUANT_CODECS  # noqa: E402
 
 WORLD = 4
+KNOBS = knobs_for(WORLD)  # the package's table for any GPU model (w4.json) over the defaults
 LAYOUT = WorkspaceLayout(WORLD, 1 << 24, 128, ll_max_bytes=1 << 24, lamport_max_bytes=1 << 24, rows_max_bytes=1 << 24)
-PEERS = dict(table=torch.zeros(WORLD, dtype=torch.int64), table_addrs=[(1 << 40) + r * (1 << 30) for r in range(WORLD)],
-             status_addr=1 << 36, rank=1, layout=LAYOUT, timeout_ns=10**9)
+PEERS = S.peers(LAYOUT)
 
 
 def _hash(ttgir: str) -> str:
@@ -71,21 +73,20 @@ def main() -> None:
         for nbytes, algo, protocol in ((8192, "oneshot", "ll"), (1 << 18, "oneshot", "lamport"),
                                        (1 << 19, "oneshot", "flags"), (1 << 22, "twoshot", "flags")):
             numel = nbytes // dtype.itemsize
-            plan = AllReducePlan.from_numel(numel, WORLD, dtype, LAYOUT, algo)
+            plan = AllReducePlan.from_numel(numel, dtype, LAYOUT, KNOBS, algo)
             x, out = torch.empty(numel, dtype=dtype), torch.empty(numel, dtype=dtype)
             for gather in (("push", "pull") if algo == "twoshot" else ("push",)):
-                record(f"allreduce_{algo}_{protocol}_{gather}:{dtype}", lambda: all_reduce_into(  # noqa: B023
-                    x, out, algo=algo, grid=plan.grid, block=plan.block, num_warps=plan.num_warps, chunk=plan.chunk,
-                    gather=gather, protocol=protocol if algo == "oneshot" else "flags", **PEERS))
+                launch = dataclasses.replace(plan, gather=gather, protocol=protocol if algo == "oneshot" else "flags")
+                record(f"allreduce_{algo}_{protocol}_{gather}:{dtype}",
+                       lambda: all_reduce_into(x, out, launch, PEERS))  # noqa: B023
     for codec in QUANT_CODECS:
         x, packed = torch.empty(1 << 20, dtype=torch.bfloat16), torch.empty(1 << 20, dtype=torch.uint8)
         record(f"quantize:{codec}", lambda: codecs.quantize_into(x, packed, codec))  # noqa: B023
         record(f"dequantize:{codec}", lambda: codecs.dequantize_into(packed, codec, x))  # noqa: B023
-        plan = QuantPlan.for_layout(LAYOUT, torch.bfloat16, codec)
+        plan = QuantPlan.for_layout(LAYOUT, torch.bfloat16, codec, KNOBS)
         seg = plan.segments(x.numel())[0]
         record(f"quant_allreduce:{codec}", lambda: quant_all_reduce_into(  # noqa: B023
-            x[:seg.numel], x[:seg.numel], codec=codec, chunk=seg.chunk, grid=seg.grid, block=seg.block,
-            num_warps=seg.num_warps, planes=plan.planes, scale_offset=plan.scale_offset, **PEERS))
+            x[:seg.numel], x[:seg.numel], plan, seg, PEERS))
     print(json.dumps(hashes, indent=1, sort_keys=True))
 
 

@@ -57,6 +57,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import tpfuse.comm  # noqa: E402,F401  (sets the no-multicast environment before ranks are spawned)
 from tpfuse import reference  # noqa: E402
+from tpfuse.comm import Launch  # noqa: E402
 from tpfuse.bench import common as C  # noqa: E402
 from tpfuse.bench.common import (fmt_size, header_markdown, init_rank, random_inputs, rotation,  # noqa: E402
                                  run_header, same_bits, spawn_ranks)
@@ -93,29 +94,18 @@ def _fmt_cfg(cfg) -> str:
     return f"c{cfg['ctas']} t{cfg['tile'] // KiB}K w{cfg['warps']}{g}{pr}"
 
 
-class _Knobs:
-    """Sets plan's module constants for one algorithm; restores them on exit."""
-
-    def __init__(self, plan, algo, cfg):
-        self.plan, self.algo, self.cfg = plan, algo, cfg
-
-    def __enter__(self):
-        p = self.plan
-        self.saved = (dict(p.MAX_CTAS), dict(p.TILE_BYTES), dict(p.NUM_WARPS), p.GATHER, dict(p.LL_MAX_BYTES),
-                      dict(p.LAMPORT_MAX_BYTES))
-        knob = _knob(self.algo, self.cfg)
-        p.MAX_CTAS[knob] = self.cfg["ctas"]
-        p.TILE_BYTES[knob] = (self.cfg["tile"],) * 2 if knob == "oneshot_lamport" else self.cfg["tile"]  # a range
-        p.NUM_WARPS[knob] = self.cfg["warps"]
-        if self.cfg["gather"] != "-":
-            p.GATHER = self.cfg["gather"]
-        if self.cfg["protocol"] != "-":  # the protocol at every size (within the workspace's regions)
-            p.LL_MAX_BYTES = dict.fromkeys(p.LL_MAX_BYTES, ALL if self.cfg["protocol"] == "ll" else 0)
-            p.LAMPORT_MAX_BYTES = dict.fromkeys(p.LAMPORT_MAX_BYTES, ALL if self.cfg["protocol"] == "lamport" else 0)
-
-    def __exit__(self, *exc):
-        p = self.plan
-        p.MAX_CTAS, p.TILE_BYTES, p.NUM_WARPS, p.GATHER, p.LL_MAX_BYTES, p.LAMPORT_MAX_BYTES = self.saved
+def _config_knobs(knobs, algo, cfg):
+    """``knobs`` with this configuration's launch shape for ``algo`` (and its protocol at every
+    size, within the workspace's regions)."""
+    kind = _knob(algo, cfg)
+    tile = dict(tile_bytes=cfg["tile"], max_tile_bytes=cfg["tile"] if kind == "oneshot_lamport" else 0)
+    changes = {kind: Launch(num_warps=cfg["warps"], max_ctas=cfg["ctas"], **tile)}
+    if cfg["gather"] != "-":
+        changes["gather"] = cfg["gather"]
+    if cfg["protocol"] != "-":
+        changes |= {"ll_max_bytes": ALL if cfg["protocol"] == "ll" else 0,
+                    "lamport_max_bytes": ALL if cfg["protocol"] == "lamport" else 0}
+    return knobs.replace(**changes)
 
 
 def _summary(records, world, header) -> str:
@@ -181,8 +171,8 @@ def _summary(records, world, header) -> str:
 
 
 def _worker(rank: int, world: int, port: int, opts: dict) -> None:
-    from tpfuse.comm import Communicator
-    from tpfuse.comm import plan as P
+    from tpfuse.comm import Communicator, knobs_for
+    from tpfuse.comm.plan import AllReducePlan
 
     global SIZES, ONESHOT_SIZES, KNOBS  # spawned ranks import this module afresh: take main's
     SIZES, ONESHOT_SIZES, KNOBS = opts["sizes"], opts["oneshot_sizes"], opts["knobs"]
@@ -193,21 +183,18 @@ def _worker(rank: int, world: int, port: int, opts: dict) -> None:
     t0 = time.monotonic()
     dtype = torch.bfloat16
     sizes = [s for s in SIZES if s <= opts["max_size"]]
-    defaults = {k: dict(ctas=P.MAX_CTAS[k], tile=P.TILE_BYTES[k], warps=P.NUM_WARPS[k],
-                        gather=P.GATHER if k == "twoshot" else "-", protocol=pr)
+    knobs = knobs_for(world, None if smoke else torch.cuda.get_device_name())
+    defaults = {k: dict(ctas=knobs.launch(k).max_ctas, tile=knobs.launch(k).tile_bytes,
+                        warps=knobs.launch(k).num_warps, gather=knobs.gather if k == "twoshot" else "-", protocol=pr)
                 for k, pr in (("oneshot", "flags"), ("oneshot_ll", "ll"), ("oneshot_lamport", "lamport"),
                               ("twoshot", "-"))}
     header = run_header() | {"world_size": world, "dtype": "bf16", "knobs": KNOBS, "defaults": defaults,
                              "repeats": C.REPEATS, "min_sample_ms": C.MIN_SAMPLE_MS}
     records, stopped = [], None
     try:
-        saved = P.LL_MAX_BYTES, P.LAMPORT_MAX_BYTES
-        P.LL_MAX_BYTES = P.LAMPORT_MAX_BYTES = dict.fromkeys(P.LL_MAX_BYTES, max(ONESHOT_SIZES, default=0))
-        try:  # LL and Lamport regions for every one-shot size
-            comm = Communicator(max_bytes=max(max(sizes), max(ONESHOT_SIZES, default=0) * world // 2))
-        finally:
-            P.LL_MAX_BYTES, P.LAMPORT_MAX_BYTES = saved
-        with comm:
+        top = max(ONESHOT_SIZES, default=0)  # LL and Lamport regions for every one-shot size
+        with Communicator(max_bytes=max(max(sizes), top * world // 2),
+                          knobs=knobs.replace(ll_max_bytes=top, lamport_max_bytes=top)) as comm:
             for nbytes in sizes:
                 n = nbytes // dtype.itemsize
                 xs = random_inputs(n, dtype, world, "cpu" if smoke else "cuda", seed=nbytes)
@@ -231,8 +218,8 @@ def _worker(rank: int, world: int, port: int, opts: dict) -> None:
                         if C.agreed_max(time.monotonic() - t0) > opts["budget_s"]:
                             stopped = f"budget of {opts['budget_s']} s reached at {fmt_size(nbytes)} {algo}"
                             raise TimeoutError(stopped)
-                        with _Knobs(P, algo, cfg):
-                            plan = P.AllReducePlan.from_numel(n, world, dtype, comm.layout, algo)
+                        with comm.using_knobs(_config_knobs(knobs, algo, cfg)):
+                            plan = AllReducePlan.from_numel(n, dtype, comm.layout, comm.knobs, algo)
                             key = (plan.block, plan.grid, plan.num_warps, plan.gather, plan.protocol)
                             if key in seen:
                                 r = seen[key]

@@ -19,18 +19,17 @@ import torch
 
 from tpfuse.bench import quant as bench_quant
 from tpfuse.bench.common import spawn_ranks
-from tpfuse.comm import quant_plan
+from tpfuse.quant_format import QUANT_CODECS
 
 CONFIGS = [(2048, 8, 128), (4096, 8, 128), (2048, 16, 128), (4096, 16, 128), (8192, 16, 128), (16384, 16, 128),
            (8192, 32, 128), (16384, 32, 128), (32768, 32, 128), (8192, 16, 64)]
 
 
-def _worker(rank: int, world: int, port: int, opts: dict) -> None:
-    tile, warps, quant_plan.QUANT_MAX_CTAS = opts["config"]
-    quant_plan.QUANT_TILE = dict.fromkeys(quant_plan.QUANT_TILE, tile)
-    quant_plan.QUANT_NUM_WARPS = {8: warps}  # W=8's entry serves every world size
-    quant_plan.QUANT_SMALL_TILE_MAX_CHUNK = {8: 0}  # every segment on the configuration's tile
-    bench_quant.gpu_worker(rank, world, port, opts)
+def _knob_changes(config) -> dict:
+    """The knobs of one (tile, warps, CTAs) configuration: every segment on its tile."""
+    tile, warps, ctas = config
+    return {"quant_tile": dict.fromkeys(QUANT_CODECS, tile), "quant_num_warps": warps, "quant_max_ctas": ctas,
+            "quant_small_tile_max_chunk": 0}
 
 
 def main() -> int:
@@ -45,8 +44,8 @@ def main() -> int:
     for config in configs:
         out = os.path.join(args.out, "_".join(map(str, config)))
         opts = dict(dtype="bf16", min_bytes=min(args.bytes), max_bytes=max(args.bytes), quant_max_bytes=None,
-                    out=out, plot=False, config=config)
-        if spawn_ranks(_worker, world, opts):
+                    out=out, plot=False, knob_changes=_knob_changes(config))
+        if spawn_ranks(bench_quant.gpu_worker, world, opts):
             print(f"{config}: failed", flush=True)
             continue
         with open(os.path.join(out, f"allreduce_quant_w{world}_bf16.json")) as f:

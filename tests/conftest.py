@@ -13,7 +13,6 @@ import sys
 import pytest
 
 from tpfuse._runtime import INTERPRETER
-from tpfuse.comm import tables
 
 DEVICE = "cpu" if INTERPRETER else "cuda"
 ON_GPU = not INTERPRETER
@@ -34,18 +33,6 @@ def compile_for_sm90(cases: list[dict]) -> list[dict]:
         assert proc.returncode == 0, err[-4000:]
         reports += [json.loads(line) for line in out.splitlines()]
     return reports
-
-
-@pytest.fixture
-def built_in_knobs():
-    """The plan knobs as plan.py and quant_plan.py write them, without the tables that
-    tpfuse.comm applied at import: tests that assert those defaults (or the plans they give)
-    would otherwise fail on GPU machines once a tpfuse/comm/tables/w{W}.json is committed.
-    (Under the interpreter the package's tables are not read, so CPU runs see the defaults anyway.)
-    Use it with ``@pytest.mark.usefixtures``, which sets it up before ``monkeypatch``: undone
-    after it, it puts the tables back over the defaults that monkeypatch restored."""
-    with tables.built_in_defaults():
-        yield
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,4 +1,6 @@
-"""Run a test function on W ranks: one process per rank, a process group over 127.0.0.1.
+"""Run a test function on W ranks: one process per rank, a process group over 127.0.0.1; and
+what the rank functions of the suites share (``table_knobs``, ``missing_peer``,
+``capture_graph``, ``no_failures``).
 
 ``run_ranks(world_size, fn, *args)`` calls ``fn(*args)`` in every rank's process and returns
 the W results (index = rank). A rank that raises makes it raise AssertionError with that
@@ -29,14 +31,11 @@ _ENV = {
 
 def _serve(rank: int, world_size: int, port: int, backend: str, inbox, outbox) -> None:
     os.environ.update(_ENV[backend])
-    import torch
     import torch.distributed as dist
 
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False)  # the parent's (RankPool)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                            **({"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}))
+    from tpfuse.bench.common import init_rank
+
+    init_rank(rank, world_size, port, backend)  # joins the parent's store (RankPool), as the benches' ranks do
     outbox.put((rank, "ready", None))
     while (job := inbox.get()) is not None:
         fn, args = job
@@ -133,3 +132,89 @@ def run_ranks(world_size: int, fn, *args, backend: str = "gloo", timeout_s: floa
 def _close_pools() -> None:
     for pool in _pools.values():
         pool.close()
+
+
+def table_knobs(**changes):
+    """In a rank: the knobs a Communicator over the world group takes by default (its GPU
+    model's table, or the defaults), with ``changes`` (``Knobs`` fields)."""
+    import torch
+    import torch.distributed as dist
+
+    from tpfuse.comm import knobs_for
+
+    device = torch.cuda.get_device_name() if dist.get_backend() == "nccl" else None
+    return knobs_for(dist.get_world_size(), device).replace(**changes)
+
+
+def no_failures(results: list) -> None:
+    """Assert that no rank reported a failure: ``results`` is ``run_ranks``' list of each rank's
+    failure messages."""
+    failures = [f"rank {r}: {f}" for r, fs in enumerate(results) for f in fs]
+    assert not failures, "\n".join(failures)
+
+
+def _one_call(comm, op: str, numel: int, algo: str):
+    """The call ``missing_peer`` makes: an all-reduce, a fused one of two rows, or an int4 one."""
+    import torch
+
+    x = torch.ones(numel, device=comm.device)
+    if op == "fused":
+        x = x.view(2, numel // 2)
+        return comm.all_reduce_add_rms_norm(x, torch.ones_like(x), torch.ones(numel // 2, device=comm.device),
+                                            algo=algo)
+    if op == "quantized":
+        return comm.all_reduce(x, quant="int4", quant_min_bytes=0)
+    return comm.all_reduce(x, algo=algo)
+
+
+def missing_peer(op: str = "all_reduce", numel: int = 1000, algo: str = "auto") -> list[str]:
+    """In a rank: the last rank never calls ``op`` (``_one_call``); every other rank must get
+    ``CommTimeoutError`` naming itself, the last rank and the operation (under the interpreter
+    from the call, on GPUs from ``check()``) within 10 s of a 2 s timeout, and every later call
+    must raise it too."""
+    import time
+
+    import torch.distributed as dist
+
+    from tpfuse.comm import CommTimeoutError, Communicator
+
+    rank, world, failures = dist.get_rank(), dist.get_world_size(), []
+    comm = Communicator(timeout_s=2.0)
+    dist.barrier()  # the live ranks enter the call together: the only late one is the last
+    if rank != world - 1:
+        start = time.monotonic()
+        try:
+            _one_call(comm, op, numel, algo)
+            comm.check()
+            failures.append(f"{op} returned without the last rank")
+        except CommTimeoutError as e:
+            word = "quantized" if op == "quantized" else "all_reduce"
+            if (e.rank, e.peer) != (rank, world - 1) or f"rank {world - 1}" not in str(e) or word not in e.op:
+                failures.append(f"unexpected error contents: rank={e.rank} peer={e.peer} op={e.op!r}: {e}")
+        if time.monotonic() - start > 10:
+            failures.append(f"the timeout of 2 s took {time.monotonic() - start:.1f} s")
+        try:
+            _one_call(comm, "all_reduce", 100, "auto")
+            failures.append("a failed communicator accepted another call")
+        except CommTimeoutError:
+            pass
+    comm.close()
+    dist.barrier()
+    return failures
+
+
+def capture_graph(run):
+    """``run()`` warmed up on a side stream (Triton compiles outside the capture), then
+    captured in a CUDA graph: (the graph, what the captured ``run()`` returned). The capture is
+    thread-local: NCCL's watchdog thread keeps running meanwhile."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+        outs = run()
+    return graph, outs

@@ -49,13 +49,35 @@ from triton.compiler import ASTSource, compile, make_backend  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tpfuse.comm.knobs import default_knobs  # noqa: E402
+from tpfuse.comm.plan import AllReducePlan, FusedPlan  # noqa: E402
+from tpfuse.comm.quant_plan import QuantSegment  # noqa: E402
 from tpfuse.comm.workspace import WorkspaceLayout  # noqa: E402
+from tpfuse.kernels.peer import PeerContext  # noqa: E402
 from tpfuse.kernels.fused import all_reduce_norm_into, ll_pieces, rows_pieces  # noqa: E402
 from tpfuse.kernels import norm_bwd_chunked  # noqa: E402
 from tpfuse.kernels.norm import NormConfig, rms_norm_fwd  # noqa: E402
 from tpfuse.kernels.norm_bwd import rms_norm_bwd  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
+
+
+def peers(layout: WorkspaceLayout, rank: int = 1) -> PeerContext:
+    """A peer context at made-up addresses (the kernels are compiled, never run)."""
+    world = layout.world_size
+    return PeerContext(torch.zeros(world, dtype=torch.int64), tuple((1 << 40) + r * (1 << 30) for r in range(world)),
+                       1 << 36, rank, layout, 10**9)
+
+
+def fused_plan(n: int, dtype: torch.dtype, algo: str, protocol: str, grid: int, rows_per_group: int = 1,
+               whole: bool = False, piece_elems: int = 0) -> FusedPlan:
+    """A fused plan as ``FusedPlan.from_shape`` builds them, for any grid."""
+    cfg = NormConfig.from_shape(n, dtype)
+    piece_words, pieces = ll_pieces(n, dtype, protocol, whole) if protocol in ("ll", "lamport") else (0, 0)
+    if protocol == "rows":
+        pieces = -(-cfg.rows * n // piece_elems)
+    return FusedPlan(algo, grid=grid, rows_per_group=rows_per_group, protocol=protocol, whole_tiles=whole,
+                     piece_elems=piece_elems, piece_words=piece_words, pieces=pieces, norm=cfg)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _launches: list[tuple[JITFunction, dict]] = []
 
@@ -138,26 +160,22 @@ def layouts_for(case: dict) -> dict:
     # offsets only: nothing is allocated
     layout = WorkspaceLayout(world, 1 << 24, 128, ll_max_bytes=1 << 24, lamport_max_bytes=1 << 24,
                              rows_max_bytes=1 << 24)
-    table = torch.zeros(world, dtype=torch.int64)
-    addrs = [(1 << 40) + r * (1 << 30) for r in range(world)]
     for name, algo, protocol, whole in (("oneshot", "oneshot", "flags", False), ("oneshot_ll", "oneshot", "ll", False),
                                         ("oneshot_lamport", "oneshot", "lamport", False),
                                         ("oneshot_lamport_whole", "oneshot", "lamport", True),
                                         ("twoshot", "twoshot", "flags", False)):
         if protocol != "flags" and n % 16:
             continue  # the LL and Lamport kernel needs whole-word rows (its launcher refuses)
+        plan = fused_plan(n, dtype, algo, protocol, 1, rows, whole)
         kernel, kwargs = _launch_args(lambda: all_reduce_norm_into(  # noqa: B023  (called right here)
-            x, weight, res, y, res_out, 1e-6, 0.0, algo=algo, grid=1, rows_per_group=rows, table=table,
-            table_addrs=addrs, status_addr=1 << 36, rank=1, layout=layout, timeout_ns=10**9,
-            protocol=protocol, whole_tiles=whole))
+            x, weight, res, y, res_out, 1e-6, 0.0, plan, peers(layout)))
         out[name] = row_reduction_layouts(_ttgir(kernel, kwargs))
     cfg = NormConfig.from_shape(n, dtype)
     if n % 16 == 0 and not cfg.tail_n and cfg.num_chunks == 1:  # what the row-wise kernel serves
         piece, pieces = rows_pieces(n, dtype, 1024)
-        kernel, kwargs = _launch_args(lambda: all_reduce_norm_into(
-            x, weight, res, y, res_out, 1e-6, 0.0, algo="oneshot", grid=-(-rows // cfg.rows) * pieces,
-            rows_per_group=rows, table=table, table_addrs=addrs, status_addr=1 << 36, rank=1, layout=layout,
-            timeout_ns=10**9, protocol="rows", piece_elems=piece))
+        plan = fused_plan(n, dtype, "oneshot", "rows", -(-rows // cfg.rows) * pieces, rows, piece_elems=piece)
+        kernel, kwargs = _launch_args(lambda: all_reduce_norm_into(x, weight, res, y, res_out, 1e-6, 0.0, plan,
+                                                                   peers(layout)))
         out["oneshot_rows"] = row_reduction_layouts(_ttgir(kernel, kwargs))
     return out
 
@@ -231,30 +249,27 @@ def guard_reductions(case: dict) -> dict:
     world, kind = 2, case["kernel"]
     layout = WorkspaceLayout(world, 1 << 24, 128, ll_max_bytes=1 << 16, lamport_max_bytes=1 << 22,
                              rows_max_bytes=1 << 16)
-    table, addrs = torch.zeros(world, dtype=torch.int64), [(1 << 40) + r * (1 << 30) for r in range(world)]
-    ranks = dict(table=table, table_addrs=addrs, status_addr=1 << 36, rank=1, layout=layout, timeout_ns=10**9)
     if kind in ("oneshot", "ll", "lamport", "twoshot"):
         x = torch.empty(8192, dtype=torch.bfloat16)
-        launch = lambda: all_reduce_into(  # noqa: E731
-            x, torch.empty_like(x), algo="twoshot" if kind == "twoshot" else "oneshot", grid=4, block=1024,
-            num_warps=4, chunk=4096, protocol=kind if kind in ("ll", "lamport") else "flags", **ranks)
+        plan = AllReducePlan("twoshot" if kind == "twoshot" else "oneshot", block=1024, grid=4, num_warps=4,
+                             chunk=4096, protocol=kind if kind in ("ll", "lamport") else "flags")
+        launch = lambda: all_reduce_into(x, torch.empty_like(x), plan, peers(layout))  # noqa: E731
     elif kind in ("fused_ll", "fused_rows", "fused_twoshot"):
-        x = torch.empty(2, case["n"], dtype=torch.bfloat16)
-        piece, pieces = rows_pieces(case["n"], torch.bfloat16, 1024)
-        rows = dict(protocol="rows", piece_elems=piece, grid=2 * pieces)  # one-row tiles (bf16 n >= 1024)
+        x, n = torch.empty(2, case["n"], dtype=torch.bfloat16), case["n"]
+        piece, pieces = rows_pieces(n, torch.bfloat16, 1024)
+        plan = (fused_plan(n, torch.bfloat16, "oneshot", "rows", 2 * pieces, piece_elems=piece)  # one-row tiles
+                if kind == "fused_rows" else
+                fused_plan(n, torch.bfloat16, "twoshot" if kind == "fused_twoshot" else "oneshot",
+                           "ll" if kind == "fused_ll" else "flags", 4))
         launch = lambda: all_reduce_norm_into(  # noqa: E731
-            x, torch.empty(case["n"], dtype=torch.bfloat16), x.clone(), x.clone(), x.clone(), 1e-6, 0.0,
-            algo="twoshot" if kind == "fused_twoshot" else "oneshot", rows_per_group=1,
-            **(rows if kind == "fused_rows" else dict(grid=4, protocol="ll" if kind == "fused_ll" else "flags")),
-            **ranks)
+            x, torch.empty(n, dtype=torch.bfloat16), x.clone(), x.clone(), x.clone(), 1e-6, 0.0, plan, peers(layout))
     else:
-        plan = QuantPlan.for_layout(layout, torch.bfloat16, "int4")
+        plan = QuantPlan.for_layout(layout, torch.bfloat16, "int4", default_knobs(world))
         block, warps = (plan.block, plan.num_warps) if case["tile"] == "large" else (plan.small_block,
                                                                                    plan.small_num_warps)
         x = torch.empty(1 << 16, dtype=torch.bfloat16)
-        launch = lambda: quant_all_reduce_into(  # noqa: E731
-            x, torch.empty_like(x), codec="int4", chunk=1 << 15, grid=4, block=block, num_warps=warps,
-            planes=plan.planes, scale_offset=plan.scale_offset, **ranks)
+        segment = QuantSegment(0, x.numel(), chunk=1 << 15, block=block, grid=4, num_warps=warps)
+        launch = lambda: quant_all_reduce_into(x, torch.empty_like(x), plan, segment, peers(layout))  # noqa: E731
     kernel, kwargs = _launch_args(launch)
     ttgir = _ttgir(kernel, kwargs)
     aliases = dict(re.findall(r"^(#[\w.]+) = (.*)$", ttgir, re.M))
@@ -279,20 +294,17 @@ def lamport_spins(case: dict) -> dict:
     world, dtype = 2, DTYPES[case["dtype"]]
     layout = WorkspaceLayout(world, 1 << 24, 128, ll_max_bytes=1 << 16, lamport_max_bytes=1 << 22,
                              rows_max_bytes=1 << 16)
-    ranks = dict(table=torch.zeros(world, dtype=torch.int64),
-                 table_addrs=[(1 << 40) + r * (1 << 30) for r in range(world)], status_addr=1 << 36,
-                 rank=case.get("rank", 0), layout=layout, timeout_ns=10**9)  # rank 1: a constant to Triton
+    context = peers(layout, case.get("rank", 0))  # rank 1: a constant to Triton
     if case["kernel"] == "allreduce":
         x = torch.empty(case.get("numel", 1 << 19), dtype=dtype)
-        launch = lambda: all_reduce_into(  # noqa: E731
-            x, torch.empty_like(x), algo="oneshot", grid=128, block=case["block"], num_warps=case["warps"], chunk=0,
-            protocol="lamport", **ranks)
+        plan = AllReducePlan("oneshot", block=case["block"], grid=128, num_warps=case["warps"], protocol="lamport")
+        launch = lambda: all_reduce_into(x, torch.empty_like(x), plan, context)  # noqa: E731
         words = case["block"]
     else:
         x = torch.empty(case["rows"], case["n"], dtype=dtype)
+        plan = fused_plan(case["n"], dtype, "oneshot", "lamport", 4, case["rows"], case["whole"])
         launch = lambda: all_reduce_norm_into(  # noqa: E731
-            x, torch.empty(case["n"], dtype=dtype), x.clone(), x.clone(), x.clone(), 1e-6, 0.0, algo="oneshot",
-            grid=4, rows_per_group=case["rows"], protocol="lamport", whole_tiles=case["whole"], **ranks)
+            x, torch.empty(case["n"], dtype=dtype), x.clone(), x.clone(), x.clone(), 1e-6, 0.0, plan, context)
         words = ll_pieces(case["n"], dtype, "lamport", case["whole"])[0]
     kernel, kwargs = _launch_args(launch)
     ptx = _compile(kernel, kwargs).asm["ptx"]

@@ -13,10 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.multiproc import run_ranks
+from tests.multiproc import capture_graph, missing_peer, no_failures, run_ranks, table_knobs
 from tests.tally import PoolChecker, ll_regions_not_zeroed
 from tests.test_allreduce import _special_values
-from tpfuse.comm import tables
 
 pytestmark = pytest.mark.multigpu
 
@@ -25,7 +24,7 @@ if NGPU < 2:
     pytest.skip("needs at least 2 CUDA GPUs", allow_module_level=True)
 
 WORLDS = sorted({2, NGPU})
-PROTOCOL_KNOBS = {"LL_MAX_BYTES": 8 << 10, "LAMPORT_MAX_BYTES": 1 << 20}
+PROTOCOL_KNOBS = {"ll_max_bytes": 8 << 10, "lamport_max_bytes": 1 << 20}
 """One-shot over LL words to 8 KiB, Lamport words to 1 MiB, flags above, whatever the world
 size's table says (W=2's uses no LL words, W=8's no Lamport words)."""
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -65,15 +64,15 @@ def _sizes_dtypes_algos(sizes, knobs):
     from tpfuse.comm.plan import AllReducePlan
 
     world = dist.get_world_size()
-    with tables.applied(world, knobs), Communicator(timeout_s=30) as comm:
+    with Communicator(timeout_s=30, knobs=table_knobs(**knobs)) as comm:
         check = _Checker(comm, _pools(world))
         for n in sizes:
             for dtype in DTYPES:
                 for algo in ["oneshot", "twoshot", "auto"]:
-                    if AllReducePlan.from_numel(n, world, dtype, comm.layout, "auto").algo == "nccl":
+                    if AllReducePlan.from_numel(n, dtype, comm.layout, comm.knobs, "auto").algo == "nccl":
                         continue  # past the workspace: covered by the fallback test
                     try:
-                        AllReducePlan.from_numel(n, world, dtype, comm.layout, algo)
+                        AllReducePlan.from_numel(n, dtype, comm.layout, comm.knobs, algo)
                     except ValueError:
                         continue  # one-shot does not serve this size
                     check.call(n, dtype, algo, offset=n % 7)  # odd offsets: misaligned inputs
@@ -95,7 +94,7 @@ def _stress(calls, seed):
 
     world, rank = dist.get_world_size(), dist.get_rank()
     rng = random.Random(seed)  # the same sequence on every rank
-    with tables.applied(world, PROTOCOL_KNOBS), Communicator(timeout_s=60) as comm:
+    with Communicator(timeout_s=60, knobs=table_knobs(**PROTOCOL_KNOBS)) as comm:
         check = _Checker(comm, _pools(world, seed))
         for call in range(calls):
             dtype = rng.choice(DTYPES)
@@ -107,7 +106,7 @@ def _stress(calls, seed):
             late, cycles = rng.randrange(world) if rng.random() < 0.01 else -1, rng.randrange(1_000, 2_000_000)
             if rank == late:
                 torch.cuda._sleep(cycles)  # this rank's kernel starts up to ~1 ms late
-            assert AllReducePlan.from_numel(n, world, dtype, comm.layout, algo).algo != "nccl"
+            assert AllReducePlan.from_numel(n, dtype, comm.layout, comm.knobs, algo).algo != "nccl"
             check.call(n, dtype, algo, offset, what=f"call {call}")
         failures = check.failures()
         failures += ll_regions_not_zeroed(comm)
@@ -124,17 +123,10 @@ def _graph_replays(replays):
     plan = [(1, torch.float32, "auto"), (4096, torch.bfloat16, "oneshot"), (100_003, torch.float16, "twoshot"),
             (1 << 20, torch.bfloat16, "auto"), (777, torch.bfloat16, "twoshot"), (3 << 20, torch.float32, "auto"),
             (200_000, torch.bfloat16, "oneshot")]  # 400 KB: Lamport words (PROTOCOL_KNOBS)
-    with tables.applied(world, PROTOCOL_KNOBS), Communicator(timeout_s=60) as comm:
+    with Communicator(timeout_s=60, knobs=table_knobs(**PROTOCOL_KNOBS)) as comm:
         check = _Checker(comm, _pools(world, seed=5))
         static_in = [torch.empty(n, dtype=dtype, device="cuda") for n, dtype, _ in plan]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up: compile every specialisation eagerly
-            outs = [comm.all_reduce(x, algo=algo) for x, (_, _, algo) in zip(static_in, plan)]
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # NCCL's watchdog keeps running
-            outs = [comm.all_reduce(x, algo=algo) for x, (_, _, algo) in zip(static_in, plan)]
+        graph, outs = capture_graph(lambda: [comm.all_reduce(x, algo=algo) for x, (_, _, algo) in zip(static_in, plan)])
         rng = random.Random(5)
         for i in range(replays):
             offsets = [rng.randrange(0, POOL - n) for n, _, _ in plan]
@@ -148,30 +140,6 @@ def _graph_replays(replays):
                            what=f"eager after replay {i}")
         del graph
         return check.failures()
-
-
-def _missing_peer():
-    from tpfuse.comm import CommTimeoutError, Communicator
-
-    world, rank, failures = dist.get_world_size(), dist.get_rank(), []
-    comm = Communicator(timeout_s=2.0)
-    dist.barrier()  # the live ranks enter the call together: the only late one is the last
-    if rank != world - 1:
-        comm.all_reduce(torch.ones(1000, device="cuda"))  # the kernel cannot raise: it times out
-        try:
-            comm.check()
-            failures.append("check() did not report the missing rank")
-        except CommTimeoutError as e:
-            if (e.rank, e.peer) != (rank, world - 1):
-                failures.append(f"wrong error record: rank={e.rank} peer={e.peer}: {e}")
-        try:
-            comm.all_reduce(torch.ones(10, device="cuda"))
-            failures.append("a failed communicator accepted another call")
-        except CommTimeoutError:
-            pass
-    comm.close()
-    dist.barrier()
-    return failures
 
 
 def _fallback():
@@ -189,37 +157,32 @@ def _fallback():
     return failures
 
 
-def _no_failures(results):
-    failures = [f"rank {r}: {f}" for r, fs in enumerate(results) for f in fs]
-    assert not failures, "\n".join(failures)
-
-
 @pytest.mark.parametrize("knobs", ["pinned", "table"])
 @pytest.mark.parametrize("world", WORLDS)
 def test_gpu_bitwise_equal_to_reference_at_real_sizes(world, knobs):
     """Under PROTOCOL_KNOBS, which reach every protocol, and under the world size's table as
     it ships (W=2's: Lamport words to 8 MiB, several vectors a thread, odd sizes)."""
     sizes = [1, 7, 8, 1000, 4097, 65536, 100_003, 1 << 20, 3_000_001, 1 << 23]
-    _no_failures(run_ranks(world, _sizes_dtypes_algos, sizes, PROTOCOL_KNOBS if knobs == "pinned" else {},
+    no_failures(run_ranks(world, _sizes_dtypes_algos, sizes, PROTOCOL_KNOBS if knobs == "pinned" else {},
                            backend="nccl", timeout_s=600))
 
 
 def test_gpu_nan_inf_and_signed_zeros_through_every_protocol():
     failures = run_ranks(NGPU, _special_values, "cuda", backend="nccl", timeout_s=300)
-    _no_failures([fs for fs, _ in failures])
+    no_failures([fs for fs, _ in failures])
 
 
 def test_gpu_stress_50000_calls_without_host_sync():
-    _no_failures(run_ranks(NGPU, _stress, 50_000, 11, backend="nccl", timeout_s=900))
+    no_failures(run_ranks(NGPU, _stress, 50_000, 11, backend="nccl", timeout_s=900))
 
 
 def test_gpu_graph_capture_replayed_1000_times_with_new_data():
-    _no_failures(run_ranks(NGPU, _graph_replays, 1000, backend="nccl", timeout_s=600))
+    no_failures(run_ranks(NGPU, _graph_replays, 1000, backend="nccl", timeout_s=600))
 
 
 def test_gpu_backend_fallback():
-    _no_failures(run_ranks(NGPU, _fallback, backend="nccl", timeout_s=300))
+    no_failures(run_ranks(NGPU, _fallback, backend="nccl", timeout_s=300))
 
 
 def test_gpu_missing_peer_ends_in_timeout_error():
-    _no_failures(run_ranks(NGPU, _missing_peer, backend="nccl", timeout_s=300))
+    no_failures(run_ranks(NGPU, missing_peer, "all_reduce", 1000, backend="nccl", timeout_s=300))

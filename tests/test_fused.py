@@ -15,13 +15,12 @@ import torch.distributed as dist
 
 import tpfuse
 from tests.conftest import ON_GPU
-from tests.multiproc import run_ranks
+from tests.multiproc import missing_peer, no_failures, run_ranks, table_knobs
 from tests.tally import ll_regions_not_zeroed
-from tests.test_allreduce import _assert_ok, _digest, _inputs, _missing_peer, _same_bits
+from tests.test_allreduce import _assert_ok, _digest, _inputs, _same_bits
 from tests.test_quant import _poisoned_empty
 from tpfuse import reference
-from tpfuse.comm import Communicator
-from tpfuse.comm import plan, tables
+from tpfuse.comm import Communicator, default_knobs
 from tpfuse.comm.plan import AllReducePlan, FusedPlan, workspace_layout
 from tpfuse.comm.workspace import WorkspaceLayout
 from tpfuse.kernels.fused import ll_pieces
@@ -171,15 +170,14 @@ def _decode_layers(layers, tokens, hidden, seed):
 
 def _row_wise_calls(calls):
     """Row-wise calls (tokens, hidden, dtype, mode) in turn, against the split path, with the
-    knob at 16 KiB, so that calls take up to FUSED_MAX_CTAS (4 here) row tiles. Modes: "res",
+    knob at 16 KiB, so that calls take up to fused_max_ctas (4 here) row tiles. Modes: "res",
     "inplace" (residual_out is the residual), "nores" (all_reduce_rms_norm), "f32w" (an fp32
     weight with offset 1). Each call zeroes the words the one before left, whose bytes a call of
     another dtype must count alike (an fp32 call leaves twice a bf16 call's bytes)."""
     world, rank, failures, digests = dist.get_world_size(), dist.get_rank(), [], []
-    with tables.applied(world, {"FUSED_ROWS_MAX_BYTES": 16 << 10}), Communicator(max_bytes=1 << 20,
-                                                                                   timeout_s=30) as comm:
+    with Communicator(max_bytes=1 << 20, timeout_s=30, knobs=table_knobs(fused_rows_max_bytes=16 << 10)) as comm:
         for call, (tokens, hidden, dtype, mode) in enumerate(calls):
-            p = FusedPlan.from_shape(tokens, hidden, world, dtype, comm.layout)
+            p = FusedPlan.from_shape(tokens, hidden, dtype, comm.layout, comm.knobs)
             if p.protocol != "rows":
                 failures.append(f"call {call}: {tokens} x {hidden} {dtype} ran {p.protocol}, not row-wise")
             xs, residuals, weight = _layer_inputs(call, tokens, hidden, dtype, world)
@@ -217,12 +215,13 @@ def _changing_calls(calls, seed):
 def _changing_launches(world, calls, seed):
     """The launch kinds of _changing_shapes_without_barriers's calls in order: a plain
     all-reduce's (algorithm, protocol), a fused call's (algorithm, protocol, whole tiles)."""
-    layout, out = workspace_layout(world, 1 << 20), []
+    knobs = default_knobs(world)
+    layout, out = workspace_layout(knobs, 1 << 20), []
     for tokens, hidden, dtype, algo, plain in _changing_calls(calls, seed):
         if plain is not None:
-            p = AllReducePlan.from_numel(tokens * hidden, world, dtype, layout, plain)
+            p = AllReducePlan.from_numel(tokens * hidden, dtype, layout, knobs, plain)
             out.append(("all_reduce", p.algo, p.protocol))
-        p = FusedPlan.from_shape(tokens, hidden, world, dtype, layout, algo)
+        p = FusedPlan.from_shape(tokens, hidden, dtype, layout, knobs, algo)
         out.append(("fused", p.algo, p.protocol, p.whole_tiles))
     return out
 
@@ -245,124 +244,113 @@ def _changing_shapes_without_barriers(calls, seed):
 
 # ---------------------------------------------------------------- tests
 
-@pytest.mark.usefixtures("built_in_knobs")
-def test_fused_plan_picks_by_size_and_keeps_groups_whole_tiles(monkeypatch):
-    import tpfuse.comm.plan as plan
-
+def test_fused_plan_picks_by_size_and_keeps_groups_whole_tiles():
     layout = WorkspaceLayout(4, 1 << 20, max_blocks=128)
-    bf16 = torch.bfloat16
-    assert FusedPlan.from_shape(4, 4096, 4, bf16, layout).algo == "oneshot"
-    assert FusedPlan.from_shape(4, 4096, 4, bf16, None).algo == "split"
+    bf16, k = torch.bfloat16, default_knobs(4)
+    assert FusedPlan.from_shape(4, 4096, bf16, layout, k).algo == "oneshot"
+    assert FusedPlan.from_shape(4, 4096, bf16, None, k).algo == "split"
     # The flag kernel's tiles: hidden 8192 bf16 holds 4 vectors per thread (fused), 5120 holds
     # 8 (split; an explicit "oneshot" still serves it).
-    assert FusedPlan.from_shape(1, 8192, 4, bf16, layout).algo == "oneshot"
-    assert FusedPlan.from_shape(1, 5120, 4, bf16, layout).algo == "split"
-    assert FusedPlan.from_shape(1, 5120, 4, bf16, layout, "oneshot").algo == "oneshot"
+    assert FusedPlan.from_shape(1, 8192, bf16, layout, k).algo == "oneshot"
+    assert FusedPlan.from_shape(1, 5120, bf16, layout, k).algo == "split"
+    assert FusedPlan.from_shape(1, 5120, bf16, layout, k, "oneshot").algo == "oneshot"
     # ... unless the call has a row tile for every CTA (W=2: one-shot up to 8 MiB).
-    big = WorkspaceLayout(2, 8 << 20, max_blocks=128)
-    monkeypatch.setitem(plan.FUSED_ONESHOT_MAX_BYTES, 2, 8 << 20)
-    assert FusedPlan.from_shape(plan.FUSED_MAX_CTAS - 1, 5120, 2, bf16, big).algo == "split"
-    assert FusedPlan.from_shape(plan.FUSED_MAX_CTAS, 5120, 2, bf16, big).algo == "oneshot"
-    monkeypatch.setitem(plan.FUSED_TWOSHOT_MAX_BYTES, 4, 1 << 20)
-    assert FusedPlan.from_shape(200, 2048, 4, bf16, layout).algo == "twoshot"  # 800 KiB > one-shot's 512 KiB
+    big, k2 = WorkspaceLayout(2, 8 << 20, max_blocks=128), default_knobs(2).replace(fused_oneshot_max_bytes=8 << 20)
+    assert FusedPlan.from_shape(k2.fused_max_ctas - 1, 5120, bf16, big, k2).algo == "split"
+    assert FusedPlan.from_shape(k2.fused_max_ctas, 5120, bf16, big, k2).algo == "oneshot"
+    two_shot = k.replace(fused_twoshot_max_bytes=1 << 20)
+    assert FusedPlan.from_shape(200, 2048, bf16, layout, two_shot).algo == "twoshot"  # 800 KiB > one-shot's 512 KiB
     cfg = NormConfig.from_shape(256, bf16)
-    two = FusedPlan.from_shape(63, 256, 4, bf16, layout, "twoshot")
+    two = FusedPlan.from_shape(63, 256, bf16, layout, k, "twoshot")
     assert cfg.rows == 4 and two.rows_per_group == 16 and two.grid == 4
-    assert FusedPlan.from_shape(4096, 4096, 4, bf16, layout).algo == "split"  # 32 MiB > workspace
+    assert FusedPlan.from_shape(4096, 4096, bf16, layout, k).algo == "split"  # 32 MiB > workspace
     with pytest.raises(ValueError, match="max_bytes"):
-        FusedPlan.from_shape(4096, 4096, 4, bf16, layout, "twoshot")
+        FusedPlan.from_shape(4096, 4096, bf16, layout, k, "twoshot")
     with pytest.raises(ValueError, match="algo must be"):
-        FusedPlan.from_shape(1, 64, 4, bf16, layout, "nccl")
+        FusedPlan.from_shape(1, 64, bf16, layout, k, "nccl")
     cfg = NormConfig.from_shape(96, bf16)
-    assert FusedPlan.from_shape(40, 96, 2, bf16, layout, "twoshot").rows_per_group % cfg.rows == 0
-    # Up to FUSED_LL_MAX_BYTES (within the workspace's LL regions and LL_MAX_BYTES) one-shot
-    # goes over LL, and auto takes it whatever the vectors per thread; above, the flag kernel
-    # and the vectors rule.
+    assert FusedPlan.from_shape(40, 96, bf16, layout, k2, "twoshot").rows_per_group % cfg.rows == 0
+    # Up to fused_ll_max_bytes (within the workspace's LL regions) one-shot goes over LL, and
+    # auto takes it whatever the vectors per thread; above, the flag kernel and the vectors rule.
     ll_layout = WorkspaceLayout(4, 1 << 20, max_blocks=128, ll_max_bytes=64 << 10)
-    monkeypatch.setitem(plan.FUSED_TWOSHOT_MAX_BYTES, 4, 0)
-    monkeypatch.setitem(plan.LL_MAX_BYTES, 4, 64 << 10)
-    monkeypatch.setitem(plan.FUSED_LL_MAX_BYTES, 4, 16 << 10)
-    monkeypatch.setitem(plan.FUSED_WIDE_LL_MAX_BYTES, 4, 16 << 10)  # hidden 8192 bf16 is a wide row
-    one = FusedPlan.from_shape(1, 5120, 4, bf16, ll_layout)  # 10 KiB: LL, 8 vectors per thread
+    k = k.replace(ll_max_bytes=64 << 10, fused_ll_max_bytes=16 << 10,
+                  fused_wide_ll_max_bytes=16 << 10)  # hidden 8192 bf16 is a wide row
+    one = FusedPlan.from_shape(1, 5120, bf16, ll_layout, k)  # 10 KiB: LL, 8 vectors per thread
     pieces = ll_pieces(5120, bf16)[1]
     assert one.algo == "oneshot" and one.protocol == "ll"
-    assert one.grid == min(pieces, plan.FUSED_MAX_CTAS)  # a CTA per piece
-    assert FusedPlan.from_shape(2, 5120, 4, bf16, ll_layout).algo == "split"  # 20 KiB: flags, 8 vectors
-    two = FusedPlan.from_shape(2, 5120, 4, bf16, ll_layout, "oneshot")
+    assert one.grid == min(pieces, k.fused_max_ctas)  # a CTA per piece
+    assert FusedPlan.from_shape(2, 5120, bf16, ll_layout, k).algo == "split"  # 20 KiB: flags, 8 vectors
+    two = FusedPlan.from_shape(2, 5120, bf16, ll_layout, k, "oneshot")
     assert two.algo == "oneshot" and two.protocol == "flags"
-    flags4 = FusedPlan.from_shape(2, 8192, 4, bf16, ll_layout)  # 32 KiB: flags, 4 vectors
+    flags4 = FusedPlan.from_shape(2, 8192, bf16, ll_layout, k)  # 32 KiB: flags, 4 vectors
     assert flags4.algo == "oneshot" and flags4.protocol == "flags"
-    flags = FusedPlan.from_shape(4, 4096, 4, bf16, ll_layout)  # 32 KiB: flags, 2 vectors
+    flags = FusedPlan.from_shape(4, 4096, bf16, ll_layout, k)  # 32 KiB: flags, 2 vectors
     assert flags.algo == "oneshot" and flags.protocol == "flags"
-    monkeypatch.setitem(plan.FUSED_WIDE_LL_MAX_BYTES, 4, 1 << 20)  # the LL regions still bound it
-    assert FusedPlan.from_shape(4, 8192, 4, bf16, ll_layout).protocol == "ll"  # 64 KiB: the LL regions' capacity
-    assert FusedPlan.from_shape(8, 8192, 4, bf16, ll_layout, "oneshot").protocol == "flags"  # 128 KiB: above it
-    monkeypatch.setitem(plan.LL_MAX_BYTES, 4, 0)  # the all-reduce's LL limit does not
-    assert FusedPlan.from_shape(4, 8192, 4, bf16, ll_layout).protocol == "ll"
-    # Lamport words above FUSED_LL_MAX_BYTES, up to FUSED_LAMPORT_MAX_BYTES and the workspace's
+    k = k.replace(fused_wide_ll_max_bytes=1 << 20)  # the LL regions still bound it
+    assert FusedPlan.from_shape(4, 8192, bf16, ll_layout, k).protocol == "ll"  # 64 KiB: the LL regions' capacity
+    assert FusedPlan.from_shape(8, 8192, bf16, ll_layout, k, "oneshot").protocol == "flags"  # 128 KiB: above it
+    k = k.replace(ll_max_bytes=0)  # the all-reduce's LL limit does not
+    assert FusedPlan.from_shape(4, 8192, bf16, ll_layout, k).protocol == "ll"
+    # Lamport words above fused_ll_max_bytes, up to fused_lamport_max_bytes and the workspace's
     # Lamport capacity, where whole row tiles or one wave of pieces pay (lamport_tiling, here
-    # for FUSED_MAX_CTAS = 4); auto takes them whatever the vectors per thread.
+    # for fused_max_ctas = 4); auto takes them whatever the vectors per thread.
     lamport_layout = WorkspaceLayout(4, 1 << 20, max_blocks=128, ll_max_bytes=16 << 10, lamport_max_bytes=128 << 10)
-    monkeypatch.setitem(plan.FUSED_LL_MAX_BYTES, 4, 4 << 10)
-    monkeypatch.setitem(plan.FUSED_LAMPORT_MAX_BYTES, 4, 64 << 10)
-    assert plan.FUSED_MAX_CTAS == 4
+    k = k.replace(fused_ll_max_bytes=4 << 10, fused_lamport_max_bytes=64 << 10, fused_max_ctas=4)
     piece_words, pieces = ll_pieces(4096, bf16, "lamport")
     assert piece_words == NormConfig.from_shape(4096, bf16).num_warps * 32 * 8 and pieces == 2  # a vector per thread
-    spread = FusedPlan.from_shape(2, 4096, 4, bf16, lamport_layout)  # 16 KiB: 2 rows x 2 pieces, one wave
+    spread = FusedPlan.from_shape(2, 4096, bf16, lamport_layout, k)  # 16 KiB: 2 rows x 2 pieces, one wave
     assert (spread.algo, spread.protocol, spread.whole_tiles, spread.grid) == ("oneshot", "lamport", False, 4)
-    assert FusedPlan.from_shape(3, 4096, 4, bf16, lamport_layout, "oneshot").protocol == "flags"  # 6 pieces
-    whole = FusedPlan.from_shape(8, 4096, 4, bf16, lamport_layout)  # 64 KiB: a row tile per CTA and more
+    assert FusedPlan.from_shape(3, 4096, bf16, lamport_layout, k, "oneshot").protocol == "flags"  # 6 pieces
+    whole = FusedPlan.from_shape(8, 4096, bf16, lamport_layout, k)  # 64 KiB: a row tile per CTA and more
     assert (whole.protocol, whole.whole_tiles, whole.grid) == ("lamport", True, 4)
-    assert FusedPlan.from_shape(4, 5120, 4, bf16, lamport_layout).protocol == "flags"  # 5 vectors: neither pays
-    assert FusedPlan.from_shape(1, 1024, 4, bf16, lamport_layout).protocol == "ll"
-    monkeypatch.setitem(plan.FUSED_LAMPORT_MAX_BYTES, 4, 1 << 20)  # the Lamport capacity still bounds it
-    assert FusedPlan.from_shape(16, 4096, 4, bf16, lamport_layout).protocol == "lamport"  # 128 KiB
-    assert FusedPlan.from_shape(17, 4096, 4, bf16, lamport_layout, "oneshot").protocol == "flags"
+    assert FusedPlan.from_shape(4, 5120, bf16, lamport_layout, k).protocol == "flags"  # 5 vectors: neither pays
+    assert FusedPlan.from_shape(1, 1024, bf16, lamport_layout, k).protocol == "ll"
+    k = k.replace(fused_lamport_max_bytes=1 << 20)  # the Lamport capacity still bounds it
+    assert FusedPlan.from_shape(16, 4096, bf16, lamport_layout, k).protocol == "lamport"  # 128 KiB
+    assert FusedPlan.from_shape(17, 4096, bf16, lamport_layout, k, "oneshot").protocol == "flags"
     # Hidden sizes off the multiple of 16 take the split path (tests/test_fused_layouts.py says why).
-    assert FusedPlan.from_shape(4, 1000, 4, bf16, layout).algo == "split"
+    assert FusedPlan.from_shape(4, 1000, bf16, layout, k).algo == "split"
     with pytest.raises(ValueError, match="multiple of 16"):
-        FusedPlan.from_shape(4, 1000, 4, bf16, layout, "oneshot")
+        FusedPlan.from_shape(4, 1000, bf16, layout, k, "oneshot")
 
 
-def test_fused_plan_runs_small_tiles_row_wise(monkeypatch):
-    """Row-wise (protocol "rows") up to FUSED_ROWS_MAX_BYTES and the workspace's rows capacity,
-    for tiles held in registers without a tail of at most FUSED_ROWS_MAX_TILE_BYTES, one CTA
-    per piece within FUSED_MAX_CTAS; else the protocols after it."""
+def test_fused_plan_runs_small_tiles_row_wise():
+    """Row-wise (protocol "rows") up to fused_rows_max_bytes and the workspace's rows capacity,
+    for tiles held in registers without a tail of at most fused_rows_max_tile_bytes, one CTA
+    per piece within fused_max_ctas; else the protocols after it."""
     bf16 = torch.bfloat16
-    monkeypatch.setattr(plan, "FUSED_ROWS_PIECE_BYTES", 1 << 10)  # the GPU knobs
-    monkeypatch.setattr(plan, "FUSED_MAX_CTAS", 128)
-    monkeypatch.setitem(plan.FUSED_ROWS_MAX_BYTES, 2, 16 << 10)
-    monkeypatch.setitem(plan.FUSED_LL_MAX_BYTES, 2, 64 << 10)
-    monkeypatch.setitem(plan.FUSED_WIDE_LL_MAX_BYTES, 2, 64 << 10)
+    k = default_knobs(2).replace(fused_rows_piece_bytes=1 << 10, fused_max_ctas=128,  # the GPU knobs
+                                 fused_rows_max_bytes=16 << 10, fused_ll_max_bytes=64 << 10,
+                                 fused_wide_ll_max_bytes=64 << 10)
     layout = WorkspaceLayout(2, 1 << 20, 128, ll_max_bytes=64 << 10, rows_max_bytes=16 << 10)
     for tokens in (1, 2):  # a 4096-element row is 8 pieces of 512
-        p = FusedPlan.from_shape(tokens, 4096, 2, bf16, layout)
+        p = FusedPlan.from_shape(tokens, 4096, bf16, layout, k)
         assert (p.algo, p.protocol, p.grid, p.piece_elems) == ("oneshot", "rows", 8 * tokens, 512)
-    assert FusedPlan.from_shape(4, 4096, 2, bf16, layout).protocol == "ll"  # 32 KiB: above the knob
-    assert FusedPlan.from_shape(1, 2880, 2, bf16, layout).grid == 6  # a padded row: 5 full pieces and 320 elements
-    assert FusedPlan.from_shape(1, 5120, 2, bf16, layout).protocol == "ll"  # a 16 KiB tile (and a tail)
-    assert FusedPlan.from_shape(1, 8192, 2, bf16, layout).protocol == "ll"  # a 16 KiB tile
-    assert FusedPlan.from_shape(1, 4096, 2, bf16, layout, "twoshot").protocol == "flags"
-    small = FusedPlan.from_shape(3, 256, 2, bf16, layout)  # one tile (NormConfig's rows) holds all three
+    assert FusedPlan.from_shape(4, 4096, bf16, layout, k).protocol == "ll"  # 32 KiB: above the knob
+    assert FusedPlan.from_shape(1, 2880, bf16, layout, k).grid == 6  # a padded row: 5 full pieces and 320 elements
+    assert FusedPlan.from_shape(1, 5120, bf16, layout, k).protocol == "ll"  # a 16 KiB tile (and a tail)
+    assert FusedPlan.from_shape(1, 8192, bf16, layout, k).protocol == "ll"  # a 16 KiB tile
+    assert FusedPlan.from_shape(1, 4096, bf16, layout, k, "twoshot").protocol == "flags"
+    small = FusedPlan.from_shape(3, 256, bf16, layout, k)  # one tile (NormConfig's rows) holds all three
     assert (small.protocol, small.grid) == ("rows", NormConfig.from_shape(256, bf16).rows * 256 * 2 // 1024)
-    monkeypatch.setitem(plan.FUSED_ROWS_MAX_BYTES, 2, 256 << 10)  # past W=2's 64 KiB: the CTA cap rules
+    wide_k = k.replace(fused_rows_max_bytes=256 << 10)  # past W=2's 64 KiB: the CTA cap rules
     wide = WorkspaceLayout(2, 1 << 20, 128, ll_max_bytes=64 << 10, rows_max_bytes=256 << 10)
-    p = FusedPlan.from_shape(16, 4096, 2, bf16, wide)
-    assert (p.protocol, p.grid) == ("rows", 128)  # 128 pieces, FUSED_MAX_CTAS
-    assert FusedPlan.from_shape(17, 4096, 2, bf16, wide).protocol != "rows"  # 136 pieces
-    assert FusedPlan.from_shape(2, 4096, 2, bf16, layout).protocol == "rows"  # 16 KiB: the smaller layout's capacity
-    assert FusedPlan.from_shape(3, 4096, 2, bf16, layout).protocol == "ll"
+    p = FusedPlan.from_shape(16, 4096, bf16, wide, wide_k)
+    assert (p.protocol, p.grid) == ("rows", 128)  # 128 pieces, fused_max_ctas
+    assert FusedPlan.from_shape(17, 4096, bf16, wide, wide_k).protocol != "rows"  # 136 pieces
+    assert FusedPlan.from_shape(2, 4096, bf16, layout, wide_k).protocol == "rows"  # 16 KiB: the layout's capacity
+    assert FusedPlan.from_shape(3, 4096, bf16, layout, wide_k).protocol == "ll"
     no_rows = WorkspaceLayout(2, 1 << 20, 128, ll_max_bytes=64 << 10)
-    assert FusedPlan.from_shape(1, 4096, 2, bf16, no_rows).protocol == "ll"
-    monkeypatch.setitem(plan.FUSED_ROWS_MAX_BYTES, 2, 0)
-    assert FusedPlan.from_shape(1, 4096, 2, bf16, layout).protocol == "ll"
+    assert FusedPlan.from_shape(1, 4096, bf16, no_rows, k).protocol == "ll"
+    assert FusedPlan.from_shape(1, 4096, bf16, layout, k.replace(fused_rows_max_bytes=0)).protocol == "ll"
 
 
 def _fused_launches(world, skip=()):
     """The (algorithm, protocol, whole tiles) of each call _fused_vs_split makes at ``world``."""
-    layout = workspace_layout(world, 1 << 20)
+    knobs = default_knobs(world)
+    layout = workspace_layout(knobs, 1 << 20)
     return {(p.algo, p.protocol, p.whole_tiles) for i, shape in enumerate(SHAPES) if shape not in skip
-            for p in (FusedPlan.from_shape(*shape, world, DTYPES[i % len(DTYPES)], layout, a) for a in FUSED_ALGOS)}
+            for p in (FusedPlan.from_shape(*shape, DTYPES[i % len(DTYPES)], layout, knobs, a) for a in FUSED_ALGOS)}
 
 
 # Under the interpreter W=4 leaves out 17 x 256 and 40 x 96 (half its 100 s; W=2 runs them, with
@@ -408,8 +396,7 @@ def test_sixty_layer_decode_fused_equals_split():
 @pytest.mark.parametrize("algo, numel", [("oneshot", 128), ("oneshot", 1024), ("oneshot", 20000), ("twoshot", 128)])
 def test_missing_peer_ends_fused_call_in_timeout_error(algo, numel):
     """One-shot row-wise (128 fp32 elements), over LL (1024) and over flags (20000), and two-shot."""
-    failures = run_ranks(2, _missing_peer, algo, numel, True, timeout_s=60)
-    assert not [f for fs in failures for f in fs], failures
+    no_failures(run_ranks(2, missing_peer, "fused", numel, algo, timeout_s=60))
 
 
 def test_row_wise_calls_of_mixed_dtypes_modes_and_tiles():

@@ -13,11 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.multiproc import run_ranks
+from tests.multiproc import capture_graph, no_failures, run_ranks, table_knobs
 from tests.tally import MismatchTally, ll_regions_not_zeroed
 from tests.test_quant import _poisoned_empty
-from tpfuse.comm import tables
-from tpfuse.comm.plan import FUSED_ROWS_MAX_BYTES, FusedPlan, for_world
+from tpfuse.comm.plan import FusedPlan
 
 pytestmark = pytest.mark.multigpu
 
@@ -29,9 +28,9 @@ WORLDS = sorted({2, NGPU})
 HIDDEN = [256, 1000, 2880, 4096, 5120, 7168, 8192, 16384, 20000]
 TOKENS = [1, 2, 3, 16, 17, 128, 513, 2048]
 ALGOS = ["oneshot", "twoshot", "auto", "split"]
-PROTOCOL_KNOBS = {"LAMPORT_MAX_BYTES": 4 << 20, "FUSED_LL_MAX_BYTES": 16 << 10, "FUSED_LAMPORT_MAX_BYTES": 4 << 20,
-                  "FUSED_WIDE_LL_MAX_BYTES": 32 << 10, "FUSED_WIDE_LAMPORT_MAX_BYTES": 4 << 20}
-"""The fused one-shot row-wise as the world size's default says (FUSED_ROWS_MAX_BYTES: to
+PROTOCOL_KNOBS = {"lamport_max_bytes": 4 << 20, "fused_ll_max_bytes": 16 << 10, "fused_lamport_max_bytes": 4 << 20,
+                  "fused_wide_ll_max_bytes": 32 << 10, "fused_wide_lamport_max_bytes": 4 << 20}
+"""The fused one-shot row-wise as the world size's default says (fused_rows_max_bytes: to
 64 KiB at W=2, where the tile allows; never at W=4, so its LL path runs there), over LL words
 to 16 KiB (rows on the wide tile: to 32 KiB; W=2's table sends none over LL words), Lamport
 words to 4 MiB, flags above, whatever the world size's table says (it may not use Lamport words
@@ -88,8 +87,7 @@ class _Layer(MismatchTally):
 def _grid():
     from tpfuse.comm import Communicator
 
-    knobs = tables.applied(dist.get_world_size(), PROTOCOL_KNOBS)
-    with knobs, Communicator(max_bytes=64 << 20, timeout_s=60) as comm:
+    with Communicator(max_bytes=64 << 20, timeout_s=60, knobs=table_knobs(**PROTOCOL_KNOBS)) as comm:
         layer = _Layer(comm)
         seed = 0
         for hidden in HIDDEN:
@@ -101,8 +99,8 @@ def _grid():
                         seed += 1
                         layer.check(tokens, hidden, dtype, algo, seed)
         world = dist.get_world_size()
-        protocol = FusedPlan.from_shape(1, 4096, world, torch.bfloat16, comm.layout).protocol
-        row_wise = for_world(FUSED_ROWS_MAX_BYTES, world) > 0  # the default, not set by the tables
+        protocol = FusedPlan.from_shape(1, 4096, torch.bfloat16, comm.layout, comm.knobs).protocol
+        row_wise = comm.knobs.fused_rows_max_bytes > 0  # the default, not set by the tables
         return layer.failures() + ([f"1 x 4096 ran {protocol} at W={world}"] if row_wise != (protocol == "rows") else [])
 
 
@@ -111,7 +109,7 @@ def _stress(calls, seed):
     from tpfuse.comm import Communicator
 
     rng = random.Random(seed)
-    with tables.applied(dist.get_world_size(), PROTOCOL_KNOBS), Communicator(timeout_s=60) as comm:
+    with Communicator(timeout_s=60, knobs=table_knobs(**PROTOCOL_KNOBS)) as comm:
         layer = _Layer(comm)
         for call in range(calls):
             layer.check(rng.choice([1, 2, 7, 16, 64, 300]), rng.choice([512, 2880, 4096, 8192]),
@@ -125,21 +123,14 @@ def _graph_replays(replays):
 
     plan = [(1, 4096, "oneshot"), (16, 4096, "auto"), (300, 2880, "twoshot"), (2, 8192, "auto"), (64, 4096, "split"),
             (64, 4096, "oneshot")]  # 512 KiB: Lamport words (PROTOCOL_KNOBS)
-    with tables.applied(dist.get_world_size(), PROTOCOL_KNOBS), Communicator(timeout_s=60) as comm:
+    with Communicator(timeout_s=60, knobs=table_knobs(**PROTOCOL_KNOBS)) as comm:
         layer = _Layer(comm)
         static = [layer.inputs(t, h, torch.bfloat16, 0) for t, h, _ in plan]
 
         def run():
             return [comm.all_reduce_add_rms_norm(x, r, w, algo=a) for (x, r, w), (_, _, a) in zip(static, plan)]
 
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            run()  # compile outside the capture
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            outs = run()
+        graph, outs = capture_graph(run)
         for i in range(replays):
             for k, ((x, r, w), (t, h, _)) in enumerate(zip(static, plan)):
                 nx, nr, nw = layer.inputs(t, h, torch.bfloat16, 1 + i * 10 + k)
@@ -156,7 +147,7 @@ def _sixty_layers(tokens, hidden, algo):
     import tpfuse
     from tpfuse.comm import Communicator
 
-    with tables.applied(dist.get_world_size(), PROTOCOL_KNOBS), Communicator(timeout_s=60) as comm:
+    with Communicator(timeout_s=60, knobs=table_knobs(**PROTOCOL_KNOBS)) as comm:
         layer = _Layer(comm)
         _, residual, weight = layer.inputs(tokens, hidden, torch.bfloat16, 12345)
         res_fused, res_split = residual.clone(), residual.clone()
@@ -168,25 +159,20 @@ def _sixty_layers(tokens, hidden, algo):
         return layer.failures()
 
 
-def _no_failures(results):
-    failures = [f"rank {r}: {f}" for r, fs in enumerate(results) for f in fs]
-    assert not failures, "\n".join(failures)
-
-
 @pytest.mark.parametrize("world", WORLDS)
 def test_gpu_fused_bitwise_equal_to_split_over_the_shape_grid(world):
-    _no_failures(run_ranks(world, _grid, backend="nccl", timeout_s=600))
+    no_failures(run_ranks(world, _grid, backend="nccl", timeout_s=600))
 
 
 def test_gpu_fused_stress_changing_shapes_without_host_sync():
-    _no_failures(run_ranks(NGPU, _stress, 5000, 3, backend="nccl", timeout_s=600))
+    no_failures(run_ranks(NGPU, _stress, 5000, 3, backend="nccl", timeout_s=600))
 
 
 def test_gpu_fused_graph_capture_replayed_with_new_data():
-    _no_failures(run_ranks(NGPU, _graph_replays, 200, backend="nccl", timeout_s=600))
+    no_failures(run_ranks(NGPU, _graph_replays, 200, backend="nccl", timeout_s=600))
 
 
 @pytest.mark.parametrize("tokens, algo", [(1, "auto"), (16, "oneshot"), (16, "twoshot"), (128, "auto"),
                                          (128, "oneshot")])
 def test_gpu_sixty_layer_decode_fused_equals_split(tokens, algo):
-    _no_failures(run_ranks(NGPU, _sixty_layers, tokens, 4096, algo, backend="nccl", timeout_s=600))
+    no_failures(run_ranks(NGPU, _sixty_layers, tokens, 4096, algo, backend="nccl", timeout_s=600))

@@ -10,19 +10,17 @@ NaN positions are compared instead of NaN bits. Rank functions return (failures,
 import contextlib
 import os
 import random
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import tpfuse
-from tests.multiproc import run_ranks
+from tests.multiproc import missing_peer, no_failures, run_ranks
 from tests.test_allreduce import _assert_ok, _digest, _inputs
 from tpfuse import reference
-from tpfuse.comm import CommTimeoutError, Communicator
-from tpfuse.comm import quant_plan as QP
-from tpfuse.comm.quant_plan import QuantPlan, check_quant, default_quant_min_bytes
+from tpfuse.comm import Communicator, default_knobs
+from tpfuse.comm.quant_plan import QuantPlan, check_quant
 from tpfuse.comm.workspace import ALIGN, WorkspaceLayout
 
 CODECS = list(reference.QUANT_CODECS)
@@ -229,7 +227,7 @@ def test_quant_plan_segments_cover_the_message_and_fit_the_slots(world, codec):
     for max_bytes in (4096, 1 << 20, 16 << 20):
         layout = WorkspaceLayout(world, max_bytes, max_blocks=128)
         for dtype in DTYPES:
-            plan = QuantPlan.for_layout(layout, dtype, codec)
+            plan = QuantPlan.for_layout(layout, dtype, codec, default_knobs(world))
             assert plan.seg_chunk % max(32, ALIGN // dtype.itemsize) == 0
             assert reference.packed_layout(plan.seg_chunk, codec)[2] <= layout.twoshot_slot_bytes
             # Packed data is smaller than raw: a full segment holds more than max_bytes of input
@@ -243,47 +241,46 @@ def test_quant_plan_segments_cover_the_message_and_fit_the_slots(world, codec):
                     assert b.start == a.start + a.numel and a.numel == world * plan.seg_chunk
                 for s in segs:
                     assert s.chunk % 32 == 0 and world * s.chunk >= s.numel and s.chunk <= plan.seg_chunk
-                    assert 1 <= s.grid <= min(QP.QUANT_MAX_CTAS, 128)
+                    assert 1 <= s.grid <= min(default_knobs(world).quant_max_ctas, 128)
                     small = s.chunk <= plan.small_max_chunk
                     assert (s.block, s.num_warps) == ((plan.small_block, plan.small_num_warps) if small
                                                       else (plan.block, plan.num_warps))
                     assert (s.start * dtype.itemsize) % 16 == 0
-    # The plan depends on the layout, dtype and codec only.
+    # The plan depends on the layout, dtype, codec and knobs only.
     layout = WorkspaceLayout(world, 1 << 20, max_blocks=128)
-    assert QuantPlan.for_layout(layout, torch.bfloat16, codec) == QuantPlan.for_layout(layout, torch.bfloat16, codec)
+    assert QuantPlan.for_layout(layout, torch.bfloat16, codec, default_knobs(world)) == QuantPlan.for_layout(
+        layout, torch.bfloat16, codec, default_knobs(world))
 
 
-def test_quant_plan_takes_each_codecs_tile(monkeypatch):
+def test_quant_plan_takes_each_codecs_tile():
     # The GPU's values, set by hand (the interpreter's tiles are all 8192): fp8 keeps 8192 on
     # large segments, the integer codecs take 16384.
-    monkeypatch.setattr(QP, "QUANT_TILE", {"int4": 16384, "int6": 16384, "int8": 16384, "fp8": 8192})
-    monkeypatch.setattr(QP, "QUANT_SMALL_TILE", 8192)
-    monkeypatch.setattr(QP, "QUANT_SMALL_TILE_MAX_CHUNK", {2: 1 << 16, 8: 1 << 17})
-    monkeypatch.setattr(QP, "QUANT_NUM_WARPS", {2: 32, 8: 16})
+    gpu = {"quant_tile": {"int4": 16384, "int6": 16384, "int8": 16384, "fp8": 8192}, "quant_small_tile": 8192}
+    knobs = default_knobs(2).replace(**gpu, quant_small_tile_max_chunk=1 << 16, quant_num_warps=32)
     layout = WorkspaceLayout(2, 16 << 20, max_blocks=128)
     for codec in CODECS:
-        plan = QuantPlan.for_layout(layout, torch.bfloat16, codec)
+        plan = QuantPlan.for_layout(layout, torch.bfloat16, codec, knobs)
         big = plan.segments(2 * plan.seg_chunk)[0]
         assert big.chunk > plan.small_max_chunk and big.block == (8192 if codec == "fp8" else 16384)
         assert plan.seg_chunk % big.block == 0
         assert (plan.small_max_chunk, big.num_warps) == (1 << 16, 32)
         small = plan.segments(2 * 4096)[0]
         assert (small.block, small.num_warps) == (8192, 16)
-    # W=4 takes W=8's entries (not measured with 32 warps)
-    plan = QuantPlan.for_layout(WorkspaceLayout(4, 16 << 20, max_blocks=128), torch.bfloat16, "int4")
-    assert (plan.small_max_chunk, plan.segments(4 * plan.seg_chunk)[0].num_warps) == (1 << 17, 16)
+    # W=4 takes W=8's warps (not measured with 32 warps)
+    w4 = default_knobs(4).replace(**gpu)
+    plan = QuantPlan.for_layout(WorkspaceLayout(4, 16 << 20, max_blocks=128), torch.bfloat16, "int4", w4)
+    assert plan.segments(4 * plan.seg_chunk)[0].num_warps == 16
     with pytest.raises(ValueError, match="unknown codec"):
-        QuantPlan.for_layout(layout, torch.bfloat16, "int5")
+        QuantPlan.for_layout(layout, torch.bfloat16, "int5", knobs)
 
 
-@pytest.mark.usefixtures("built_in_knobs")
-def test_quant_thresholds_and_argument_checks(monkeypatch):
+def test_quant_thresholds_and_argument_checks():
     for codec in CODECS:
-        for world in (2, 4, 8):
-            assert default_quant_min_bytes(codec, world) == QP.QUANT_MIN_BYTES[codec][world]
-        assert default_quant_min_bytes(codec, 3) == QP.QUANT_MIN_BYTES[codec][8]
-    monkeypatch.setitem(QP.QUANT_MIN_BYTES, "int4", {2: 123, 4: 456, 8: 789})
-    assert default_quant_min_bytes("int4", 4) == 456
+        assert default_knobs(3).quant_min(codec) == default_knobs(8).quant_min(codec) is None  # not measured
+        assert default_knobs(4).quant_min(codec) == dict(default_knobs(4).quant_min_bytes)[codec] > 0
+    assert default_knobs(4).replace(quant_min_bytes={"int4": 456}).quant_min("int4") == 456
+    with pytest.raises(ValueError, match="quant_min_bytes"):
+        default_knobs(4).replace(quant_min_bytes={"int4": -1})
     check_quant(None, None)
     check_quant("fp8", 0)
     for quant, min_bytes, match in [("int5", None, "quant must be"), ("INT8", None, "quant must be"),
@@ -292,7 +289,8 @@ def test_quant_thresholds_and_argument_checks(monkeypatch):
         with pytest.raises(ValueError, match=match):
             check_quant(quant, min_bytes)
     # The smallest workspace still holds a chunk of every codec and dtype.
-    assert QuantPlan.for_layout(WorkspaceLayout(8, ALIGN, max_blocks=128), torch.float32, "int8").seg_chunk >= 64
+    smallest = WorkspaceLayout(8, ALIGN, max_blocks=128)
+    assert QuantPlan.for_layout(smallest, torch.float32, "int8", default_knobs(8)).seg_chunk >= 64
 
 
 # ---------------------------------------------------------------- rank functions
@@ -402,7 +400,7 @@ def _segmented(max_bytes):
     with Communicator(max_bytes=max_bytes, timeout_s=30) as comm:
         for c, codec in enumerate(CODECS):
             dtype = DTYPES[c % 3]
-            seg = world * QuantPlan.for_layout(comm.layout, dtype, codec).seg_chunk
+            seg = world * QuantPlan.for_layout(comm.layout, dtype, codec, comm.knobs).seg_chunk
             for k, n in enumerate([2 * seg, 3 * seg + 17, seg - 1]):
                 xs = _inputs(77 + 10 * c + k, n, dtype, world)
                 _call(comm, xs, codec, f"{codec} {dtype} n={n} (segment {seg})", failures, digests)
@@ -442,7 +440,8 @@ def _slow_rank(calls, seed):
             xs = _inputs(seed * 1000 + call, n, dtype, world)
             exact_fits = n * dtype.itemsize <= comm.max_bytes // 2  # else the exact path is the backend's
             codec, min_bytes = rng.choice(CODECS), rng.choice([0, 0, 1 << 30] if exact_fits else [0])
-            grids = set() if min_bytes else {g.grid for g in QuantPlan.for_layout(comm.layout, dtype, codec).segments(n)}
+            plan = QuantPlan.for_layout(comm.layout, dtype, codec, comm.knobs)
+            grids = set() if min_bytes else {g.grid for g in plan.segments(n)}
             kinds.append(("exact" if min_bytes else codec, dtype, grids))
             _call(comm, xs, codec, f"call {call} n={n}", failures, digests, min_bytes=min_bytes)
     got = {k for k, _, _ in kinds}
@@ -453,24 +452,6 @@ def _slow_rank(calls, seed):
             or 1 not in grids or max(grids) < 2 or not exact_between or not quant_twice):
         failures.append(f"the calls miss a codec, an exact call, a dtype or a grid: {kinds}")
     return failures, digests
-
-
-def _missing_peer():
-    rank, world, failures = dist.get_rank(), dist.get_world_size(), []
-    comm = Communicator(timeout_s=2.0)
-    dist.barrier()
-    if rank != world - 1:
-        start = time.monotonic()
-        try:
-            comm.all_reduce(torch.ones(5000), quant="int4", quant_min_bytes=0)
-            failures.append("a quantized all_reduce returned without the last rank")
-        except CommTimeoutError as e:
-            if (e.rank, e.peer) != (rank, world - 1) or "quantized" not in e.op:
-                failures.append(f"unexpected error contents: rank={e.rank} peer={e.peer} op={e.op!r}")
-        if time.monotonic() - start > 10:
-            failures.append(f"the timeout of 2 s took {time.monotonic() - start:.1f} s")
-    comm.close()
-    return failures
 
 
 def _argument_errors():
@@ -488,10 +469,8 @@ def _argument_errors():
                 comm.all_reduce(x, **kwargs)
         xs = _inputs(3, 3000, torch.bfloat16, world)
         _call(comm, xs, "int6", "after errors", failures, digests)
-        # The default threshold (the table) decides when quant_min_bytes is not given.
-        saved = QP.QUANT_MIN_BYTES["int8"]
-        QP.QUANT_MIN_BYTES["int8"] = {w: 4000 for w in (2, 4, 8)}
-        try:
+        # The knobs' threshold decides when quant_min_bytes is not given.
+        with comm.using_knobs(comm.knobs.replace(quant_min_bytes={"int8": 4000})):
             for n in (1999, 2000):  # bf16: 3998 bytes (exact) and 4000 bytes (quantized)
                 xs = _inputs(n, n, torch.bfloat16, world)
                 with _poisoned_empty():
@@ -500,19 +479,16 @@ def _argument_errors():
                 if not _same(out, want):
                     failures.append(f"default threshold: n={n} took the wrong path")
                 digests.append(_digest(out))
-        finally:
-            QP.QUANT_MIN_BYTES["int8"] = saved
-        # "never" (None) in the table: quant= is served exactly whatever the size.
-        QP.QUANT_MIN_BYTES["int8"] = {w: None for w in (2, 4, 8)}
-        try:
+        # "never" (None): quant= is served exactly whatever the size.
+        with comm.using_knobs(comm.knobs.replace(quant_min_bytes={"int8": None})):
             xs = _inputs(4, 5000, torch.bfloat16, world)
             with _poisoned_empty():
                 out = comm.all_reduce(xs[rank], quant="int8")
             if not _same(out, reference.all_reduce(xs)):
-                failures.append("a codec whose table entry is None took the quantized path")
+                failures.append("a codec whose knob is None took the quantized path")
             digests.append(_digest(out))
-        finally:
-            QP.QUANT_MIN_BYTES["int8"] = saved
+        if comm.knobs.quant_min("int8") != default_knobs(world).quant_min("int8"):
+            failures.append("using_knobs did not give the communicator's own knobs back")
     return failures, digests
 
 
@@ -546,8 +522,7 @@ def test_quantized_peers_one_call_ahead_never_overwrite_a_slow_ranks_data():
 
 
 def test_quantized_missing_peer_ends_in_timeout_error():
-    failures = run_ranks(2, _missing_peer, timeout_s=60)
-    assert not [f for fs in failures for f in fs], failures
+    no_failures(run_ranks(2, missing_peer, "quantized", 5000, timeout_s=60))
 
 
 def test_quantized_argument_errors_and_default_threshold():

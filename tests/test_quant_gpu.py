@@ -21,7 +21,7 @@ import triton.language as tl
 from tpfuse import reference
 from tpfuse.kernels.codecs import _e4m3_encode, hardware_e4m3
 
-from tests.multiproc import run_ranks
+from tests.multiproc import capture_graph, missing_peer, no_failures, run_ranks
 from tests.tally import PoolChecker
 
 NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -188,14 +188,7 @@ def _graph_replays(replays):
             return [comm.all_reduce(x) if q is None else comm.all_reduce(x, quant=q, quant_min_bytes=0)
                     for x, (_, _, q) in zip(static_in, plan)]
 
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up: compile every specialisation eagerly
-            run()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            outs = run()
+        graph, outs = capture_graph(run)
         rng = random.Random(5)
         for i in range(replays):
             offsets = [rng.randrange(0, (1 << 23) - n) for n, _, _ in plan]
@@ -209,30 +202,6 @@ def _graph_replays(replays):
                            what=f"eager after replay {i}")
         del graph
         return check.failures()
-
-
-def _missing_peer():
-    from tpfuse.comm import CommTimeoutError, Communicator
-
-    world, rank, failures = dist.get_world_size(), dist.get_rank(), []
-    comm = Communicator(timeout_s=2.0)
-    dist.barrier()
-    if rank != world - 1:
-        comm.all_reduce(torch.ones(1 << 20, device="cuda"), quant="int4", quant_min_bytes=0)
-        try:
-            comm.check()
-            failures.append("check() did not report the missing rank")
-        except CommTimeoutError as e:
-            if (e.rank, e.peer) != (rank, world - 1) or "quantized" not in e.op:
-                failures.append(f"wrong error record: rank={e.rank} peer={e.peer} op={e.op}")
-    comm.close()
-    dist.barrier()
-    return failures
-
-
-def _no_failures(results):
-    failures = [f"rank {r}: {f}" for r, fs in enumerate(results) for f in fs]
-    assert not failures, "\n".join(failures)
 
 
 @pytest.mark.gpu
@@ -317,28 +286,28 @@ def test_gpu_fp8_decode_equals_reference_on_every_byte():
 def test_gpu_quantized_bitwise_equal_to_reference_at_real_sizes(world):
     sizes = [1, 33, 4097, 100_003, 1 << 20, 3_000_001]
     big = [1 << 24, (1 << 25) - 5]  # 32 and 64 MiB of bf16: several segments of the 16 MiB workspace
-    _no_failures(run_ranks(world, _sizes_codecs_dtypes, sizes, big, backend="nccl", timeout_s=600))
+    no_failures(run_ranks(world, _sizes_codecs_dtypes, sizes, big, backend="nccl", timeout_s=600))
 
 
 @pytest.mark.multigpu
 @needs_gpus
 def test_gpu_quantized_special_values():
-    _no_failures(run_ranks(NGPU, _special_values, backend="nccl", timeout_s=300))
+    no_failures(run_ranks(NGPU, _special_values, backend="nccl", timeout_s=300))
 
 
 @pytest.mark.multigpu
 @needs_gpus
 def test_gpu_stress_20000_calls_mixing_codecs_and_the_exact_path():
-    _no_failures(run_ranks(NGPU, _stress, 20_000, 13, backend="nccl", timeout_s=900))
+    no_failures(run_ranks(NGPU, _stress, 20_000, 13, backend="nccl", timeout_s=900))
 
 
 @pytest.mark.multigpu
 @needs_gpus
 def test_gpu_quantized_graph_capture_replayed_with_new_data():
-    _no_failures(run_ranks(NGPU, _graph_replays, 200, backend="nccl", timeout_s=600))
+    no_failures(run_ranks(NGPU, _graph_replays, 200, backend="nccl", timeout_s=600))
 
 
 @pytest.mark.multigpu
 @needs_gpus
 def test_gpu_quantized_missing_peer_ends_in_timeout_error():
-    _no_failures(run_ranks(NGPU, _missing_peer, backend="nccl", timeout_s=300))
+    no_failures(run_ranks(NGPU, missing_peer, "quantized", 1 << 20, backend="nccl", timeout_s=300))

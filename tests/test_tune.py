@@ -2,7 +2,7 @@
 loader (tpfuse.comm.tables) and its effect on the plans, and one end-to-end run on two
 emulated CPU ranks."""
 
-import copy
+import dataclasses
 import json
 import os
 import re
@@ -16,11 +16,9 @@ import torch
 
 from tpfuse._runtime import INTERPRETER
 from tpfuse.bench import tune
+from tpfuse.comm import default_knobs, tables
 from tpfuse.comm import plan as P
-from tpfuse.comm import quant_plan as QP
-from tpfuse.comm import tables
 from tpfuse.comm.plan import AllReducePlan, FusedPlan
-from tpfuse.comm.quant_plan import default_quant_min_bytes
 from tpfuse.comm.workspace import WorkspaceLayout
 
 KiB, MiB = 1024, 1024 * 1024
@@ -151,30 +149,27 @@ def test_the_wide_fused_sweep_sets_the_wide_knobs_and_holds_its_largest_size():
                                                         if k != "FUSED_WIDE_TWOSHOT_MAX_BYTES"}
 
 
-def test_rows_on_the_measured_wide_tile_take_the_wide_knobs(monkeypatch):
+def test_rows_on_the_measured_wide_tile_take_the_wide_knobs():
     layout = WorkspaceLayout(2, 64 * MiB, 128)
-    monkeypatch.setitem(P.FUSED_ONESHOT_MAX_BYTES, 2, 2 * MiB)
-    monkeypatch.setitem(P.FUSED_TWOSHOT_MAX_BYTES, 2, 0)
-    monkeypatch.setitem(P.FUSED_WIDE_ONESHOT_MAX_BYTES, 2, 8 * MiB)
-    monkeypatch.setitem(P.FUSED_WIDE_TWOSHOT_MAX_BYTES, 2, 32 * MiB)
+    k = default_knobs(2).replace(fused_oneshot_max_bytes=2 * MiB, fused_twoshot_max_bytes=0,
+                                 fused_wide_oneshot_max_bytes=8 * MiB, fused_wide_twoshot_max_bytes=32 * MiB)
     assert P.FUSED_WIDE_TILE == (8192, bf16)
     # About 8 MiB: rows on hidden 8192's norm tile (bf16 7168 and 8192, fp32 4096) go one-shot,
     # rows on other tiles (bf16 4096, 5120) split.
     assert [P.uses_wide_knobs(n, dtype) for n, dtype in ((8192, bf16), (7168, bf16), (4096, torch.float32),
                                                           (4096, bf16), (5120, bf16), (16384, bf16))] == \
         [True, True, True, False, False, False]
-    assert FusedPlan.from_shape(512, 8192, 2, bf16, layout).algo == "oneshot"
-    assert FusedPlan.from_shape(585, 7168, 2, bf16, layout).algo == "oneshot"
-    assert FusedPlan.from_shape(512, 4096, 2, torch.float32, layout).algo == "oneshot"
-    assert FusedPlan.from_shape(1024, 4096, 2, bf16, layout).algo == "split"
-    assert FusedPlan.from_shape(819, 5120, 2, bf16, layout).algo == "split"
+    assert FusedPlan.from_shape(512, 8192, bf16, layout, k).algo == "oneshot"
+    assert FusedPlan.from_shape(585, 7168, bf16, layout, k).algo == "oneshot"
+    assert FusedPlan.from_shape(512, 4096, torch.float32, layout, k).algo == "oneshot"
+    assert FusedPlan.from_shape(1024, 4096, bf16, layout, k).algo == "split"
+    assert FusedPlan.from_shape(819, 5120, bf16, layout, k).algo == "split"
     # 32 MiB: the two-shot on the wide tile only (hidden 16384's tile is not the measured one).
-    assert FusedPlan.from_shape(2048, 8192, 2, bf16, layout).algo == "twoshot"
-    assert FusedPlan.from_shape(1024, 16384, 2, bf16, layout).algo == "split"
-    assert FusedPlan.from_shape(4096, 4096, 2, bf16, layout).algo == "split"
+    assert FusedPlan.from_shape(2048, 8192, bf16, layout, k).algo == "twoshot"
+    assert FusedPlan.from_shape(1024, 16384, bf16, layout, k).algo == "split"
+    assert FusedPlan.from_shape(4096, 4096, bf16, layout, k).algo == "split"
     # The wide LL knob sizes the workspace's LL regions like the narrow one.
-    monkeypatch.setitem(P.FUSED_WIDE_LL_MAX_BYTES, 2, 1 * MiB)
-    assert P.workspace_layout(2, 64 * MiB).ll_max_bytes == 1 * MiB
+    assert P.workspace_layout(k.replace(fused_wide_ll_max_bytes=1 * MiB), 64 * MiB).ll_max_bytes == 1 * MiB
 
 
 def test_thresholds_that_leave_a_size_unmeasured_raise():
@@ -192,63 +187,32 @@ def _write(directory, world, knobs, **extra) -> str:
     return path
 
 
-def _plan_state():
-    return copy.deepcopy([getattr(P, k) for k in tables.SIZE_KNOBS] + [QP.QUANT_MIN_BYTES])
-
-
-@pytest.mark.usefixtures("built_in_knobs")
-def test_a_table_changes_the_plans_of_its_world_size_only(tmp_path):
+def test_a_table_changes_the_knobs_of_its_world_size_only(monkeypatch, tmp_path):
     _write(tmp_path, 2, {"ONESHOT_MAX_BYTES": 64 * KiB, "LL_MAX_BYTES": 4 * KiB, "FUSED_TWOSHOT_MAX_BYTES": MiB,
                          "QUANT_MIN_BYTES": {"int4": KiB, "fp8": None}})
     _write(tmp_path, 3, {"ONESHOT_MAX_BYTES": 0})  # a world size without defaults of its own
-    read = tables.read_tables(str(tmp_path))
-    assert sorted(read) == [2, 3]
     w2, w4 = WorkspaceLayout(2, MiB, 128, ll_max_bytes=64 * KiB), WorkspaceLayout(4, MiB, 128, ll_max_bytes=64 * KiB)
-    before = _plan_state()
-    assert AllReducePlan.from_numel(64 * KiB, 2, bf16, w2).algo == "oneshot"  # 128 KiB: the default one-shot
-    assert AllReducePlan.from_numel(4 * KiB, 2, bf16, w2).protocol == "ll"
-    assert FusedPlan.from_shape(200, 2048, 2, bf16, w2).algo == "split"
-    with tables.applied(2, read[2]), tables.applied(3, read[3]):
-        assert AllReducePlan.from_numel(64 * KiB, 2, bf16, w2).algo == "twoshot"
-        assert AllReducePlan.from_numel(64 * KiB, 4, bf16, w4).algo == "oneshot"
-        assert AllReducePlan.from_numel(4 * KiB, 2, bf16, w2).protocol == "flags"  # 8 KiB > 4 KiB
-        assert AllReducePlan.from_numel(2 * KiB, 2, bf16, w2).protocol == "ll"
-        assert AllReducePlan.from_numel(4 * KiB, 4, bf16, w4).protocol == "ll"
-        assert FusedPlan.from_shape(200, 2048, 2, bf16, w2).algo == "twoshot"  # 800 KiB
-        assert FusedPlan.from_shape(200, 2048, 4, bf16, w4).algo == "split"
-        assert default_quant_min_bytes("int4", 2) == KiB and default_quant_min_bytes("int4", 4) == 2 * MiB
-        assert default_quant_min_bytes("fp8", 2) is None and default_quant_min_bytes("int8", 2) == 4 * MiB
-        assert AllReducePlan.from_numel(16, 3, bf16, WorkspaceLayout(3, MiB, 128)).algo == "twoshot"
-    assert _plan_state() == before  # restored, W=3's entries removed
-
-
-@pytest.mark.usefixtures("built_in_knobs")
-def test_tables_are_read_at_import_from_TPFUSE_TABLE_DIR(tmp_path):
-    _write(tmp_path, 2, {"ONESHOT_MAX_BYTES": 12345 * 256, "QUANT_MIN_BYTES": {"int8": 4096}})
-    code = ("import json; from tpfuse.comm import plan as P, quant_plan as Q; "
-            "print(json.dumps([P.ONESHOT_MAX_BYTES[2], P.ONESHOT_MAX_BYTES[4], Q.QUANT_MIN_BYTES['int8'][2]]))")
-    env = os.environ | {tables.ENV_DIR: str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert json.loads(proc.stdout.splitlines()[-1]) == [12345 * 256, P.ONESHOT_MAX_BYTES[4], 4096]
-
-
-def test_built_in_defaults_undo_the_tables_applied_at_import(monkeypatch, tmp_path):
-    _write(tmp_path, 2, {"ONESHOT_MAX_BYTES": 64 * KiB, "QUANT_MIN_BYTES": {"int4": KiB}})
-    _write(tmp_path, 3, {"LL_MAX_BYTES": 0})
+    k2 = default_knobs(2)
+    assert AllReducePlan.from_numel(64 * KiB, bf16, w2, k2).algo == "oneshot"  # 128 KiB: the default one-shot
+    assert AllReducePlan.from_numel(4 * KiB, bf16, w2, k2).protocol == "ll"
+    assert FusedPlan.from_shape(200, 2048, bf16, w2, k2).algo == "split"
     monkeypatch.setenv(tables.ENV_DIR, str(tmp_path))
-    monkeypatch.setattr(tables, "_APPLIED", {})  # as at import, with this directory's tables
-    before = _plan_state()
-    tables.apply_tables()
-    try:
-        applied = _plan_state()
-        assert P.ONESHOT_MAX_BYTES[2] == 64 * KiB and QP.QUANT_MIN_BYTES["int4"][2] == KiB and P.LL_MAX_BYTES[3] == 0
-        with tables.built_in_defaults():
-            assert _plan_state() == before
-        assert _plan_state() == applied
-    finally:
-        for world, (_, replaced) in tables._APPLIED.items():
-            tables.restore(world, replaced)
+    k2, k3, k4 = tables.knobs_for(2), tables.knobs_for(3), tables.knobs_for(4)
+    assert (k2.source, k3.source, k4.source) == ("w2.json", "w3.json", "defaults")
+    assert AllReducePlan.from_numel(64 * KiB, bf16, w2, k2).algo == "twoshot"
+    assert AllReducePlan.from_numel(64 * KiB, bf16, w4, k4).algo == "oneshot"
+    assert AllReducePlan.from_numel(4 * KiB, bf16, w2, k2).protocol == "flags"  # 8 KiB > 4 KiB
+    assert AllReducePlan.from_numel(2 * KiB, bf16, w2, k2).protocol == "ll"
+    assert AllReducePlan.from_numel(4 * KiB, bf16, w4, k4).protocol == "ll"
+    assert FusedPlan.from_shape(200, 2048, bf16, w2, k2).algo == "twoshot"  # 800 KiB
+    assert FusedPlan.from_shape(200, 2048, bf16, w4, k4).algo == "split"
+    assert k2.quant_min("int4") == KiB and k4.quant_min("int4") == 2 * MiB
+    assert k2.quant_min("fp8") is None and k2.quant_min("int8") == 4 * MiB
+    assert AllReducePlan.from_numel(16, bf16, WorkspaceLayout(3, MiB, 128), k3).algo == "twoshot"
+    moved = {f.name for f in dataclasses.fields(k2) if getattr(k2, f.name) != getattr(default_knobs(2), f.name)}
+    assert moved == {"source", "oneshot_max_bytes", "ll_max_bytes", "fused_twoshot_max_bytes",
+                     "fused_wide_twoshot_max_bytes", "quant_min_bytes"}  # the narrow knob's wide twin too
+    assert k4 == default_knobs(4)
 
 
 def test_gpu_model_names_for_table_files():
@@ -265,35 +229,20 @@ def test_a_gpu_models_table_replaces_the_any_model_table_and_a_missing_one_is_lo
     with open(tables.table_path(str(tmp_path), 2, "h100"), "w") as f:
         json.dump({"world_size": 2, "knobs": {"ONESHOT_MAX_BYTES": 32 * KiB, "LL_MAX_BYTES": 0}}, f)
     _write(tmp_path, 4, {"ONESHOT_MAX_BYTES": 8 * KiB})
-    assert tables.read_tables(str(tmp_path))[2] == {"ONESHOT_MAX_BYTES": 64 * KiB}
-    assert tables.read_tables(str(tmp_path), "h100")[2]["ONESHOT_MAX_BYTES"] == 32 * KiB
-    assert tables.read_tables(str(tmp_path), "h100")[4] == {"ONESHOT_MAX_BYTES": 8 * KiB}  # any model's
     monkeypatch.setenv(tables.ENV_DIR, str(tmp_path))
-    monkeypatch.setattr(tables, "_APPLIED", {})
-    monkeypatch.setattr(tables, "_GPU_MODEL", None)
-    monkeypatch.setattr(tables, "_GPU_TABLES_LOGGED", set())
-    before = _plan_state()
-    tables.apply_tables()
-    try:
-        assert P.ONESHOT_MAX_BYTES[2] == 64 * KiB
-        with caplog.at_level("WARNING", logger="tpfuse.comm"):
-            tables.use_gpu_tables("NVIDIA H100 80GB HBM3", 2)
-            tables.use_gpu_tables("NVIDIA H100 80GB HBM3", 4)
-            tables.use_gpu_tables("NVIDIA H100 80GB HBM3", 4)  # logged already: no second line
-            tables.use_gpu_tables("NVIDIA H100 80GB HBM3")  # applied already: nothing changes
-            with tables.applied(2, {"LL_MAX_BYTES": 7 * KiB}):
-                assert P.LL_MAX_BYTES[2] == 7 * KiB and P.ONESHOT_MAX_BYTES[2] == 32 * KiB
-        assert P.ONESHOT_MAX_BYTES[2] == 32 * KiB and P.LL_MAX_BYTES[2] == 0
-        assert P.ONESHOT_MAX_BYTES[4] == 8 * KiB
-        lines = [r.getMessage() for r in caplog.records]
-        assert len(lines) == 1, lines
-        assert "NVIDIA H100 80GB HBM3 at world size 4" in lines[0] and "w4.json (measured on test)" in lines[0]
-        with tables.built_in_defaults():
-            assert _plan_state() == before
-    finally:
-        for world, (_, replaced) in tables._APPLIED.items():
-            tables.restore(world, replaced)
-    assert _plan_state() == before
+    monkeypatch.setattr(tables, "_LOGGED", set())
+    h100 = "NVIDIA H100 80GB HBM3"
+    with caplog.at_level("WARNING", logger="tpfuse.comm"):
+        assert tables.knobs_for(2).oneshot_max_bytes == 64 * KiB  # no GPU: the table for any model
+        k2 = tables.knobs_for(2, h100)
+        assert (k2.source, k2.oneshot_max_bytes, k2.ll_max_bytes) == ("w2-h100.json", 32 * KiB, 0)
+        assert tables.knobs_for(4, h100).oneshot_max_bytes == 8 * KiB  # any model's
+        assert tables.knobs_for(4, h100).source == "w4.json"  # logged already: no second line
+        assert tables.knobs_for(8, h100) == default_knobs(8)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines
+    assert f"{h100} at world size 4" in lines[0] and "w4.json (measured on test)" in lines[0]
+    assert f"{h100} at world size 8" in lines[1] and "the defaults" in lines[1]
 
 
 def test_table_dir_is_the_environment_variable_when_set(monkeypatch, tmp_path):
@@ -326,7 +275,7 @@ def test_invalid_tables_raise_naming_the_file_and_key(tmp_path, table, key):
     with open(path, "w") as f:
         json.dump(table, f)
     with pytest.raises(ValueError, match=re.escape(path) + ".*" + re.escape(key)):
-        tables.read_tables(str(tmp_path))
+        tables.read_table(path)
 
 
 def test_a_file_that_is_not_json_raises_naming_it(tmp_path):
@@ -339,7 +288,7 @@ def test_a_file_that_is_not_json_raises_naming_it(tmp_path):
 
 def test_a_table_without_wide_knobs_gives_wide_rows_its_narrow_ones(tmp_path):
     _write(tmp_path, 2, {"FUSED_ONESHOT_MAX_BYTES": 3 * MiB, "FUSED_LL_MAX_BYTES": 0, "FUSED_WIDE_LL_MAX_BYTES": KiB})
-    knobs = tables.read_tables(str(tmp_path))[2]
+    knobs = tables.read_table(tables.table_path(str(tmp_path), 2))["knobs"]
     assert knobs["FUSED_WIDE_ONESHOT_MAX_BYTES"] == 3 * MiB  # from its narrow twin
     assert knobs["FUSED_WIDE_LL_MAX_BYTES"] == KiB  # its own
     assert "FUSED_WIDE_TWOSHOT_MAX_BYTES" not in knobs  # no twin either: the default stays
@@ -420,23 +369,3 @@ def test_tune_killed_after_a_sweep_leaves_the_sweeps_done(tmp_path):
         done = re.match(r"written after the (\w+) sweep", stopped).group(1)
         assert swept == set(tune.SWEEPS[:tune.SWEEPS.index(done) + 1])
         assert stopped in (out / "tune_w2_bf16.md").read_text()
-
-
-def _communicator_with_other_knobs_on_rank_1():
-    import torch.distributed as dist
-
-    from tpfuse.comm import Communicator
-
-    with tables.applied(2, {"ONESHOT_MAX_BYTES": 4096} if dist.get_rank() == 1 else {}):
-        try:
-            Communicator(max_bytes=1 << 16).close()
-        except ValueError as e:
-            return str(e)
-    return "created"
-
-
-def test_ranks_with_different_tables_refuse_to_create_a_communicator():
-    from tests.multiproc import run_ranks
-
-    for message in run_ranks(2, _communicator_with_other_knobs_on_rank_1):
-        assert "same plan tables" in message, message

@@ -57,7 +57,7 @@ def _measure_size(nbytes, dtype, comm, symm, flashinfer, world, rank):
         runs["flashinfer"] = (lambda x: flashinfer.all_reduce(x.view(rows, -1), fi_out).view(-1), pool)
     for algo in ("auto", "oneshot", "twoshot"):
         try:
-            AllReducePlan.from_numel(n, world, dtype, comm.layout, algo)
+            AllReducePlan.from_numel(n, dtype, comm.layout, comm.knobs, algo)
         except ValueError:
             continue  # this algorithm does not serve this size with this workspace
         runs[f"tpfuse_{algo}"] = ((lambda a: lambda x: comm.all_reduce(x, algo=a))(algo), pool)
@@ -75,7 +75,7 @@ def _measure_size(nbytes, dtype, comm, symm, flashinfer, world, rank):
         rec = dict(size_bytes=nbytes, method=method, us=round(us, 2), bitwise=bool(bitwise),
                    busbw_gbps=round(2 * (world - 1) / world * nbytes / (us * 1e-6) / 1e9, 1))
         if method in ("tpfuse_auto", "tpfuse_oneshot"):
-            plan = AllReducePlan.from_numel(n, world, dtype, comm.layout, method.removeprefix("tpfuse_"))
+            plan = AllReducePlan.from_numel(n, dtype, comm.layout, comm.knobs, method.removeprefix("tpfuse_"))
             rec["algo"] = plan.algo + (f"/{plan.protocol}" if plan.algo == "oneshot" else "")
         records.append(rec)
     return records
@@ -148,7 +148,7 @@ def _gpu_worker(rank: int, world: int, port: int | None, opts: dict) -> None:
         wrong = [f"{fmt_size(r['size_bytes'])} {r['method']}" for r in records
                  if r["method"].startswith("tpfuse") and not r["bitwise"]]
         if rank == 0:
-            header = collective_header(world) | {"dtype": opts["dtype"], "tpfuse_max_bytes": max_bytes}
+            header = collective_header(comm) | {"dtype": opts["dtype"], "tpfuse_max_bytes": max_bytes}
             if flashinfer is not None:
                 header["flashinfer"] = flashinfer.version
             md = _markdown(records, header, world, opts["dtype"], max_bytes)

@@ -78,12 +78,10 @@ def gpu_topology() -> str:
     return " ".join(rows[0][:1 + torch.cuda.device_count()]) if rows else "unknown"
 
 
-def collective_header(world: int) -> dict:
+def collective_header(comm) -> dict:
     """``run_header`` and what a collective's timings depend on beyond the commit: the world
-    size and the plan knobs in effect there (the defaults, or a table's: tpfuse.comm.tables)."""
-    from tpfuse.comm import tables
-
-    return run_header() | {"world_size": world, "plan_knobs": tables.effective_knobs(world)}
+    size and the knobs of ``comm`` (a Communicator; the defaults, or a table's)."""
+    return run_header() | {"world_size": comm.world_size, "knobs": comm.knobs.as_dict()}
 
 
 def graph_time_us(fn: Callable[[int], object], calls_per_graph: int = 20, repeats: int = 5,

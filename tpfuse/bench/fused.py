@@ -74,7 +74,7 @@ def _measure_shape(tokens, hidden, comm, flashinfer, world, rank):
     for name, fn in methods.items():
         if name in ("oneshot", "twoshot"):
             try:
-                FusedPlan.from_shape(tokens, hidden, world, x.dtype, comm.layout, name)
+                FusedPlan.from_shape(tokens, hidden, x.dtype, comm.layout, comm.knobs, name)
             except ValueError:
                 continue  # this algorithm does not serve the shape with this workspace
         try:
@@ -94,7 +94,7 @@ def _measure_shape(tokens, hidden, comm, flashinfer, world, rank):
         bitwise = name == "nccl_torch" or (all(same) and spec_ok)
         rec = dict(tokens=tokens, hidden=hidden, method=name, us=round(us, 2), bitwise=bool(bitwise)) | peer_bits
         if name == "auto":
-            plan = FusedPlan.from_shape(tokens, hidden, world, x.dtype, comm.layout)
+            plan = FusedPlan.from_shape(tokens, hidden, x.dtype, comm.layout, comm.knobs)
             rec["algo"] = plan.algo + (f"/{plan.protocol}" if plan.algo == "oneshot" else "")
         records.append(rec)
     return records
@@ -148,7 +148,7 @@ def _gpu_worker(rank: int, world: int, port: int | None, opts: dict) -> None:
         wrong = [f"{r['tokens']}x{r['hidden']} {r['method']}" for r in records
                  if not r["bitwise"] and r["method"] != "flashinfer"]
         if rank == 0:
-            header = collective_header(world) | {"dtype": "bf16", "tpfuse_max_bytes": max_bytes}
+            header = collective_header(comm) | {"dtype": "bf16", "tpfuse_max_bytes": max_bytes}
             if flashinfer is not None:
                 header["flashinfer"] = flashinfer.version
             md = _markdown(records, header, world)

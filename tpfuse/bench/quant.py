@@ -11,7 +11,7 @@ result is bitwise equal to its contract (``tpfuse.reference.all_reduce`` for the
 ``quantized_all_reduce`` for the codecs, checked on the device). The quantized calls pass
 ``quant_min_bytes=0`` so that every size is measured on the quantized path; the markdown ends
 with the smallest size from which each codec beats both NCCL and the exact path at every
-larger size measured (the value for ``tpfuse.comm.quant_plan.QUANT_MIN_BYTES``).
+larger size measured (the value for ``Knobs.quant_min_bytes``).
 
 Without two GPUs: two CPU ranks under Triton's interpreter check bits and errors on a few
 small sizes (timings need GPUs).
@@ -121,16 +121,19 @@ def _markdown(records, header, world, dtype_name, max_bytes, quant_max_bytes) ->
         md += f"| {fmt_size(s)} | " + " | ".join(
             "-" if (s, m) not in by else f"{100 * by[(s, m)]['rel_err']:.3f}" for m in METHODS) + " |\n"
     budget = ", ".join(f"{c} {100 * b:g}%" for c, b in reference.QUANT_ERROR_BUDGET.items())
-    md += f"\nError budget: {budget}.\n\nSuggested QUANT_MIN_BYTES[codec][{world}] (smallest size from which the codec "
+    md += f"\nError budget: {budget}.\n\nSuggested QUANT_MIN_BYTES (a table's; Knobs.quant_min_bytes) at W={world} (smallest size from which the codec "
     md += "beats NCCL and the exact path at every larger size): "
     md += ", ".join(f"{c}: {'never' if s is None else fmt_size(s)}" for c, s in suggested_min_bytes(records).items())
     return md + "\n"
 
 
 def gpu_worker(rank: int, world: int, port: int | None, opts: dict) -> None:
-    from tpfuse.comm import Communicator
+    """One rank of the GPU run; ``opts["knob_changes"]`` (scripts/tune_quant.py) changes the
+    communicators' default knobs."""
+    from tpfuse.comm import Communicator, knobs_for
 
     init_rank(rank, world, port, "nccl")
+    knobs = knobs_for(world, torch.cuda.get_device_name()).replace(**opts.get("knob_changes", {}))
     dtype = DTYPES[opts["dtype"]]
     lo = opts["min_bytes"] or QUANT_SIZES[0]
     hi = opts["max_bytes"] or QUANT_SIZES[-1]
@@ -140,9 +143,9 @@ def gpu_worker(rank: int, world: int, port: int | None, opts: dict) -> None:
     try:
         records = []
         with contextlib.ExitStack() as stack:
-            comm = stack.enter_context(Communicator(max_bytes=max_bytes))
+            comm = stack.enter_context(Communicator(max_bytes=max_bytes, knobs=knobs))
             qcomm = comm if quant_max_bytes == max_bytes else stack.enter_context(
-                Communicator(max_bytes=quant_max_bytes))
+                Communicator(max_bytes=quant_max_bytes, knobs=knobs))
             for nbytes in sizes:
                 records += _measure_size(nbytes, dtype, comm, qcomm, world, rank)
                 torch.cuda.empty_cache()  # the next size's inputs may need what this size cached
@@ -155,7 +158,7 @@ def gpu_worker(rank: int, world: int, port: int | None, opts: dict) -> None:
         over = [f"{fmt_size(r['size_bytes'])} {r['method']} {100 * r['rel_err']:.2f}%" for r in records
                 if _quantized(r["method"]) and r["rel_err"] > reference.QUANT_ERROR_BUDGET[_quantized(r["method"])]]
         if rank == 0:
-            header = collective_header(world) | {"dtype": opts["dtype"], "tpfuse_max_bytes": max_bytes,
+            header = collective_header(comm) | {"dtype": opts["dtype"], "tpfuse_max_bytes": max_bytes,
                                      "quant_max_bytes": quant_max_bytes, "input": "gaussian"}
             md = _markdown(records, header, world, opts["dtype"], max_bytes, quant_max_bytes)
             print(md)

@@ -240,9 +240,9 @@ class _Sweeper:
             algo = method.split("_")[0]
             if nbytes > sweep_max.get(method, nbytes):
                 continue
-            with tables.applied(self.world, knobs[method]):
+            with self.comm.using_knobs(tables.with_table(self.comm.knobs, knobs[method], "tune")):
                 try:
-                    AllReducePlan.from_numel(n, self.world, DTYPE, layout, algo)
+                    AllReducePlan.from_numel(n, DTYPE, layout, self.comm.knobs, algo)
                 except ValueError:
                     continue  # the workspace cannot serve it: not measured, never chosen
                 self.time("allreduce", nbytes, method, (lambda a: lambda i: self.comm.all_reduce(pool[i], algo=a))(
@@ -267,9 +267,10 @@ class _Sweeper:
                  "oneshot_flags": {ll: 0, lamport: 0}}
         for method in FUSED_CHAIN:
             algo = method.split("_")[0]
-            with tables.applied(self.world, {**knobs.get(method, {}), "FUSED_ROWS_MAX_BYTES": 0}):
+            no_rows = {**knobs.get(method, {}), "FUSED_ROWS_MAX_BYTES": 0}
+            with self.comm.using_knobs(tables.with_table(self.comm.knobs, no_rows, "tune")):
                 try:
-                    plan = FusedPlan.from_shape(tokens, hidden, self.world, DTYPE, self.comm.layout, algo)
+                    plan = FusedPlan.from_shape(tokens, hidden, DTYPE, self.comm.layout, self.comm.knobs, algo)
                 except ValueError:
                     continue
                 if method.startswith("oneshot") and plan.protocol != method.removeprefix("oneshot_"):
@@ -332,8 +333,9 @@ def _worker(rank: int, world: int, port: int | None, opts: dict) -> None:
     sizes = opts["sizes"] or (CPU_SIZES if INTERPRETER else SIZES)
     max_bytes, region_knobs = _workspace_bytes(sizes, world)
     try:
-        with tables.applied(world, region_knobs):  # sizes the workspace's LL regions
-            comm = Communicator(max_bytes=max_bytes, timeout_s=60 if INTERPRETER else 30)
+        knobs = tables.knobs_for(world, None if INTERPRETER else torch.cuda.get_device_name())
+        comm = Communicator(max_bytes=max_bytes, timeout_s=60 if INTERPRETER else 30,
+                            knobs=tables.with_table(knobs, region_knobs, "tune"))  # sizes the LL regions
         if comm.layout is None:
             raise RuntimeError(f"no peer workspace, so nothing to tune: {comm.fallback_reason}")
         timings, stopped = {}, None
@@ -341,7 +343,7 @@ def _worker(rank: int, world: int, port: int | None, opts: dict) -> None:
             sweeper = _Sweeper(comm, world, rank, opts["budget_s"], opts["t0"])
             try:
                 for sweep in SWEEPS:
-                    with tables.applied(world, derive_knobs(timings)):  # what "auto" will do
+                    with comm.using_knobs(tables.with_table(knobs, derive_knobs(timings), "tune")):  # as "auto" will
                         for nbytes in sizes:
                             sweeper.run(sweep, nbytes)
                             if rank == 0:

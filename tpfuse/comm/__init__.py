@@ -1,10 +1,7 @@
-"""Collectives over peer memory: ``Communicator`` and its errors."""
+"""Collectives over peer memory: ``Communicator``, its errors, and its settings (``Knobs``)."""
 
-from tpfuse.comm import tables
 from tpfuse.comm.communicator import CommError, CommTimeoutError, Communicator
+from tpfuse.comm.knobs import Knobs, Launch, default_knobs
+from tpfuse.comm.tables import knobs_for
 
-# Measured tables (tables/w{W}.json) replace the plans' defaults for their world size. Here,
-# so that the plan modules are complete first and every import path sees the tables applied.
-tables.apply_tables()
-
-__all__ = ["Communicator", "CommError", "CommTimeoutError"]
+__all__ = ["Communicator", "CommError", "CommTimeoutError", "Knobs", "Launch", "default_knobs", "knobs_for"]

@@ -18,7 +18,7 @@ Ops (every rank of the group must call them in the same order, with the same sha
 
 - ``tpfuse::all_reduce(x, group_name, algo) -> Tensor``
 - ``tpfuse::quantized_all_reduce(x, group_name, codec, min_bytes) -> Tensor`` (min_bytes:
-  None = the codec's table, ``tpfuse.comm.quant_plan``)
+  None = the codec's entry of the communicator's ``knobs.quant_min_bytes``)
 - ``tpfuse::all_reduce_add_rms_norm(x, residual, weight, eps, weight_offset, group_name,
   algo) -> (y, residual_out)``
 - ``tpfuse::all_reduce_add_rms_norm_(...)`` the same arguments, writes residual_out into

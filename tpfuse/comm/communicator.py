@@ -3,6 +3,7 @@ group's backend as fallback."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
@@ -15,15 +16,18 @@ import torch.distributed as dist
 from tpfuse import _runtime
 from tpfuse.comm import collective_ops
 from tpfuse.comm import tables
+from tpfuse.comm.knobs import Knobs
 from tpfuse.comm.peer_memory import PeerMemory, PeerMemoryUnavailable
 from tpfuse.comm.plan import AllReducePlan, FusedPlan, check_algo, check_fused_algo, workspace_layout
-from tpfuse.comm.quant_plan import QuantPlan, check_quant, default_quant_min_bytes
+from tpfuse.comm.quant_plan import QuantPlan, check_quant
 from tpfuse.comm.workspace import WorkspaceLayout
 from tpfuse.kernels.allreduce import OP_NAMES, all_reduce_into
 from tpfuse.kernels.fused import all_reduce_norm_into
 from tpfuse.kernels.quant_allreduce import quant_all_reduce_into
 from tpfuse.kernels.sync import STATUS_WORDS, decode_status
-from tpfuse.norm_ops import add_rms_norm, check_norm_args, rms_norm
+from tpfuse.kernels.norm import rms_norm_fwd
+from tpfuse.kernels.peer import PeerContext
+from tpfuse.norm_ops import check_norm_args
 
 MAX_WORLD_SIZE = 8
 
@@ -58,8 +62,12 @@ class CommTimeoutError(CommError):
 class Communicator:
     """Exact all-reduce among the ranks of a process group on one node.
 
-    ``Communicator(group=None, *, max_bytes=None, timeout_s=30.0)`` is collective: every rank
-    of ``group`` (default: the world group) constructs it, with the same arguments. It
+    ``Communicator(group=None, *, max_bytes=None, timeout_s=30.0, knobs=None)`` is collective:
+    every rank of ``group`` (default: the world group) constructs it, with the same arguments.
+    ``knobs`` (``tpfuse.comm.Knobs``, at the group's world size) are the settings its plans
+    read, fixed for its lifetime (``self.knobs``); by default the measured table of this GPU
+    model and world size over the defaults (``tpfuse.comm.knobs_for``). Every rank must have
+    the same knobs: the constructor checks. It
     allocates its peer workspace once (``workspace_bytes`` per rank, about 4 * max_bytes, plus
     2 * world_size slots of the larger of twice the LL messages' and the Lamport messages' bytes
     and one more of the larger for the fused kernel's rows, and 3 * world_size slots of the
@@ -104,7 +112,7 @@ class Communicator:
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, max_bytes: int | None = None,
-                 timeout_s: float = 30.0):
+                 timeout_s: float = 30.0, knobs: Knobs | None = None):
         if not dist.is_initialized():
             raise RuntimeError("Communicator needs torch.distributed to be initialized (init_process_group)")
         if not timeout_s > 0:
@@ -120,6 +128,13 @@ class Communicator:
         if not isinstance(max_bytes, int) or not 0 < max_bytes <= MAX_MAX_BYTES:
             raise ValueError(f"max_bytes must be an int in (0, {MAX_MAX_BYTES}], got {max_bytes!r}")
         self.max_bytes = max_bytes
+        if knobs is None:
+            knobs = tables.knobs_for(self.world_size,
+                                     torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None)
+        if not isinstance(knobs, Knobs) or knobs.world_size != self.world_size:
+            raise ValueError(f"knobs must be a tpfuse.comm.Knobs of world_size {self.world_size}, got {knobs!r}")
+        self.knobs = knobs.check()
+        """The settings every plan of this communicator reads (the same on every rank)."""
         self.layout: WorkspaceLayout | None = None
         self._peer: PeerMemory | None = None
         self._failure: Exception | None = None
@@ -141,23 +156,22 @@ class Communicator:
 
     def _setup(self) -> None:
         peers = [None] * self.world_size
-        # The plans' knobs come from files each rank reads (tpfuse.comm.tables), per world size
-        # and GPU model; ranks whose knobs differ would pick different algorithms and layouts.
-        if self.device.type == "cuda":
-            tables.use_gpu_tables(torch.cuda.get_device_name(self.device), self.world_size)
-        knobs = json.dumps(tables.effective_knobs(self.world_size), sort_keys=True)
+        # Ranks whose knobs differ (other tables, or other knobs passed) would pick different
+        # algorithms and layouts.
+        knobs = json.dumps(self.knobs.as_dict(), sort_keys=True)
         dist.all_gather_object(peers, (socket.gethostname(), self.max_bytes, knobs), group=self.group)
         if len({m for _, m, _ in peers}) > 1:
             raise ValueError(f"every rank must pass the same max_bytes; got {[m for _, m, _ in peers]}")
         if len({k for _, _, k in peers}) > 1:
-            raise ValueError("every rank must read the same plan tables (tpfuse/comm/tables, or TPFUSE_TABLE_DIR on "
-                             f"every rank alike); the ranks' knobs: {[k for _, _, k in peers]}")
+            raise ValueError("every rank must have the same knobs (the same tables in tpfuse/comm/tables, or "
+                             f"TPFUSE_TABLE_DIR on every rank alike, or the same knobs=); the ranks': "
+                             f"{[k for _, _, k in peers]}")
         if len({h for h, _, _ in peers}) > 1:
             self.fallback_reason = f"the group spans nodes {sorted({h for h, _, _ in peers})}"
         elif self.world_size > MAX_WORLD_SIZE:
             self.fallback_reason = f"world size {self.world_size} > {MAX_WORLD_SIZE}"
         else:
-            layout = workspace_layout(self.world_size, self.max_bytes)
+            layout = workspace_layout(self.knobs, self.max_bytes)
             try:
                 self._peer = PeerMemory(self.group, layout.total_bytes, self.device)
                 self.layout = layout
@@ -174,7 +188,10 @@ class Communicator:
         # into the device's address space on CUDA), so the host reads it without a sync.
         self._status = torch.zeros(STATUS_WORDS, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         self._status_view = self._status.numpy()  # reading it costs ~100 ns, not a tensor op
-        self._table = torch.tensor(self._peer.buffer_ptrs, dtype=torch.int64, device=self.device)
+        table = torch.tensor(self._peer.buffer_ptrs, dtype=torch.int64, device=self.device)
+        self._peers = PeerContext(table, tuple(self._peer.buffer_ptrs), self._status.data_ptr(), self.rank,
+                                  self.layout, int(self.timeout_s * 1e9))
+        """What every launch takes besides its plan (``tpfuse.kernels.peer.PeerContext``)."""
 
     @property
     def workspace_bytes(self) -> int:
@@ -193,9 +210,8 @@ class Communicator:
         summation order is its own.
 
         With ``quant`` ("fp8", "int8", "int6" or "int4"), messages of at least
-        ``quant_min_bytes`` bytes (default: the per-codec, per-world-size table
-        ``tpfuse.comm.quant_plan.QUANT_MIN_BYTES``) take the quantized two-shot path: each rank
-        sends its contribution group-quantized (32 values per scale), the owner of each chunk
+        ``quant_min_bytes`` bytes (default: the codec's entry of ``self.knobs.quant_min_bytes``)
+        take the quantized two-shot path: each rank sends its contribution group-quantized (32 values per scale), the owner of each chunk
         sums the decoded contributions in fp32 in rank order and sends the re-quantized sum,
         and every rank decodes the same bytes. The result is
         ``tpfuse.reference.quantized_all_reduce`` bit for bit, identical on every rank and
@@ -253,9 +269,13 @@ class Communicator:
         """``torch.ops.tpfuse.all_reduce``'s implementation: ``all_reduce(x, algo=algo)``."""
         self._check_input(x)
         check_algo(algo)
+        return self._reduce(x, algo)
+
+    def _reduce(self, x: torch.Tensor, algo: str) -> torch.Tensor:
+        """The all-reduce of checked arguments."""
         if x.numel() == 0 or self.world_size == 1:
             return x.clone(memory_format=torch.contiguous_format)
-        plan = AllReducePlan.from_numel(x.numel(), self.world_size, x.dtype, self.layout, algo)
+        plan = AllReducePlan.from_numel(x.numel(), x.dtype, self.layout, self.knobs, algo)
         if plan.algo == "nccl":
             # A silent loss of the bitwise contract would surprise: warn unless it was asked for.
             level = logging.INFO if algo == "nccl" else logging.WARNING
@@ -265,10 +285,7 @@ class Communicator:
             return out
         src = _runtime.aligned_contiguous(x)
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        all_reduce_into(src, out, algo=plan.algo, grid=plan.grid, block=plan.block, num_warps=plan.num_warps,
-                        chunk=plan.chunk, gather=plan.gather, protocol=plan.protocol, table=self._table,
-                        table_addrs=self._peer.buffer_ptrs, status_addr=self._status.data_ptr(), rank=self.rank,
-                        layout=self.layout, timeout_ns=int(self.timeout_s * 1e9))
+        all_reduce_into(src, out, plan, self._peers)
         if _runtime.INTERPRETER:
             self._check_usable()
         return out
@@ -281,18 +298,18 @@ class Communicator:
         if x.numel() == 0 or self.world_size == 1:
             return x.clone(memory_format=torch.contiguous_format)
         out = self._quantized_segments(x, codec, min_bytes)
-        return self._all_reduce(x, "auto") if out is None else out
+        return self._reduce(x, "auto") if out is None else out
 
     def _quantized_segments(self, x: torch.Tensor, codec: str, min_bytes: int | None) -> torch.Tensor | None:
         """The quantized all-reduce of x, or None when the exact path serves this call."""
-        threshold = default_quant_min_bytes(codec, self.world_size) if min_bytes is None else min_bytes
+        threshold = self.knobs.quant_min(codec) if min_bytes is None else min_bytes
         if threshold is None or x.numel() * x.element_size() < threshold:
             return None
         if self.layout is None:
             self._log_once(logging.INFO, f"tpfuse all_reduce(quant={codec!r}) is exact: no peer workspace")
             return None
         try:
-            plan = QuantPlan.for_layout(self.layout, x.dtype, codec)
+            plan = QuantPlan.for_layout(self.layout, x.dtype, codec, self.knobs)
         except ValueError as e:
             self._log_once(logging.INFO, f"tpfuse all_reduce(quant={codec!r}) is exact: {e}")
             return None
@@ -301,11 +318,7 @@ class Communicator:
         flat = out.view(-1)
         for seg in plan.segments(x.numel()):
             part = slice(seg.start, seg.start + seg.numel)
-            quant_all_reduce_into(src[part], flat[part], codec=codec, chunk=seg.chunk, grid=seg.grid,
-                                  block=seg.block, num_warps=seg.num_warps, planes=plan.planes,
-                                  scale_offset=plan.scale_offset, table=self._table,
-                                  table_addrs=self._peer.buffer_ptrs, status_addr=self._status.data_ptr(),
-                                  rank=self.rank, layout=self.layout, timeout_ns=int(self.timeout_s * 1e9))
+            quant_all_reduce_into(src[part], flat[part], plan, seg, self._peers)
             if _runtime.INTERPRETER:
                 self._check_usable()  # a failed segment must not start the next one
         return out
@@ -363,39 +376,61 @@ class Communicator:
         return torch.ops.tpfuse.all_reduce_rms_norm(x, weight, float(eps), float(weight_offset), self.group_name, algo)
 
     def _all_reduce_norm(self, x, residual, weight, eps, weight_offset, algo, inplace):
-        """The fused ops' implementation (``tpfuse.comm.collective_ops``): the methods above."""
+        """The fused ops' implementation (``tpfuse.comm.collective_ops``), where their arguments
+        are checked: the methods above, and ``torch.ops.tpfuse`` called directly."""
         self._check_usable()
         self._check_args(x, residual, weight, eps, weight_offset, norm=True)
         check_fused_algo(algo)
         n = x.shape[-1]
         plan = (FusedPlan("split", reason="one rank") if self.world_size == 1 or x.numel() == 0 else
-                FusedPlan.from_shape(x.numel() // n, n, self.world_size, x.dtype, self.layout, algo))
-        if plan.algo == "split":
-            reduced = self._all_reduce(x, "auto")
-            if residual is None:
-                return rms_norm(reduced, weight, eps, weight_offset=weight_offset), reduced
-            return add_rms_norm(reduced, residual, weight, eps, weight_offset=weight_offset, inplace=inplace)
+                FusedPlan.from_shape(x.numel() // n, n, x.dtype, self.layout, self.knobs, algo))
         x2 = _runtime.aligned_contiguous(x.reshape(-1, n))
         res2 = None if residual is None else _runtime.aligned_contiguous(residual.reshape(-1, n))
+        w = None if weight is None else _runtime.aligned_contiguous(weight)
         y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         # In place, the kernels may write residual_out over the residual (rms_norm_fwd).
         if inplace and res2.data_ptr() == residual.data_ptr():
             res_out = res2
         else:
             res_out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-        all_reduce_norm_into(x2, None if weight is None else _runtime.aligned_contiguous(weight), res2,
-                             y.view(-1, n), res_out, float(eps), float(weight_offset), algo=plan.algo, grid=plan.grid,
-                             rows_per_group=plan.rows_per_group, protocol=plan.protocol,
-                             whole_tiles=plan.whole_tiles, piece_elems=plan.piece_elems, table=self._table,
-                             table_addrs=self._peer.buffer_ptrs, status_addr=self._status.data_ptr(), rank=self.rank,
-                             layout=self.layout, timeout_ns=int(self.timeout_s * 1e9))
-        if _runtime.INTERPRETER:
-            self._check_usable()
+        if plan.algo == "split":  # the unfused composition, on the same kernels as tpfuse.add_rms_norm
+            reduced = self._reduce(x2, "auto")
+            if x.numel():
+                rms_norm_fwd(reduced, w, y.view(-1, n), float(eps), float(weight_offset),
+                             *(() if res2 is None else (res2, res_out)))
+            if residual is None:
+                return y, reduced.view(x.shape)
+        else:
+            all_reduce_norm_into(x2, w, res2, y.view(-1, n), res_out, float(eps), float(weight_offset), plan,
+                                 self._peers)
+            if _runtime.INTERPRETER:
+                self._check_usable()
         if inplace:
             if res_out.data_ptr() != residual.data_ptr():
                 residual.copy_(res_out.view(residual.shape))
             return y, residual
         return y, res_out.view(x.shape)
+
+    @contextlib.contextmanager
+    def using_knobs(self, knobs: Knobs):
+        """For experiments (``tpfuse tune``): the plans read ``knobs`` for the duration of a
+        with-block, then this communicator's own again. Collective: every rank enters it with
+        the same knobs, which it checks. The workspace stays as constructed; knobs that reach
+        past its regions are capped by them, as always."""
+        self._check_open()
+        if not isinstance(knobs, Knobs) or knobs.world_size != self.world_size:
+            raise ValueError(f"knobs must be a tpfuse.comm.Knobs of world_size {self.world_size}, got {knobs!r}")
+        knobs.check()
+        if self.world_size > 1:
+            peers = [None] * self.world_size
+            dist.all_gather_object(peers, json.dumps(knobs.as_dict(), sort_keys=True), group=self.group)
+            if len(set(peers)) > 1:
+                raise ValueError(f"using_knobs: every rank must pass the same knobs; the ranks': {peers}")
+        own, self.knobs = self.knobs, knobs
+        try:
+            yield self
+        finally:
+            self.knobs = own
 
     def check(self) -> None:
         """Synchronize the device, then raise CommTimeoutError if any call so far failed."""

@@ -1,7 +1,7 @@
 """How a quantized all-reduce runs: when it is used, its segments and launch shape.
 
-Everything here is derived from (numel, world size, dtype, codec, workspace layout), which
-every rank has identically, so every rank launches the identical sequence of grids
+Everything here is derived from (numel, dtype, codec, workspace layout, knobs), which every
+rank has identically, so every rank launches the identical sequence of grids
 (docs/design.md 2.5).
 
 **Segments.** A quantized call moves packed data through the same two-shot scatter and
@@ -27,39 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from tpfuse._runtime import INTERPRETER
-from tpfuse.comm.plan import for_world
+from tpfuse.comm.knobs import Knobs
 from tpfuse.comm.workspace import ALIGN, WorkspaceLayout
 from tpfuse.quant_format import QUANT_CODECS, QUANT_GROUP, packed_layout
-
-MiB = 1024 * 1024
-
-
-# ---- The quantized path's knobs; what chose each value: benchmarks/NOTES.md, "Knobs".
-QUANT_MIN_BYTES: dict[str, dict[int, int | None]] = {
-    "int4": {2: 2 * MiB, 4: 2 * MiB, 8: None},
-    "int6": {2: 4 * MiB, 4: 4 * MiB, 8: None},
-    "int8": {2: 4 * MiB, 4: 4 * MiB, 8: None},
-    "fp8": {2: 8 * MiB, 4: 8 * MiB, 8: None},
-}
-"""Smallest message (input bytes) that takes the quantized path when a codec is requested, by
-codec and world size (others: W=8's); None: never (W=8 is not measured). Smaller messages take
-the exact path; ``quant_min_bytes=`` overrides it per call, a table per world size and GPU
-model replaces these defaults (tpfuse.comm.tables)."""
-QUANT_TILE = (dict.fromkeys(QUANT_CODECS, 8192) if INTERPRETER else
-              {"int4": 16384, "int6": 16384, "int8": 16384, "fp8": 8192})
-"""Elements per tile (a multiple of 32: TILE / 32 groups), by codec, on large segments. The
-interpreter pays per operation, so it takes large tiles."""
-QUANT_SMALL_TILE = 4096 if INTERPRETER else 8192
-"""The tile of segments of at most QUANT_SMALL_TILE_MAX_CHUNK elements per rank, so that every
-CTA still gets several tiles."""
-QUANT_SMALL_TILE_MAX_CHUNK = {8: 1 << 14} if INTERPRETER else {2: 1 << 22, 8: 1 << 23}
-QUANT_NUM_WARPS = {2: 32, 8: 16}
-"""Warps per CTA on the large tile, by world size (others: W=8's)."""
-QUANT_SMALL_NUM_WARPS = 16
-"""Warps per CTA on the small tile."""
-QUANT_MAX_CTAS = 4 if INTERPRETER else 128
-"""CTAs per launch; every CTA resident at once (tpfuse.kernels.sync), at or below the SM count."""
 
 
 def check_quant(quant: str | None, quant_min_bytes: int | None) -> None:
@@ -72,11 +42,6 @@ def check_quant(quant: str | None, quant_min_bytes: int | None) -> None:
             raise ValueError("quant_min_bytes needs quant= (a codec)")
         if isinstance(quant_min_bytes, bool) or not isinstance(quant_min_bytes, int) or quant_min_bytes < 0:
             raise ValueError(f"quant_min_bytes must be an int >= 0, got {quant_min_bytes!r}")
-
-
-def default_quant_min_bytes(codec: str, world_size: int) -> int | None:
-    """The message size from which ``codec`` is used (QUANT_MIN_BYTES), None for never."""
-    return for_world(QUANT_MIN_BYTES[codec], world_size)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -121,24 +86,17 @@ class QuantPlan:
     max_ctas: int
 
     @classmethod
-    def for_layout(cls, layout: WorkspaceLayout, dtype: torch.dtype, codec: str) -> "QuantPlan":
-        """The plan for ``codec`` on messages of ``dtype`` over workspaces of ``layout``.
-        Raises ValueError when a slot cannot hold even one chunk unit."""
-        # Cached per knob values too, so that changing a knob (tests, tuning) takes effect.
+    @functools.lru_cache(maxsize=None)
+    def for_layout(cls, layout: WorkspaceLayout, dtype: torch.dtype, codec: str, knobs: Knobs) -> "QuantPlan":
+        """The plan for ``codec`` on messages of ``dtype`` over workspaces of ``layout``, with
+        ``knobs``'s quant_* launch shapes (cached: every call of a communicator asks). Raises
+        ValueError when a slot cannot hold even one chunk unit."""
         if codec not in QUANT_CODECS:
             raise ValueError(f"unknown codec {codec!r}")
-        world = layout.world_size
-        return cls._build(layout, dtype, codec, QUANT_TILE[codec], QUANT_SMALL_TILE,
-                          for_world(QUANT_SMALL_TILE_MAX_CHUNK, world), for_world(QUANT_NUM_WARPS, world),
-                          QUANT_SMALL_NUM_WARPS, QUANT_MAX_CTAS)
-
-    @classmethod
-    @functools.lru_cache(maxsize=None)
-    def _build(cls, layout: WorkspaceLayout, dtype: torch.dtype, codec: str, block: int, small_block: int,
-               small_max_chunk: int, num_warps: int, small_num_warps: int, max_ctas: int) -> "QuantPlan":
+        block, small_block = knobs.quant_tile_of(codec), knobs.quant_small_tile
         unit = max(QUANT_GROUP, ALIGN // dtype.itemsize)
         if block % unit or small_block % unit:
-            raise ValueError(f"QUANT_TILE[{codec!r}]={block} and QUANT_SMALL_TILE={small_block} must be multiples of "
+            raise ValueError(f"quant_tile[{codec!r}]={block} and quant_small_tile={small_block} must be multiples of "
                              f"{unit}")
         slot = layout.twoshot_slot_bytes
         # The most groups whose packed form fits a slot (packed_layout is monotone in groups).
@@ -155,8 +113,9 @@ class QuantPlan:
         if seg_chunk == 0:
             raise ValueError(f"the workspace slots ({slot} bytes) are too small for a quantized chunk")
         planes, scale_offset, _ = packed_layout(seg_chunk, codec)
-        return cls(codec, layout.world_size, seg_chunk, planes, scale_offset, block, small_block, small_max_chunk,
-                   unit, num_warps, small_num_warps, max(1, min(max_ctas, layout.max_blocks)))
+        return cls(codec, layout.world_size, seg_chunk, planes, scale_offset, block, small_block,
+                   knobs.quant_small_tile_max_chunk, unit, knobs.quant_num_warps, knobs.quant_small_num_warps,
+                   max(1, min(knobs.quant_max_ctas, layout.max_blocks)))
 
     def segments(self, numel: int) -> list[QuantSegment]:
         """The launches of a message of ``numel`` elements, in order."""

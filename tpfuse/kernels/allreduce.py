@@ -41,7 +41,8 @@ import triton.language as tl
 
 from tpfuse.kernels.common import EXACT_FP, round_to, to_f32
 from tpfuse.kernels.ll import lamport_pack, lamport_word, ll_flag, ll_pack, ll_reduce
-from tpfuse.kernels.peer import begin_collective, flag_row, push_to_peers, sum_in_rank_order, typed_ptr
+from tpfuse.kernels.peer import (PeerContext, begin_collective, flag_row, push_to_peers, sum_in_rank_order,
+                                 typed_ptr)
 from tpfuse.kernels.sync import end_call, signal, wait
 
 # Operation codes of the status record (``sync.wait``), named for error messages.
@@ -165,21 +166,17 @@ def twoshot_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, st
     end_call(ctrl, epoch)
 
 
-def all_reduce_into(x: torch.Tensor, out: torch.Tensor, *, algo: str, grid: int, block: int, num_warps: int,
-                    chunk: int, table: torch.Tensor, table_addrs: list[int], status_addr: int, rank: int, layout,
-                    timeout_ns: int, gather: str = "push", protocol: str = "flags") -> None:
+def all_reduce_into(x: torch.Tensor, out: torch.Tensor, plan, peers: PeerContext) -> None:
     """Launch one all-reduce of contiguous, 16-byte aligned ``x`` into ``out`` (same shape
-    and dtype, not aliasing x). Every rank must launch the same algo, grid, block and chunk
-    (the caller derives them from the message size only) on one stream at a time.
-
-    table: int64 tensor of the W workspace bases on x's device; table_addrs: the same as ints;
-    status_addr: address of the int64 status record (``sync.STATUS_WORDS``), which the device
-    can write and the host read; layout: the ``WorkspaceLayout`` of the workspaces; chunk:
-    elements per rank (two-shot); gather: two-shot's all-gather mode, "push" or "pull"
-    (``tpfuse.comm.plan.GATHER``); protocol: one-shot's, "flags", "ll" or "lamport"
-    (``tpfuse.comm.plan.oneshot_protocol``; the message must fit the layout's
-    ``ll_max_bytes`` or ``lamport_max_bytes``).
+    and dtype, not aliasing x), as ``plan`` says (``tpfuse.comm.plan.AllReducePlan``: algo,
+    grid, block, num_warps; chunk, elements per rank for two-shot; gather, two-shot's
+    all-gather, "push" or "pull"; protocol, one-shot's, "flags", "ll" or "lamport", the
+    message fitting the layout's ``ll_max_bytes`` or ``lamport_max_bytes``). Every rank must
+    launch the same plan (derived from the message size and the knobs only) on one stream at
+    a time.
     """
+    algo, grid, block, num_warps, protocol = plan.algo, plan.grid, plan.block, plan.num_warps, plan.protocol
+    layout = peers.layout
     world = layout.world_size
     nbytes = x.numel() * x.element_size()
     if algo == "oneshot" and protocol in ("ll", "lamport"):
@@ -189,23 +186,20 @@ def all_reduce_into(x: torch.Tensor, out: torch.Tensor, *, algo: str, grid: int,
             raise ValueError(f"the {protocol} one-shot serves up to {capacity} bytes with this layout, got {nbytes}")
         word_bytes = x.element_size() if lamport else 8
         ll_oneshot_all_reduce_kernel[(grid,)](
-            x_ptr=x, out_ptr=out, numel=x.numel(), n_words=x.numel() if lamport else -(-nbytes // 4), table_ptr=table,
-            local=table_addrs[rank], status_addr=status_addr,
-            rank=rank, timeout_ns=timeout_ns, ll_offset=layout.ll_offset(0), ll_bytes=layout.ll_bytes,
+            x_ptr=x, out_ptr=out, numel=x.numel(), n_words=x.numel() if lamport else -(-nbytes // 4),
+            **peers.kernel_args(), ll_offset=layout.ll_offset(0), ll_bytes=layout.ll_bytes,
             slot_words=layout.ll_slot_bytes // word_bytes, W=world, BLOCK=block, LAMPORT=lamport, num_warps=num_warps,
             **EXACT_FP)
         return
     if protocol != "flags":
         raise ValueError(f"protocol must be 'flags', 'll' or 'lamport' (one-shot only), got {protocol!r} for {algo!r}")
-    common = dict(x_ptr=x, out_ptr=out, numel=x.numel(), table_ptr=table, local=table_addrs[rank],
-                  status_addr=status_addr, rank=rank, timeout_ns=timeout_ns,
-                  flags_offset=layout.flag_offset(0), data_offset=layout.data_offset(0), data_bytes=layout.data_bytes,
-                  W=world, PEERS=triton.next_power_of_2(world), BLOCK=block, num_warps=num_warps, **EXACT_FP)
+    common = dict(x_ptr=x, out_ptr=out, numel=x.numel(), **peers.kernel_args(), flags_offset=layout.flag_offset(0),
+                  data_offset=layout.data_offset(0), data_bytes=layout.data_bytes, W=world, PEERS=triton.next_power_of_2(world), BLOCK=block, num_warps=num_warps, **EXACT_FP)
     if algo == "oneshot":
         oneshot_all_reduce_kernel[(grid,)](slot_elems=layout.oneshot_slot_bytes // x.element_size(), **common)
     elif algo == "twoshot":
-        twoshot_all_reduce_kernel[(grid,)](chunk=chunk, flags_bytes=layout.flag_region_bytes,
-                                           gather_offset=layout.gather_offset, GATHER_PULL=gather == "pull",
+        twoshot_all_reduce_kernel[(grid,)](chunk=plan.chunk, flags_bytes=layout.flag_region_bytes,
+                                           gather_offset=layout.gather_offset, GATHER_PULL=plan.gather == "pull",
                                            slot_elems=layout.twoshot_slot_bytes // x.element_size(), **common)
     else:
         raise ValueError(f"algo must be 'oneshot' or 'twoshot', got {algo!r}")

@@ -26,7 +26,7 @@ rank its own split result.
   finishes a tile's last piece normalises the tile from there
   (``ll_oneshot_all_reduce_norm_kernel``). Row-wise (``rows_oneshot_all_reduce_norm_kernel``,
   small tiles and messages; by default on GPUs at W=2 only:
-  ``tpfuse.comm.plan.FUSED_ROWS_MAX_BYTES``), every CTA that stores a piece of a tile as
+  ``Knobs.fused_rows_max_bytes``), every CTA that stores a piece of a tile as
   Lamport words polls the whole tile and normalises it, storing only its piece: no count
   between CTAs.
 - two-shot: rows are cut into W groups of ``rows_per_group`` (whole tiles); rank s stores
@@ -49,7 +49,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.peer import begin_collective, flag_row, push_to_peers, sum_in_rank_order, typed_ptr
+from tpfuse.kernels.peer import (PeerContext, begin_collective, flag_row, push_to_peers, sum_in_rank_order,
+                                 typed_ptr)
 from tpfuse.kernels.common import EXACT_FP, prefetch_l2, round_to, to_f32
 from tpfuse.kernels.ll import lamport_pack, lamport_word, ll_flag, ll_pack, ll_reduce, ll_wait
 from tpfuse.kernels.norm import NormConfig, store_normed, norm_tile, row_inv_rms
@@ -373,40 +374,36 @@ def lamport_tiling(n: int, dtype: torch.dtype, n_tiles: int, max_ctas: int) -> s
 
 
 def all_reduce_norm_into(x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor | None,
-                         y: torch.Tensor, residual_out: torch.Tensor, eps: float, weight_offset: float, *, algo: str,
-                         grid: int, rows_per_group: int, table: torch.Tensor, table_addrs: list[int],
-                         status_addr: int, rank: int, layout, timeout_ns: int, protocol: str = "flags",
-                         whole_tiles: bool = False, piece_elems: int = 0) -> None:
+                         y: torch.Tensor, residual_out: torch.Tensor, eps: float, weight_offset: float, plan,
+                         peers: PeerContext) -> None:
     """Launch one fused all-reduce + (residual add) + RMSNorm over 2-D [n_rows, N]
-    contiguous, 16-byte aligned operands.
+    contiguous, 16-byte aligned operands, as ``plan`` says (``tpfuse.comm.plan.FusedPlan``).
 
     x: this rank's contribution; residual: this rank's residual or None; writes y and
     residual_out (round(all_reduce(x) + residual), or all_reduce(x) without a residual).
     residual_out may alias residual (as in ``tpfuse.kernels.norm.rms_norm_fwd``). Every rank
-    must launch the same algo, grid and rows_per_group (``tpfuse.comm.plan.FusedPlan``, from the
-    shape only); protocol: one-shot's, "flags", "ll" or "lamport" (x must fit the layout's
-    ``ll_max_bytes`` or ``lamport_max_bytes``), or "rows"
-    (``rows_oneshot_all_reduce_norm_kernel``: x must fit ``rows_max_bytes``, rows be held in
-    registers without a tail, and grid be one CTA per piece of piece_elems elements,
-    ``rows_pieces``); whole_tiles: Lamport's pieces are whole row tiles (``ll_pieces``).
-    The rest as ``tpfuse.kernels.allreduce.all_reduce_into``.
+    must launch the same plan (from the shape and the knobs only). The plan's protocol:
+    one-shot's, "flags", "ll" or "lamport" (x must fit the layout's ``ll_max_bytes`` or
+    ``lamport_max_bytes``; pieces of ``piece_words`` words, ``pieces`` per row tile,
+    ``ll_pieces``), or "rows" (``rows_oneshot_all_reduce_norm_kernel``: x must fit
+    ``rows_max_bytes``, rows be held in registers without a tail, and grid be one CTA per
+    piece of piece_elems elements, ``rows_pieces``); its norm: the tile of N and x's dtype.
     """
     n_rows, n = x.shape
-    cfg = NormConfig.from_shape(n, x.dtype)
+    cfg, layout, algo, protocol, grid = plan.norm, peers.layout, plan.algo, plan.protocol, plan.grid
     world = layout.world_size
     common = dict(
         X=x, RES=residual if residual is not None else x, W=weight if weight is not None else x, Y=y,
         RES_OUT=residual_out, n_rows=n_rows, N=n, eps=eps, weight_offset=weight_offset,
-        has_residual=int(residual is not None), table_ptr=table, local=table_addrs[rank], status_addr=status_addr,
-        rank=rank, timeout_ns=timeout_ns,
+        has_residual=int(residual is not None), **peers.kernel_args(),
         BLOCK_N=cfg.block_n, TAIL_N=cfg.tail_n, NUM_CHUNKS=cfg.num_chunks, ROWS=cfg.rows,
         HAS_WEIGHT=weight is not None, WORLD=world,
         num_warps=cfg.num_warps, **EXACT_FP)
     if algo == "oneshot" and protocol == "rows":
-        tiles = triton.cdiv(n_rows, cfg.rows)
-        pieces = triton.cdiv(cfg.rows * n, piece_elems) if piece_elems > 0 else 0
+        tiles, piece_elems, pieces = triton.cdiv(n_rows, cfg.rows), plan.piece_elems, plan.pieces
         if (x.numel() * x.element_size() > layout.rows_max_bytes or n % 16 or cfg.tail_n or cfg.num_chunks != 1
-                or piece_elems & (piece_elems - 1) or pieces == 0 or grid != tiles * pieces):
+                or piece_elems <= 0 or piece_elems & (piece_elems - 1)
+                or pieces != triton.cdiv(cfg.rows * n, piece_elems) or grid != tiles * pieces):
             raise ValueError(f"the row-wise one-shot cannot serve {n_rows} x {n} {x.dtype} on {grid} CTAs with "
                              f"pieces of {piece_elems} elements (capacity {layout.rows_max_bytes} bytes; hidden "
                              "sizes must be multiples of 16 whose rows are held in registers without a tail)")
@@ -423,14 +420,13 @@ def all_reduce_norm_into(x: torch.Tensor, weight: torch.Tensor | None, residual:
         if x.numel() * x.element_size() > capacity or n % 16 or 8 * tiles > layout.handoff_bytes:
             raise ValueError(f"the {protocol} one-shot cannot serve {n_rows} x {n} {x.dtype} with this layout "
                              f"(capacity {capacity} bytes; hidden sizes must be multiples of 16)")
-        if whole_tiles and not lamport:
+        if plan.whole_tiles and not lamport:
             raise ValueError("whole_tiles is for the one-shot over Lamport words")
-        piece_words, pieces = ll_pieces(n, x.dtype, protocol, whole_tiles)
         ll_oneshot_all_reduce_norm_kernel[(grid,)](
             ll_offset=layout.ll_offset(0), ll_bytes=layout.ll_bytes,
             slot_words=layout.ll_slot_bytes // (x.element_size() if lamport else 8),
-            reduced_offset=layout.reduced_offset, handoff_offset=layout.handoff_offset, PIECE_WORDS=piece_words,
-            PIECES=pieces, LAMPORT=lamport, **common)
+            reduced_offset=layout.reduced_offset, handoff_offset=layout.handoff_offset, PIECE_WORDS=plan.piece_words,
+            PIECES=plan.pieces, LAMPORT=lamport, **common)
         return
     if protocol != "flags":
         raise ValueError(f"protocol must be 'flags', 'll', 'lamport' or 'rows' (one-shot only), got {protocol!r} for "
@@ -441,7 +437,7 @@ def all_reduce_norm_into(x: torch.Tensor, weight: torch.Tensor | None, residual:
         oneshot_all_reduce_norm_kernel[(grid,)](slot_elems=layout.oneshot_slot_bytes // x.element_size(), **common)
     elif algo == "twoshot":
         twoshot_all_reduce_norm_kernel[(grid,)](
-            rows_per_group=rows_per_group, flags_bytes=layout.flag_region_bytes, gather_offset=layout.gather_offset,
-            slot_elems=layout.twoshot_slot_bytes // x.element_size(), **common)
+            rows_per_group=plan.rows_per_group, flags_bytes=layout.flag_region_bytes,
+            gather_offset=layout.gather_offset, slot_elems=layout.twoshot_slot_bytes // x.element_size(), **common)
     else:
         raise ValueError(f"algo must be 'oneshot' or 'twoshot', got {algo!r}")

@@ -10,7 +10,7 @@ single-copy atomicity to strong accesses only, and NCCL's LL uses ``st.volatile`
 8-byte stores are not split on NVIDIA GPUs or over NVLink, which NCCL's LL relies on too,
 and the bitwise GPU suites check every word.) The reader polls the data words themselves,
 so there is no fence, no flag store and no second load. The price is twice the bytes on the
-links, so LL serves small messages only (``tpfuse.comm.plan.LL_MAX_BYTES``).
+links, so LL serves small messages only (``Knobs.ll_max_bytes``, tpfuse.comm.knobs).
 
 **Words.** ``word = bits | flag << 32`` (uint64); bits are one fp32 element or two 16-bit
 elements (the lower-addressed one in the low half); ``flag = epoch % (2**32 - 1) + 1``,
@@ -42,7 +42,7 @@ words until none is 0, so each element is checked on its own and a vector store 
 in pieces is waited out (the one-shot kernels' threads each spin on their own 16-byte
 vectors first, ``ll_wait``'s SPIN); consumed words are zeroed as above. One byte on the
 links per byte of data, where LL sends two, so Lamport serves one-shot messages up to
-``tpfuse.comm.plan.LAMPORT_MAX_BYTES``. (FlashInfer's version uses -0.0 as its sentinel
+``Knobs.lamport_max_bytes``. (FlashInfer's version uses -0.0 as its sentinel
 and sends inputs' -0.0 as +0.0, changing the bits of signed zeros; complemented words cost
 no value's bits.)
 """

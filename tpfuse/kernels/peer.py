@@ -1,6 +1,7 @@
-"""Device functions of the peer protocol that every collective kernel shares: typed
-workspace pointers, the push of a tile to the peers, a block's flag row, the collective
-prologue (epoch and data region) and the rank-order sum over the slots.
+"""What every collective kernel shares: the host-side ``PeerContext`` its launcher takes, and
+the device functions of the peer protocol (typed workspace pointers, the push of a tile to
+the peers, a block's flag row, the collective prologue (epoch and data region) and the
+rank-order sum over the slots).
 
 The synchronisation itself (epochs, flags, bounded waits) is ``tpfuse.kernels.sync``'s; the
 LL and Lamport words are ``tpfuse.kernels.ll``'s.
@@ -8,11 +9,45 @@ LL and Lamport words are ``tpfuse.kernels.ll``'s.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
 import triton
 import triton.language as tl
 
 from tpfuse.kernels.common import to_f32
 from tpfuse.kernels.sync import begin_call
+
+
+@dataclass(frozen=True)
+class PeerContext:
+    """Where a communicator's collectives run, built once per communicator and passed to every
+    launcher with the call's plan: ``table``, an int64 tensor of the W workspace bases on the
+    device, and ``table_addrs``, the same as ints; ``status_addr``, the address of the int64
+    status record (``sync.STATUS_WORDS``) that the device writes and the host reads; this
+    ``rank``; the workspaces' ``layout`` (``tpfuse.comm.workspace.WorkspaceLayout``); and the
+    waits' bound, ``timeout_ns``."""
+
+    table: torch.Tensor
+    table_addrs: tuple[int, ...]
+    status_addr: int
+    rank: int
+    layout: object
+    timeout_ns: int
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def local(self) -> int:
+        """This rank's workspace base."""
+        return self.table_addrs[self.rank]
+
+    def kernel_args(self) -> dict:
+        """The arguments every collective kernel takes from the context."""
+        return dict(table_ptr=self.table, local=self.local, status_addr=self.status_addr, rank=self.rank,
+                    timeout_ns=self.timeout_ns)
 
 
 @triton.jit

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.peer import begin_collective, flag_row
+from tpfuse.kernels.peer import PeerContext, begin_collective, flag_row
 from tpfuse.kernels.codecs import (CODEC_IDS, decode_groups, encode_groups, hardware_e4m3, load_groups, load_packed,
                                    store_packed)
 from tpfuse.kernels.common import EXACT_FP, round_to
@@ -96,24 +96,22 @@ def quant_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, stat
     end_call(ctrl, epoch)
 
 
-def quant_all_reduce_into(x: torch.Tensor, out: torch.Tensor, *, codec: str, chunk: int, grid: int, block: int,
-                          num_warps: int, planes: tuple[int, ...], scale_offset: int, table: torch.Tensor,
-                          table_addrs: list[int], status_addr: int, rank: int, layout, timeout_ns: int) -> None:
+def quant_all_reduce_into(x: torch.Tensor, out: torch.Tensor, plan, segment, peers: PeerContext) -> None:
     """Launch one quantized all-reduce of contiguous, 16-byte aligned ``x`` (one segment)
-    into ``out`` (same numel and dtype, not aliasing x). Every rank must launch the same
-    codec, chunk, grid and block, and the same planes/scale_offset (the plan's), on one stream
-    at a time. ``chunk`` (elements per rank, a multiple of 32) must satisfy
-    ``W * chunk >= x.numel()`` and its packed form must fit a two-shot slot. The other
-    arguments are ``allreduce.all_reduce_into``'s.
+    into ``out`` (same numel and dtype, not aliasing x). ``plan`` (``tpfuse.comm.quant_plan.
+    QuantPlan``) gives the codec and the packed planes' and scales' offsets in a slot,
+    ``segment`` (its ``QuantSegment``) the chunk, grid, block and warps. Every rank must
+    launch the same plan and segment, on one stream at a time. ``segment.chunk`` (elements per
+    rank, a multiple of 32) must satisfy ``W * chunk >= x.numel()`` and its packed form must
+    fit a two-shot slot.
     """
+    layout, chunk = peers.layout, segment.chunk
     world = layout.world_size
     if chunk % 32 or world * chunk < x.numel():
         raise ValueError(f"chunk={chunk} must be a multiple of 32 covering {x.numel()} elements over {world} ranks")
-    quant_all_reduce_kernel[(grid,)](
-        x_ptr=x, out_ptr=out, numel=x.numel(), chunk=chunk, table_ptr=table, local=table_addrs[rank],
-        status_addr=status_addr, rank=rank, timeout_ns=timeout_ns, flags_offset=layout.flag_offset(0),
+    quant_all_reduce_kernel[(segment.grid,)](
+        x_ptr=x, out_ptr=out, numel=x.numel(), chunk=chunk, **peers.kernel_args(), flags_offset=layout.flag_offset(0),
         flags_bytes=layout.flag_region_bytes, data_offset=layout.data_offset(0), data_bytes=layout.data_bytes,
-        gather_offset=layout.gather_offset, slot_bytes=layout.twoshot_slot_bytes, p0=planes[0], p1=planes[-1],
-        psc=scale_offset, W=world, PEERS=triton.next_power_of_2(world), BLOCK=block, CODEC=CODEC_IDS[codec],
-        HW_E4M3=hardware_e4m3(x.device),
-        num_warps=num_warps, **EXACT_FP)
+        gather_offset=layout.gather_offset, slot_bytes=layout.twoshot_slot_bytes, p0=plan.planes[0],
+        p1=plan.planes[-1], psc=plan.scale_offset, W=world, PEERS=triton.next_power_of_2(world), BLOCK=segment.block,
+        CODEC=CODEC_IDS[plan.codec], HW_E4M3=hardware_e4m3(x.device), num_warps=segment.num_warps, **EXACT_FP)

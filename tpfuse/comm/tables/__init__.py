@@ -1,13 +1,11 @@
-"""Measured plan tables: per world size and GPU model, the size thresholds that "auto" uses.
+"""Measured tables: per world size and GPU model, the size thresholds that "auto" uses.
 
 ``tpfuse tune --write-table`` measures, on the machine at hand, the algorithms that the
 plans choose between (``tpfuse.bench.tune``) and writes ``w{W}-{model}.json`` into this
 directory (model: ``gpu_model`` of the GPU's name, e.g. "h100"); ``w{W}.json`` is a table for
-any GPU model. When ``tpfuse.comm`` is imported, each ``w{W}.json`` replaces the defaults of
-``tpfuse.comm.plan`` and ``tpfuse.comm.quant_plan`` for its world size W only; when a
-``Communicator`` is created on a GPU, the table of that GPU's model at its W, where there is
-one, replaces those (``use_gpu_tables``), and a GPU model without one logs once which table,
-or the defaults, it uses instead. World sizes without a table keep the defaults.
+any GPU model. A ``Communicator`` takes ``knobs_for(W, its GPU's name)``: the defaults
+(``tpfuse.comm.knobs.default_knobs``) with the table of that GPU model at W over them, or,
+where the model has none, the table for any model (the fallback logged once), or none.
 
 A table file::
 
@@ -19,7 +17,8 @@ A table file::
      "provenance": {"gpu": "...", "topology": "...", "date": "...", "commit": "...",
                     "sweep": "tune_w2_bf16.json"}}
 
-Every knob is optional (a missing one keeps its default, but a missing FUSED_WIDE_* knob
+A table's keys are the ``Knobs`` fields' names in capitals. Every knob is optional (a
+missing one keeps its default, but a missing FUSED_WIDE_* knob
 takes the table's FUSED_* value where it has one: a table measured at one row width, older
 or from a tune cut short, serves every width alike); sizes are message bytes, ints >= 0; a
 codec's None means "never". Anything else raises ValueError naming the file and key.
@@ -27,22 +26,20 @@ codec's None means "never". Anything else raises ValueError naming the file and 
 Every rank must derive the same plan (docs/design.md 2.5), so the tables come from files that
 every rank reads alike: this package's directory (the same installed files on every rank
 of the node), or ``TPFUSE_TABLE_DIR``, which every rank must then set to the same
-directory. Under Triton's interpreter the package's tables are not read: they hold GPU
+directory (``Communicator`` checks that its ranks' knobs agree). Under Triton's interpreter the package's tables are not read: they hold GPU
 measurements, and the interpreter's knobs (LL_MAX_BYTES, LAMPORT_MAX_BYTES) are set for the CPU tests' sizes;
 ``TPFUSE_TABLE_DIR`` is read there too.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import re
 
-import torch
-
 from tpfuse._runtime import INTERPRETER
+from tpfuse.comm.knobs import Knobs, default_knobs
 from tpfuse.quant_format import QUANT_CODECS
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -51,19 +48,12 @@ SIZE_KNOBS = ("ONESHOT_MAX_BYTES", "LL_MAX_BYTES", "LAMPORT_MAX_BYTES", "FUSED_O
               "FUSED_LL_MAX_BYTES", "FUSED_LAMPORT_MAX_BYTES", "FUSED_TWOSHOT_MAX_BYTES",
               "FUSED_WIDE_ONESHOT_MAX_BYTES", "FUSED_WIDE_LL_MAX_BYTES", "FUSED_WIDE_LAMPORT_MAX_BYTES",
               "FUSED_WIDE_TWOSHOT_MAX_BYTES")
-"""Knobs of tpfuse.comm.plan: {world size: bytes}."""
+"""The size knobs a table may set (each a ``Knobs`` field, in capitals): bytes."""
 QUANT_KNOB = "QUANT_MIN_BYTES"
-"""The knob of tpfuse.comm.quant_plan: {codec: {world size: bytes or None}}."""
+"""The quantized path's knob: {codec: bytes or None}."""
 _FILE = re.compile(r"w([1-9]\d*)(?:-([a-z0-9-]+))?\.json")
-_ABSENT = object()
-"""What ``apply`` reports for a world size that had no entry of its own (it used W=8's)."""
-_APPLIED: dict[int, tuple[dict, dict]] = {}
-"""What ``apply_tables`` and ``use_gpu_tables`` did: {world size: (the knobs applied, what
-they replaced)}."""
-_GPU_MODEL: str | None = None
-"""The GPU model whose tables ``use_gpu_tables`` applied in this process (None: none yet)."""
-_GPU_TABLES_LOGGED: set[tuple[int, str]] = set()
-"""(world size, GPU model) pairs ``use_gpu_tables`` has logged about."""
+_LOGGED: set[tuple[int, str]] = set()
+"""(world size, GPU model) pairs ``knobs_for`` has logged a fallback for."""
 logger = logging.getLogger("tpfuse.comm")
 
 
@@ -137,154 +127,53 @@ def _is_size(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def read_tables(directory: str, model: str | None = None) -> dict[int, dict]:
-    """{world size: knobs} of every table in ``directory`` for GPU ``model`` (``w{W}-{model}.json``)
-    or, where it has none, for any model (``w{W}.json``); only the latter with model None.
-    Empty where the directory does not exist."""
-    names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
-    found = {}
-    for name in names:
-        match = _FILE.fullmatch(name)
-        if match and match.group(2) in (None, model):
-            table = read_table(os.path.join(directory, name))
-            if match.group(2) is not None or table["world_size"] not in found:
-                found[table["world_size"]] = table["knobs"]
-    return found
-
-
-def apply(world_size: int, knobs: dict) -> dict:
-    """Set ``knobs`` (a table's, validated) for ``world_size`` in the plan modules' dicts;
-    returns what they replaced, for ``restore``."""
-    from tpfuse.comm import plan, quant_plan
-
-    replaced = {}
-    for key, value in knobs.items():
-        if key == QUANT_KNOB:
-            replaced[key] = {c: quant_plan.QUANT_MIN_BYTES[c].get(world_size, _ABSENT) for c in value}
-            for codec, size in value.items():
-                quant_plan.QUANT_MIN_BYTES[codec][world_size] = size
-        else:
-            replaced[key] = getattr(plan, key).get(world_size, _ABSENT)
-            getattr(plan, key)[world_size] = value
-    return replaced
-
-
-def restore(world_size: int, replaced: dict) -> None:
-    """Undo ``apply``: put back what it returned."""
-    from tpfuse.comm import plan, quant_plan
-
-    entries = [(quant_plan.QUANT_MIN_BYTES[c], v) for c, v in replaced.get(QUANT_KNOB, {}).items()]
-    entries += [(getattr(plan, key), v) for key, v in replaced.items() if key != QUANT_KNOB]
-    for table, value in entries:
-        if value is _ABSENT:
-            table.pop(world_size, None)
-        else:
-            table[world_size] = value
-
-
-@contextlib.contextmanager
-def applied(world_size: int, knobs: dict):
-    """``apply`` for the duration of a with-block (tests, and the tuner measuring under the
-    knobs it has derived so far)."""
-    _settle_gpu_tables()
-    replaced = apply(world_size, knobs)
-    try:
-        yield
-    finally:
-        restore(world_size, replaced)
-
-
 def table_dir() -> str | None:
-    """The directory the plans read: ``TPFUSE_TABLE_DIR`` if set (it must be a directory: a
-    typo would silently leave the defaults on some ranks), else this package's (None under
-    the interpreter, see above)."""
+    """The directory the tables are read from: ``TPFUSE_TABLE_DIR`` if set (it must be a
+    directory: a typo would silently leave the defaults on some ranks), else this package's
+    (None under the interpreter, see above)."""
     directory = os.environ.get(ENV_DIR)
     if directory and not os.path.isdir(directory):
         raise ValueError(f"{ENV_DIR}={directory!r} is not a directory")
     return directory or (None if INTERPRETER else PACKAGE_DIR)
 
 
-def effective_knobs(world_size: int) -> dict:
-    """The table-controlled knobs as the plans use them at ``world_size`` (a world size
-    without an entry uses W=8's), and FUSED_ROWS_MAX_BYTES, which no table sets but which sizes
-    the workspace and picks plans too: what every rank of a group must agree on, which
-    ``Communicator`` checks when it is created."""
-    from tpfuse.comm import plan, quant_plan
+def with_table(knobs: Knobs, table_knobs: dict, source: str) -> Knobs:
+    """``knobs`` with a table's (validated: ``read_table``) values over them."""
+    changes = {key.lower(): value for key, value in table_knobs.items() if key != QUANT_KNOB}
+    if QUANT_KNOB in table_knobs:
+        changes["quant_min_bytes"] = table_knobs[QUANT_KNOB]
+    return knobs.replace(**changes, source=source)
 
-    knobs = {key: plan.for_world(getattr(plan, key), world_size) for key in SIZE_KNOBS}
-    knobs["FUSED_ROWS_MAX_BYTES"] = plan.for_world(plan.FUSED_ROWS_MAX_BYTES, world_size)
-    knobs[QUANT_KNOB] = {c: quant_plan.default_quant_min_bytes(c, world_size) for c in QUANT_CODECS}
-    return knobs
+
+def knobs_for(world_size: int, device_name: str | None = None) -> Knobs:
+    """The knobs at ``world_size``: ``default_knobs`` with, over them, the table of
+    ``device_name``'s GPU model (``w{W}-{model}.json`` of ``table_dir()``) or, where there is
+    none (or no device name), the table for any model (``w{W}.json``), where there is one. A GPU
+    model without a table of its own logs once which table, or the defaults, it uses instead."""
+    knobs, directory = default_knobs(world_size), table_dir()
+    if directory is None or world_size < 2:
+        return knobs
+    generic = table_path(directory, world_size)
+    path = table_path(directory, world_size, gpu_model(device_name)) if device_name else generic
+    if device_name and not os.path.exists(path):
+        if (world_size, path) not in _LOGGED:
+            _LOGGED.add((world_size, path))
+            source = (f"{os.path.basename(generic)} (measured on {read_table(generic)['provenance'].get('gpu', 'a GPU')})"
+                      if os.path.exists(generic) else "the defaults of tpfuse/comm/knobs.py")
+            logger.warning("tpfuse: no plan table measured on %s at world size %d (%s); the plans use %s",
+                           device_name, world_size, os.path.basename(path), source)
+        path = generic
+    if not os.path.exists(path):
+        return knobs
+    return with_table(knobs, read_table(path)["knobs"], os.path.basename(path))
 
 
 def write_table(path: str, table: dict) -> None:
     """Write ``table`` to ``path`` whole (a temporary file renamed over it), so that no rank
-    importing tpfuse.comm meanwhile reads half a table."""
+    creating a Communicator meanwhile reads half a table."""
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
         json.dump(table, f, indent=1)
         f.write("\n")
     os.replace(tmp, path)
     read_table(path)  # what the plans will read must load
-
-
-def apply_tables() -> None:
-    """Apply the tables for any GPU model (``w{W}.json``) of ``table_dir()``. Called once, when
-    tpfuse.comm is imported (before any GPU is asked its name)."""
-    directory = table_dir()
-    for world_size, knobs in (read_tables(directory) if directory else {}).items():
-        _APPLIED[world_size] = (knobs, apply(world_size, knobs))
-
-
-def use_gpu_tables(device_name: str, world_size: int | None = None) -> None:
-    """Apply the tables measured on this GPU model (``w{W}-{model}.json`` of ``table_dir()``)
-    over the ones ``apply_tables`` applied, once per process; with ``world_size``, log once
-    what the plans use there when the model has no table of its own. Called by
-    ``Communicator`` on GPUs before the ranks compare their knobs, and by ``applied`` and
-    ``built_in_defaults`` (so that a table applied later never undoes theirs)."""
-    global _GPU_MODEL
-    model = gpu_model(device_name)
-    directory = table_dir()
-    if directory is None:
-        return
-    if _GPU_MODEL is None:
-        _GPU_MODEL = model
-        for w, knobs in read_tables(directory, model).items():
-            if os.path.exists(table_path(directory, w, model)):
-                if w in _APPLIED:
-                    restore(w, _APPLIED[w][1])
-                _APPLIED[w] = (knobs, apply(w, knobs))
-    if world_size is None or (world_size, model) in _GPU_TABLES_LOGGED:
-        return
-    _GPU_TABLES_LOGGED.add((world_size, model))
-    if model != _GPU_MODEL:
-        logger.warning("tpfuse: this process applied the plan tables of %s GPUs; %s uses them too", _GPU_MODEL,
-                       device_name)
-    elif not os.path.exists(table_path(directory, world_size, model)):
-        generic = table_path(directory, world_size)
-        source = (f"{os.path.basename(generic)} (measured on {read_table(generic)['provenance'].get('gpu', 'a GPU')})"
-                  if os.path.exists(generic) else "the defaults of tpfuse/comm/plan.py")
-        logger.warning("tpfuse: no plan table measured on %s at world size %d (%s); the plans use %s",
-                       device_name, world_size, os.path.basename(table_path(directory, world_size, model)), source)
-
-
-def _settle_gpu_tables() -> None:
-    """``use_gpu_tables`` for this process's GPU (the current device), on GPU machines."""
-    if not INTERPRETER and torch.cuda.is_available():
-        use_gpu_tables(torch.cuda.get_device_name())
-
-
-@contextlib.contextmanager
-def built_in_defaults():
-    """The plans' own defaults, as written in plan.py and quant_plan.py, for the duration of a
-    with-block: what ``apply_tables`` applied at import is undone, then applied again. For
-    tests that check those defaults, which a table in this directory would change on GPU
-    machines."""
-    _settle_gpu_tables()
-    for world_size, (_, replaced) in _APPLIED.items():
-        restore(world_size, replaced)
-    try:
-        yield
-    finally:
-        for world_size, (knobs, _) in _APPLIED.items():
-            apply(world_size, knobs)
