@@ -175,3 +175,36 @@ def test_forward_after_a_longer_generate_and_an_empty_prompt():
             model.generate(empty, 4)
         with pytest.raises(ValueError, match="at least one token"):
             model(empty)
+
+
+def _closing_drops_the_decode_session():
+    """Closing the Communicator drops the model's decode session (on GPUs its CUDA graph, whose
+    captured NCCL all-gather would keep destroy_process_group waiting); other on_close
+    functions run once, a dead object's bound method not at all."""
+    calls, failures = [], []
+
+    class Holder:
+        def drop(self):
+            calls.append("dead holder")
+
+    comm = Communicator()
+    config = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
+                         num_kv_heads=2, head_dim=16)
+    model = TPModel.random(config, comm, seed=1)
+    comm.on_close(lambda: calls.append("function"))
+    comm.on_close(Holder().drop)  # the holder is gone at once: held weakly, never called
+    model.generate(torch.zeros(1, 3, dtype=torch.int64), 2)
+    if model._session is None:
+        failures.append("generate left no decode session")
+    comm.close()
+    comm.close()
+    if model._session is not None:
+        failures.append("closing the communicator left the model's decode session")
+    if calls != ["function"]:
+        failures.append(f"on_close functions called: {calls}")
+    return failures
+
+
+def test_closing_the_communicator_drops_the_models_captured_step():
+    results = run_ranks(2, _closing_drops_the_decode_session)
+    assert not any(results), results

@@ -16,8 +16,10 @@ Run on a machine with >= 2 GPUs:  python -m pytest -m multigpu tests/test_models
 import hashlib
 import os
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -39,25 +41,42 @@ HIDDEN = 4096
 @pytest.mark.parametrize("world", WORLDS)
 def test_teardown_after_generate_returns(world):
     """examples/tp_model.py (graph-captured generate, then the Communicator closed and the
-    process group destroyed) exits, on every rank, well inside the limit: on 2 and 4 GPUs
-    (a841eb3) that teardown hung for minutes until the processes were killed. First in the
-    file, so that a suite cut short still says whether it returns."""
+    process group destroyed) exits on every rank well inside the limit. NCCL does not destroy
+    a group while a CUDA graph that captured one of its collectives (the decode step's logits
+    all-gather) exists: at a841eb3 this teardown waited for ever, until the model dropped its
+    graphs when its Communicator closes (``Communicator.on_close``). First in the file, so that
+    a suite cut short still says whether it returns. The ranks are started here, each in a
+    session of its own and writing to a file (torchrun's workers outlive a kill of torchrun and
+    hold its pipes), so that a hang ends in a failure, with every rank killed."""
     pytest.importorskip("transformers")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world)}
+    logs = [tempfile.TemporaryFile(mode="w+") for _ in range(world)]
     start = time.monotonic()
-    # A session of its own, so that a hang is ended with every rank (torchrun's children too).
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                             str(world), os.path.join(root, "examples", "tp_model.py")], cwd=root, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"the example did not return within 180 s: {out[-2000:]} {err[-2000:]}")
+    ranks = [subprocess.Popen([sys.executable, os.path.join(root, "examples", "tp_model.py")], cwd=root,
+                              env=env | {"RANK": str(r), "LOCAL_RANK": str(r)}, stdout=logs[r],
+                              stderr=subprocess.STDOUT, start_new_session=True) for r in range(world)]
+    hung = []
+    for r, proc in enumerate(ranks):
+        try:
+            proc.wait(timeout=max(1.0, 180 - (time.monotonic() - start)))
+        except subprocess.TimeoutExpired:
+            hung.append(r)
+    for proc in ranks:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     took = time.monotonic() - start
-    assert proc.returncode == 0, out[-3000:] + err[-3000:]
-    assert "prefill logits (1, 8, 128)" in out
+    outs = []
+    for log in logs:
+        log.seek(0)
+        outs.append(log.read())
+    assert not hung, f"ranks {hung} did not return within 180 s: {[o[-1500:] for o in outs]}"
+    assert all(p.returncode == 0 for p in ranks), [o[-3000:] for o in outs]
+    assert "prefill logits (1, 8, 128)" in outs[0]
     assert took < 120, f"the example took {took:.0f} s"
 
 

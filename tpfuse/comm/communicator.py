@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import inspect
 import json
 import logging
 import socket
@@ -140,6 +141,7 @@ class Communicator:
         self._failure: Exception | None = None
         self._closed = False
         self._logged: set[str] = set()
+        self._on_close: list = []
         self.fallback_reason = ""
         """Why no peer workspace exists (empty when one does, or when world_size is 1)."""
         if self.world_size > 1:
@@ -438,11 +440,24 @@ class Communicator:
             torch.cuda.synchronize(self.device)
         self._check_usable()
 
+    def on_close(self, fn) -> None:
+        """Have ``close()`` call ``fn()`` first (locally), for an object that captured this
+        communicator's calls into CUDA graphs to drop them (``TPModel`` drops its decode
+        step's): the graphs' kernels use the workspace, and NCCL does not destroy a process
+        group while a graph that captured one of its collectives exists, so
+        ``destroy_process_group`` would wait for ever. A bound method is held weakly."""
+        self._on_close.append(weakref.WeakMethod(fn) if inspect.ismethod(fn) else lambda: fn)
+
     def close(self) -> None:
-        """Release the peer workspace (local; call it after this rank's last call) and
-        unregister ``group_name``."""
+        """Call the ``on_close`` functions, release the peer workspace (local; call it after
+        this rank's last call) and unregister ``group_name``."""
         if self._closed:
             return
+        callbacks, self._on_close = self._on_close, []
+        for ref in callbacks:
+            fn = ref()
+            if fn is not None:
+                fn()
         collective_ops.unregister(self.group_name)
         if self._peer is not None:
             self._release()

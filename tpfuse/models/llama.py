@@ -112,6 +112,8 @@ class TPModel(nn.Module):
         self.rope_scaling = 1.0  # cos and sin are multiplied by it (Hugging Face's attention_scaling)
         self._rope_cache: tuple[int, Tensor, Tensor] | None = None
         self._session: DecodeSession | None = None
+        if comm is not None:  # its graphs must go before the group does (Communicator.on_close)
+            comm.on_close(self._drop_session)
 
     # ------------------------------------------------------------------ construction
 
