@@ -12,6 +12,8 @@ Where to start:
   ``comm.all_reduce(x)`` or the fused ``comm.all_reduce_add_rms_norm(x, residual, weight)``.
 - ``tpfuse.models.TPModel``: a tensor-parallel Llama-family model that uses them
   (``TPModel.from_hf(hf_model, comm)``).
+- ``tpfuse.quant_fp8(y, mode)``: activations to fp8 (e4m3) for fp8 GEMMs, per tensor, token
+  or group of 128.
 - ``tpfuse.reference``: the contract in plain torch.
 - On the command line: ``tpfuse bench`` (CPU checks without a GPU), ``tpfuse tune``.
 
@@ -21,10 +23,11 @@ Without CUDA, the kernels run on CPU tensors under Triton's interpreter (set up 
 from tpfuse import _runtime  # noqa: F401  (first: selects Triton's interpreter when CUDA is absent)
 from tpfuse import reference
 from tpfuse.comm import CommError, CommTimeoutError, Communicator
+from tpfuse.fp8_ops import quant_fp8
 from tpfuse.kernels.codecs import dequantize, quantize
 from tpfuse.nn import RMSNorm
 from tpfuse.norm_ops import add_rms_norm, rms_norm
 
 __all__ = ["rms_norm", "add_rms_norm", "RMSNorm", "Communicator", "CommError", "CommTimeoutError", "reference",
-           "quantize", "dequantize"]
+           "quantize", "dequantize", "quant_fp8"]
 __version__ = "0.1.0"

@@ -317,3 +317,76 @@ def quantized_all_reduce(tensors: Sequence[torch.Tensor], quant: str) -> torch.T
     codes, scale = _encode(acc, quant)
     out = _decode(codes, scale, quant).reshape(-1)[:numel]
     return out.to(dtype).reshape(shape)
+
+
+# ---------------------------------------------------------------- fp8 activations for fp8 GEMMs
+
+FP8_MAX = 448.0
+"""The largest finite e4m3 value: quantized values saturate at +-FP8_MAX."""
+FP8_AMAX_FLOOR = 1e-10
+"""A dynamic scale is max(amax, FP8_AMAX_FLOOR) / FP8_MAX, so an all-zero row or group gets a
+positive scale (and zeros), never 0 / 0."""
+FP8_MODES = ("tensor", "token", "group")
+
+
+def fp8_scale_rows(m: int) -> int:
+    """Rows of the per-group scales' storage for m tokens: m rounded up to a multiple of 4, so
+    that each group's column of fp32 scales starts 16-byte aligned (what the TMA loads of
+    DeepGEMM-style block-scaled GEMMs need)."""
+    return -(-m // 4) * 4
+
+
+def quant_fp8(y: torch.Tensor, mode: str, scale: torch.Tensor | None = None,
+              group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scales)``: y [..., N] quantized to e4m3 (torch.float8_e4m3fn) for an fp8 GEMM.
+
+    Every value is quantized from y as it is (a bf16 y: from its rounded bf16 value, so a
+    fused kernel that produces y and quantizes it gives the bits of producing, then
+    quantizing), widened to fp32: ``q = e4m3(clamp(y / s, -448, 448))``, the division in fp32
+    (correctly rounded, not a product with the reciprocal), the clamp saturating (a plain cast
+    of a value above 448 gives NaN), the cast rounding to nearest even and keeping the sign of
+    a zero. ``s`` per mode:
+
+    - "tensor": the given ``scale`` (a positive fp32 tensor of one element), returned as is;
+    - "token": per row, ``max(amax(|y_row|), 1e-10) / 448`` in fp32, scales [..., 1] fp32;
+    - "group": per row and group of ``group`` consecutive columns, the same from the group's
+      amax; scales [M, N / group] fp32 (M = the rows of y flattened to 2-D) stored
+      column-major with M padded to ``fp8_scale_rows(M)``: the layout that vLLM's per-token-group
+      quantization hands to DeepGEMM-style block-scaled GEMMs, group g of row m at element
+      ``g * fp8_scale_rows(M) + m`` of the storage.
+
+    y must be finite (an Inf or NaN gives unspecified bits)."""
+    if mode not in FP8_MODES:
+        raise ValueError(f"mode must be one of {FP8_MODES}, got {mode!r}")
+    n = y.shape[-1]
+    y2 = y.detach().reshape(-1, n).float()
+    if mode == "tensor":
+        s = scale.float().reshape(())
+    elif mode == "token":
+        s = y2.abs().amax(-1, keepdim=True).clamp_min(FP8_AMAX_FLOOR) / FP8_MAX
+    else:
+        amax = y2.view(y2.shape[0], n // group, group).abs().amax(-1)
+        s = amax.clamp_min(FP8_AMAX_FLOOR) / FP8_MAX
+    per_col = s if mode != "group" else s.repeat_interleave(group, dim=-1)
+    q = (y2 / per_col).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).reshape(y.shape)
+    if mode == "tensor":
+        return q, scale
+    if mode == "token":
+        return q, s.reshape(*y.shape[:-1], 1)
+    m = y2.shape[0]
+    storage = torch.zeros(n // group, fp8_scale_rows(m), dtype=torch.float32, device=y.device)
+    storage[:, :m] = s.t()
+    return q, storage.t()[:m]
+
+
+def dequant_fp8(q: torch.Tensor, scales: torch.Tensor, mode: str, group: int = 128) -> torch.Tensor:
+    """The fp32 values q and scales (``quant_fp8``'s) stand for: each e4m3 value times its scale."""
+    n = q.shape[-1]
+    v = q.reshape(-1, n).float()
+    if mode == "tensor":
+        s = scales.float().reshape(())
+    elif mode == "token":
+        s = scales.reshape(-1, 1)
+    else:
+        s = scales.repeat_interleave(group, dim=-1)
+    return (v * s).reshape(q.shape)

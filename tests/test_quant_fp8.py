@@ -1,0 +1,117 @@
+"""tpfuse.quant_fp8 against tpfuse.reference.quant_fp8, bit for bit: every mode and dtype,
+saturation, ties, zeros and their signs, the group scales' column-major padded layout read
+the way a block-scaled GEMM reads it, argument errors, opcheck.
+
+Runs on CPU under Triton's interpreter (small shapes) and on CUDA (large shapes, where the
+e4m3 rounding is the hardware conversion)."""
+
+import pytest
+import torch
+
+import tpfuse
+from tests.conftest import DEVICE, ON_GPU
+from tpfuse import reference
+from tpfuse.kernels.quant_fp8 import quant_fp8_into
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+SHAPES = [(1, 256), (3, 384), (2, 3, 1024), (5, 4096)] + ([(64, 7168), (300, 8192), (2048, 16384)] if ON_GPU else [])
+
+
+def _bytes(q: torch.Tensor) -> torch.Tensor:
+    return q.view(torch.uint8)
+
+
+def _check(y, mode, scale=None, group=128):
+    q, s = tpfuse.quant_fp8(y, mode, scale=scale, group=group)
+    rq, rs = reference.quant_fp8(y, mode, scale, group)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == y.shape
+    bad = (_bytes(q) != _bytes(rq)).sum().item()
+    assert bad == 0, f"{mode} {tuple(y.shape)} {y.dtype}: {bad} bytes differ"
+    assert s.shape == rs.shape and s.stride() == rs.stride() and torch.equal(s, rs)
+    return q, s
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_every_mode_is_bitwise_the_reference(shape, dtype):
+    g = torch.Generator().manual_seed(shape[-1] + len(shape))
+    y = (torch.randn(shape, generator=g) * torch.rand(shape[:-1] + (1,), generator=g) * 20).to(dtype).to(DEVICE)
+    _check(y, "token")
+    _check(y, "group")
+    _check(y, "group", group=64)
+    _check(y, "tensor", scale=torch.tensor([0.02], device=DEVICE))  # saturates beyond 8.96
+
+
+@pytest.mark.smoke
+def test_saturation_ties_and_zeros():
+    # With scale 1, y is the value to round: e4m3 ties (1.0625 between 1 and 1.125: to even),
+    # values past 448 (saturated, never NaN), a zero and a negative zero, and values that
+    # round to a negative zero (their sign kept, as torch's cast keeps it).
+    values = [1.0625, 1.1875, -1.0625, 2.0**-9, 3 * 2.0**-10, 2.0**-11, 447.0, 448.0, 464.0, 500.0, -1e6, 0.0, -0.0,
+              -2.0**-12, 240.0, 232.0]
+    y = torch.tensor([values * 8], dtype=torch.float32, device=DEVICE)
+    q, _ = _check(y, "tensor", scale=torch.ones(1, device=DEVICE))
+    got = _bytes(q)[0, :len(values)].tolist()  # by position: 0.0 and -0.0 are equal keys
+    at = {k: got[values.index(k)] for k in (500.0, 464.0, 448.0, -1e6, 1.0625, -2.0**-12)}
+    assert at[500.0] == at[464.0] == at[448.0] == 0x7E and at[-1e6] == 0xFE  # saturated at +-448
+    assert at[1.0625] == 0x38 and got[11] == 0 and got[12] == at[-2.0**-12] == 0x80  # +0, -0, a negative zero
+    # An all-zero row and group: the floored scale, and zeros.
+    z = torch.zeros(2, 256, dtype=torch.bfloat16, device=DEVICE)
+    for mode in ("token", "group"):
+        q, s = _check(z, mode)
+        assert torch.all(s == torch.tensor(1e-10) / 448.0) and not _bytes(q).any()
+
+
+def test_the_launcher_writes_every_output_element():
+    y = torch.randn(7, 512, device=DEVICE).to(torch.bfloat16)
+    for mode, group in (("token", 128), ("group", 128), ("group", 32)):
+        rq, rs = reference.quant_fp8(y, mode, None, group)
+        q = torch.full(y.shape, 0x7F, dtype=torch.uint8, device=DEVICE).view(torch.float8_e4m3fn)  # NaN poison
+        s = torch.full_like(rs, float("nan"))
+        quant_fp8_into(y, q, s, mode, group)
+        assert torch.equal(_bytes(q), _bytes(rq)) and torch.equal(s, rs), mode
+
+
+def test_group_scales_in_the_layout_a_block_scaled_gemm_reads():
+    """A block-scaled GEMM reads group g of row m at element g * fp8_scale_rows(M) + m of the
+    scales' storage; read so, q and its scales give y @ w.T within e4m3's error."""
+    m, n, out = 6, 512, 48
+    y = torch.randn(m, n, device=DEVICE).to(torch.bfloat16)
+    w = torch.randn(out, n, device=DEVICE)
+    q, s = tpfuse.quant_fp8(y, "group")
+    pad = reference.fp8_scale_rows(m)
+    assert s.shape == (m, n // 128) and s.stride() == (1, pad) and pad == 8
+    storage = torch.as_strided(s, (n // 128, pad), (pad, 1))  # the whole column-major buffer
+    acc = torch.zeros(m, out, device=DEVICE)
+    for g in range(n // 128):
+        cols = slice(g * 128, (g + 1) * 128)
+        acc += (q[:, cols].float() @ w[:, cols].T) * storage[g, :m, None]  # per-group partial, then its scale
+    want = y.float() @ w.T
+    assert torch.allclose(acc, reference.dequant_fp8(q, s, "group") @ w.T, rtol=1e-5, atol=1e-4)
+    assert reference.rel_err(acc, want.double()) < 0.05
+
+
+def test_argument_errors():
+    y = torch.randn(4, 256, device=DEVICE)
+    one = torch.ones(1, device=DEVICE)
+    for kwargs, match in [(dict(mode="row"), "mode must be"), (dict(mode="tensor"), "scale="),
+                          (dict(mode="tensor", scale=one.double()), "fp32"), (dict(mode="tensor", scale=one.repeat(2)),
+                                                                              "one element"),
+                          (dict(mode="token", scale=one), "scale= is for"), (dict(mode="group", group=96), "power of two"),
+                          (dict(mode="group", group=512), "divides"), (dict(mode="group", group=8), "from 16")]:
+        with pytest.raises(ValueError, match=match):
+            tpfuse.quant_fp8(y, **kwargs)
+    with pytest.raises(TypeError):
+        tpfuse.quant_fp8(y.to(torch.int32))
+    with pytest.raises(ValueError, match="last dimension"):
+        tpfuse.quant_fp8(torch.empty(3, 0, device=DEVICE))
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        tpfuse.quant_fp8(y.requires_grad_())
+    q, s = tpfuse.quant_fp8(torch.empty(0, 256, device=DEVICE), "group")  # no rows: empty outputs
+    assert q.shape == (0, 256) and s.shape == (0, 2)
+
+
+def test_custom_op_passes_opcheck():
+    y = torch.randn(3, 256, device=DEVICE).to(torch.bfloat16)
+    for mode, scale in (("token", None), ("group", None), ("tensor", torch.full((1,), 0.01, device=DEVICE))):
+        torch.library.opcheck(torch.ops.tpfuse.quant_fp8, (y, mode, scale, 128))
