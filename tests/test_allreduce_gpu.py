@@ -157,6 +157,57 @@ def _fallback():
     return failures
 
 
+def _streams(calls):
+    """One communicator called from two streams in turn without a host sync (each call waits
+    for the last one's stream); two communicators over two groups, each on a stream of its
+    own, running at once; a graph captured on one stream replayed on another. Every output is
+    checked on its stream's tally."""
+    from tpfuse.comm import Communicator
+
+    world = dist.get_world_size()
+    pools, rng = _pools(world, seed=21), random.Random(21)
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    failures = []
+    with Communicator(timeout_s=60) as comm:
+        check = _Checker(comm, pools)
+        for call in range(calls):
+            with torch.cuda.stream(streams[call % 2]):
+                check.call(rng.randrange(1, 300_000), rng.choice(DTYPES), "auto", rng.randrange(0, POOL // 2),
+                           what=f"two streams, call {call}")
+        torch.cuda.synchronize()
+        failures += check.failures()
+        # A graph captured on a side stream, replayed on streams[1]; eager calls after it on the
+        # current stream wait for that stream themselves.
+        check = _Checker(comm, pools)
+        x = torch.empty(50_000, dtype=torch.bfloat16, device="cuda")
+        graph, out = capture_graph(lambda: comm.all_reduce(x))
+        for i in range(20):
+            offset = rng.randrange(0, POOL // 2)
+            with torch.cuda.stream(streams[1]):
+                x.copy_(check.inputs(50_000, torch.bfloat16, offset)[dist.get_rank()])
+                graph.replay()
+                check.expect(out, check.inputs(50_000, torch.bfloat16, offset), f"replay {i} on another stream")
+            torch.cuda.current_stream().wait_stream(streams[1])
+            check.call(777, torch.float32, "auto", offset, what=f"eager after replay {i}")
+        del graph
+        torch.cuda.synchronize()
+        failures += check.failures()
+    groups = [dist.new_group(list(range(world))) for _ in range(2)]
+    comms = [Communicator(g, timeout_s=60) for g in groups]
+    checks = [_Checker(c, pools) for c in comms]
+    for call in range(calls):
+        for k in (0, 1):
+            with torch.cuda.stream(streams[k]):
+                checks[k].call(rng.randrange(1, 300_000), torch.bfloat16, "auto", rng.randrange(0, POOL // 2),
+                               what=f"group {k}, call {call}")
+    torch.cuda.synchronize()
+    for k in (0, 1):
+        failures += [f"group {k}: {f}" for f in checks[k].failures()]
+        comms[k].close()
+        dist.destroy_process_group(groups[k])
+    return failures
+
+
 @pytest.mark.parametrize("knobs", ["pinned", "table"])
 @pytest.mark.parametrize("world", WORLDS)
 def test_gpu_bitwise_equal_to_reference_at_real_sizes(world, knobs):
@@ -186,3 +237,7 @@ def test_gpu_backend_fallback():
 
 def test_gpu_missing_peer_ends_in_timeout_error():
     no_failures(run_ranks(NGPU, missing_peer, "all_reduce", 1000, backend="nccl", timeout_s=300))
+
+
+def test_gpu_calls_from_several_streams():
+    no_failures(run_ranks(NGPU, _streams, 200, backend="nccl", timeout_s=600))

@@ -94,10 +94,12 @@ class Communicator:
     once per reason on the ``tpfuse.comm`` logger, when the message exceeds the workspace,
     the ranks cannot map each other's memory, the group spans nodes or has more than 8 ranks.
 
-    One stream at a time: a communicator's calls must be ordered one after another on the
-    device. Issue them on one stream (a captured graph runs on the stream it is replayed on);
-    two calls that may run concurrently on different streams corrupt the protocol. Use one
-    communicator per stream.
+    Streams: a communicator's calls must run one after another on the device. Calls from
+    one thread on different streams are ordered for you (a call on another stream than the
+    last one waits for that stream); a captured graph runs on the stream it is replayed on, so
+    replay it on the stream of the eager calls (or order the streams yourself). Concurrent
+    calls from several threads are not supported; communicators over different groups run
+    concurrently on their own streams.
 
     CUDA graphs: a captured ``all_reduce`` replays correctly any number of times, interleaved
     with eager calls and other graphs, because the call counter lives in device memory and is
@@ -142,6 +144,7 @@ class Communicator:
         self._closed = False
         self._logged: set[str] = set()
         self._on_close: list = []
+        self._last_stream: torch.cuda.Stream | None = None
         self.fallback_reason = ""
         """Why no peer workspace exists (empty when one does, or when world_size is 1)."""
         if self.world_size > 1:
@@ -287,6 +290,7 @@ class Communicator:
             return out
         src = _runtime.aligned_contiguous(x)
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        self._follow_last_call()
         all_reduce_into(src, out, plan, self._peers)
         if _runtime.INTERPRETER:
             self._check_usable()
@@ -318,6 +322,7 @@ class Communicator:
         src = _runtime.aligned_contiguous(x).view(-1)
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         flat = out.view(-1)
+        self._follow_last_call()
         for seg in plan.segments(x.numel()):
             part = slice(seg.start, seg.start + seg.numel)
             quant_all_reduce_into(src[part], flat[part], plan, seg, self._peers)
@@ -403,6 +408,7 @@ class Communicator:
             if residual is None:
                 return y, reduced.view(x.shape)
         else:
+            self._follow_last_call()
             all_reduce_norm_into(x2, w, res2, y.view(-1, n), res_out, float(eps), float(weight_offset), plan,
                                  self._peers)
             if _runtime.INTERPRETER:
@@ -412,6 +418,18 @@ class Communicator:
                 residual.copy_(res_out.view(residual.shape))
             return y, residual
         return y, res_out.view(x.shape)
+
+    def _follow_last_call(self) -> None:
+        """Before a launch on the peer workspace: where the last one went to another stream,
+        make this one's stream wait for it (docs/design.md 2.5: a communicator's calls run one
+        after another). Not inside a CUDA graph capture, whose dependencies cannot reach
+        outside it: a graph is ordered by the stream it is replayed on."""
+        if self.device.type != "cuda":
+            return
+        stream = torch.cuda.current_stream(self.device)
+        last, self._last_stream = self._last_stream, stream
+        if last is not None and last != stream and not torch.cuda.is_current_stream_capturing():
+            stream.wait_stream(last)
 
     @contextlib.contextmanager
     def using_knobs(self, knobs: Knobs):
