@@ -52,9 +52,9 @@ def _zero(slot0, slot_words, woffs, wmask, rank, W: tl.constexpr):
 def _no_zero(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP: tl.constexpr,
              W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr = False, own=None,
              SPIN: tl.constexpr = False):
-    acc, late = ll._poll(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT, own, rank)
+    acc, late = ll.poll_slots(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT, own, rank)
     while late:
-        acc, late = ll._poll(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT, own, rank)
+        acc, late = ll.poll_slots(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT, own, rank)
     return acc
 
 
@@ -72,7 +72,7 @@ def _no_guard(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, 
 def _no_wait(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP: tl.constexpr,
              W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr = False, own=None,
              SPIN: tl.constexpr = False):
-    acc, late = ll._poll(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT, own, rank)
+    acc, late = ll.poll_slots(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT, own, rank)
     _zero(slot0, slot_words, woffs, wmask, rank, W)
     return acc
 

@@ -1,7 +1,7 @@
 """Hashes of tpfuse's kernels' sm_90 TTGIR, compiled on any machine (no GPU), through the real
 launchers with the plans' arguments: the norm forward and backward, the all-reduce (one-shot
 over flags, LL words and Lamport words; two-shot, push and pull), the fused all-reduce + RMSNorm
-(each protocol, and two-shot), the quantized all-reduce and the codecs.
+(each protocol, and two-shot), the quantized all-reduce, the codecs and quant_fp8.
 
 A refactor that should not change the generated code proves it: run this before and after and
 compare (source locations are left out of the hashes).
@@ -29,6 +29,8 @@ from tpfuse.comm.workspace import WorkspaceLayout  # noqa: E402
 from tpfuse.kernels import codecs  # noqa: E402
 from tpfuse.kernels.allreduce import all_reduce_into  # noqa: E402
 from tpfuse.kernels.quant_allreduce import quant_all_reduce_into  # noqa: E402
+from tpfuse.kernels import quant_fp8 as quant_fp8_module  # noqa: E402
+from tpfuse.kernels.quant_fp8 import quant_fp8_into  # noqa: E402
 from tpfuse.quant_format import QUANT_CODECS  # noqa: E402
 
 WORLD = 4
@@ -87,6 +89,11 @@ def main() -> None:
         seg = plan.segments(x.numel())[0]
         record(f"quant_allreduce:{codec}", lambda: quant_all_reduce_into(  # noqa: B023
             x[:seg.numel], x[:seg.numel], plan, seg, PEERS))
+    y, q = torch.empty(4, 4096, dtype=torch.bfloat16), torch.empty(4, 4096, dtype=torch.float8_e4m3fn)
+    for mode, scales in (("tensor", torch.ones(1)), ("token", torch.empty(4, 1)), ("group", torch.empty(32, 8).t()[:4])):
+        record(f"quant_fp8:{mode}", lambda: quant_fp8_into(y, q, scales, mode, 128))  # noqa: B023
+    quant_fp8_module.hardware_e4m3 = lambda device: True  # as on sm_89+: the hardware conversion
+    record("quant_fp8:group:hardware_e4m3", lambda: quant_fp8_into(y, q, scales, "group", 128))
     print(json.dumps(hashes, indent=1, sort_keys=True))
 
 

@@ -56,7 +56,7 @@ def bwd_variants(n, dt=DT):
     for rows, w, prefetch, joint in itertools.product(tile_rows, warps, (False, True), (False, True)):
         if w * 32 * 8 > rows * base.block_n * 2 and w > 4:  # more threads than 16-byte vectors
             continue
-        if prefetch and (base.num_chunks > 1 or rows * base.block_n > norm._MAX_PREFETCH_LANES):
+        if prefetch and (base.num_chunks > 1 or rows * base.block_n > norm.MAX_PREFETCH_LANES):
             continue
         yield dict(bwd_rows=rows, bwd_num_warps=w, bwd_prefetch=prefetch, bwd_joint_reduce=joint, bwd_tail_n=0,
                    bwd_reload_weight=False)
@@ -115,9 +115,9 @@ def tune_bwd(copy, cases=",".join(f"{M}:{n}" for n in [256, 512, 1024, 2048, 288
                   f"{'' if ok else ' WRONG'}", flush=True)
         for us, fields in sorted(timed, key=lambda t: t[0])[:3]:
             use_config(**fields)
-            norm_dw._MAX_DW_PARTIALS = 512
+            norm_dw.MAX_DW_PARTIALS = 512
             us512, _ = time_checked_bwd(x, dy, w, dx, dw)
-            norm_dw._MAX_DW_PARTIALS = 256
+            norm_dw.MAX_DW_PARTIALS = 256
             print(f"  partials 512: {fields or 'base'} {us512:.1f}us {pct(3 * m * n * dt.itemsize, us512, copy):.0f}% "
                   f"(256: {us:.1f}us)", flush=True)
     NormConfig.from_shape = staticmethod(base_from_shape)
@@ -153,21 +153,21 @@ def tune_fwd(copy, cases=",".join(f"{M if n < 65536 else 4096}:{n}" for n in [28
 
 def tune_chunk(copy):
     """Rows too long for registers: forward chunk bytes x warps (bf16 N=65536, M=32768); the
-    backward's program count (DwPlan, via _CHUNKED_BWD_PROGRAMS) x warps per M."""
+    backward's program count (DwPlan, via CHUNKED_BWD_PROGRAMS) x warps per M."""
     n = 65536
     x = torch.randn(M, n, device="cuda", dtype=DT)
     y = torch.empty_like(x)
     w = torch.randn(n, device="cuda", dtype=DT)
-    default_chunk = norm._CHUNK_BYTES, norm._STREAM_CHUNK_BYTES
+    default_chunk = norm.CHUNK_BYTES, norm.STREAM_CHUNK_BYTES
     for chunk_bytes in (8192, 16384, 32768, 65536):
-        norm._CHUNK_BYTES = norm._STREAM_CHUNK_BYTES = chunk_bytes
+        norm.CHUNK_BYTES = norm.STREAM_CHUNK_BYTES = chunk_bytes
         base_from_shape.cache_clear()
         for warps in (8, 16, 32):
             use_config(num_warps=warps)
             us = graph_time_us(lambda i: rms_norm_fwd(x, w, y, 1e-6, 0.0))
             print(f"fwd N={n} M={M} chunk={chunk_bytes} warps={warps} {us:.1f}us {pct(2 * M * n * 2, us, copy):.0f}%",
                   flush=True)
-    norm._CHUNK_BYTES, norm._STREAM_CHUNK_BYTES = default_chunk
+    norm.CHUNK_BYTES, norm.STREAM_CHUNK_BYTES = default_chunk
     base_from_shape.cache_clear()
     NormConfig.from_shape = staticmethod(base_from_shape)
     del x, y
@@ -181,10 +181,10 @@ EXCHANGE_VARIANTS = [(4, 255), (8, 128), (8, 255)]
 
 def tune_exchange(copy, cases=EXCHANGE_CASES):
     """The chunked rows' backward (norm_bwd_chunked): warps x registers per thread (so programs
-    per SM) x dW partials (_CHUNKED_BWD_PROGRAMS), per dtype:N:M,...;... Every variant's dx
+    per SM) x dW partials (CHUNKED_BWD_PROGRAMS), per dtype:N:M,...;... Every variant's dx
     and dW are checked against torch and compared bit for bit with today's."""
-    base = norm_bwd_chunked._EXCHANGE_WARPS, norm_bwd_chunked._EXCHANGE_MAX_REGISTERS
-    base_programs = norm_dw._CHUNKED_BWD_PROGRAMS
+    base = norm_bwd_chunked.EXCHANGE_WARPS, norm_bwd_chunked.EXCHANGE_MAX_REGISTERS
+    base_programs = norm_dw.CHUNKED_BWD_PROGRAMS
     for case in cases.split(";"):
         dname, n, ms = case.split(":")
         dt, n = DTYPES[dname], int(n)
@@ -192,8 +192,8 @@ def tune_exchange(copy, cases=EXCHANGE_CASES):
             x, dy, dx, w, dw = rotated_bwd_inputs(m, n, dt)
             ref = None
             for programs, variant in itertools.product((base_programs, 2 * base_programs), EXCHANGE_VARIANTS):
-                norm_bwd_chunked._EXCHANGE_WARPS, norm_bwd_chunked._EXCHANGE_MAX_REGISTERS = variant
-                norm_dw._CHUNKED_BWD_PROGRAMS = programs
+                norm_bwd_chunked.EXCHANGE_WARPS, norm_bwd_chunked.EXCHANGE_MAX_REGISTERS = variant
+                norm_dw.CHUNKED_BWD_PROGRAMS = programs
                 try:
                     us, ok = time_checked_bwd(x, dy, w, dx, dw)
                 except Exception as e:  # a grid the GPU cannot hold at once, or out of registers
@@ -209,8 +209,8 @@ def tune_exchange(copy, cases=EXCHANGE_CASES):
                       f"{us:.1f}us {pct(3 * m * n * dt.itemsize, us, copy):.0f}%"
                       f"{'' if ok else ' WRONG'}{same}", flush=True)
             del x, dy, dx
-    norm_bwd_chunked._EXCHANGE_WARPS, norm_bwd_chunked._EXCHANGE_MAX_REGISTERS = base
-    norm_dw._CHUNKED_BWD_PROGRAMS = base_programs
+    norm_bwd_chunked.EXCHANGE_WARPS, norm_bwd_chunked.EXCHANGE_MAX_REGISTERS = base
+    norm_dw.CHUNKED_BWD_PROGRAMS = base_programs
 
 
 DW_CASES = ",".join(f"{d}:{m}:{n}" for (d, m), n in itertools.product(
@@ -303,7 +303,7 @@ def tune_bwd_split(copy, cases="bf16:2880,bf16:5120,bf16:7168,bf16:8192,bf16:102
         dx, dw = torch.empty_like(x), torch.empty_like(w)
         variants = [("base", {})]
         if base.bwd_tail_n:
-            lanes_cap = min(norm._MAX_PREFETCH_LANES, norm._MAX_PREFETCH_BYTES // dt.itemsize)
+            lanes_cap = min(norm.MAX_PREFETCH_LANES, norm._MAX_PREFETCH_BYTES // dt.itemsize)
             variants.append(("padded", dict(
                 bwd_tail_n=0, bwd_num_warps=max(4, norm._pow2_warps(base.block_n // (16 // dt.itemsize), 16)),
                 bwd_prefetch=base.block_n <= lanes_cap, bwd_reload_weight=False)))
@@ -330,7 +330,7 @@ def tune_wide(copy):
         x = torch.randn(m, n, device="cuda", dtype=DT)
         res, w = torch.randn_like(x), torch.randn(n, device="cuda", dtype=DT)
         y, res_out, y2 = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
-        chunk = (norm._STREAM_CHUNK_BYTES if n * 2 >= norm._STREAM_ROW_BYTES else norm._CHUNK_BYTES) // 2
+        chunk = (norm.STREAM_CHUNK_BYTES if n * 2 >= norm._STREAM_ROW_BYTES else norm.CHUNK_BYTES) // 2
         chunked = dict(block_n=chunk, num_chunks=triton.cdiv(n, chunk), rows=1, tail_n=0, num_warps=32)
         reg = dict(block_n=triton.next_power_of_2(n), num_chunks=1, rows=1, tail_n=0)
         for name, fields in [("chunked", chunked), ("reg w32", dict(reg, num_warps=32)),

@@ -192,7 +192,7 @@ def test_short_call_combined_over_columns_of_256(dtype, n, combine, monkeypatch)
     """The short-call plan on rows of 8-20 KiB (from 257 rows, too slow for the interpreter:
     here from 9 rows, with at most 4 partials; 16 rows): the separate launch for 16-bit rows, column
     programs in the backward's launch for fp32."""
-    monkeypatch.setattr(norm_dw, "_FEW_ROWS_MAX_PARTIALS", 4)
+    monkeypatch.setattr(norm_dw, "FEW_ROWS_MAX_PARTIALS", 4)
     plan = DwPlan.from_shape(16, n, dtype)  # fp32 N=2880: tiles of two rows, four to a partial
     assert (plan.combine, plan.combine_block, plan.num_partials, plan.num_combine_programs) == (
         combine, 256, 4, triton.cdiv(n, 256))
@@ -221,12 +221,12 @@ def _check_combines_agree(m, n, dtype=torch.bfloat16):
 @pytest.mark.parametrize("m", [1, 7])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_one_partial_on_chunked_rows_writes_dw_without_a_combine(dtype, m, monkeypatch):
-    """One partial (M=1; M=7 in one partial as rows of over _CHUNKED_BWD_PROGRAMS chunks
+    """One partial (M=1; M=7 in one partial as rows of over CHUNKED_BWD_PROGRAMS chunks
     get it, forced here): on chunked rows its programs store dW themselves, with the
     separate launch's bits, signed zeros included."""
     n = 20000
     if m > 1:
-        monkeypatch.setattr(norm_dw, "_CHUNKED_BWD_PROGRAMS", 1)
+        monkeypatch.setattr(norm_dw, "CHUNKED_BWD_PROGRAMS", 1)
     plan = DwPlan.from_shape(m, n, dtype)
     assert NormConfig.from_shape(n, dtype).num_chunks > 1
     assert plan.combine == "tree" and plan.rows_per_partial == m

@@ -133,8 +133,8 @@ def _arrived_f32(words, flag, ELEM: tl.constexpr, LAMPORT: tl.constexpr):
 
 
 @triton.jit
-def _poll(slot0, slot_words, woffs, wmask, flag, W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr,
-          own=None, rank=0):
+def poll_slots(slot0, slot_words, woffs, wmask, flag, W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr,
+               own=None, rank=0):
     """One look at the W slots ``slot0 + s * slot_words`` at woffs: the fp32 sum in rank
     order of their values (``allreduce.sum_in_rank_order``'s order and roundings), and
     whether any word there has not arrived yet. The W loads are independent, so they are in
@@ -232,7 +232,7 @@ def _vector_ends(t, VEC: tl.constexpr):
 
 @triton.jit
 def _spin(slot0, slot_words, woffs, wmask, W: tl.constexpr, ELEM: tl.constexpr, own, rank):
-    """``_poll``'s result for Lamport words at 1-D woffs (groups of 16 bytes, 16-byte
+    """``poll_slots``' result for Lamport words at 1-D woffs (groups of 16 bytes, 16-byte
     aligned), with ``own``, once each thread's vectors have arrived: each thread spins on its
     own vectors (``_spin_vectors``), so a vector is summed one L2 round trip after it lands,
     where a CTA-wide poll looks again only after every thread's last look. Vectors are taken
@@ -303,14 +303,14 @@ def ll_wait(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, ti
         tl.static_assert(LAMPORT and len(woffs.shape) == 1, "SPIN waits on Lamport words at 1-D offsets")
         acc, late = _spin(slot0, slot_words, woffs, wmask, W, ELEM, own, rank)
     else:
-        acc, late = _poll(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT, own, rank)
+        acc, late = poll_slots(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT, own, rank)
     if late:  # `late` is a CTA-wide reduction, `stop` too (sync.give_up): all warps loop alike
         start = now_ns()
         stop = give_up(ctrl, start, start, timeout_ns)
         polls = 0
         while late and not stop:
             backoff()
-            acc, late = _poll(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT, own, rank)
+            acc, late = poll_slots(slot0, slot_words, woffs, wmask, flag, W, ELEM, LAMPORT, own, rank)
             polls += 1
             if polls % GUARD_POLLS == 0:
                 stop = give_up(ctrl, start, now_ns(), timeout_ns)

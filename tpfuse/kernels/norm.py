@@ -62,11 +62,11 @@ _MAX_REGISTER_ROW_ELEMS = 16384
 # merge (see widen_again).
 _MIN_NARROW_ROW_ELEMS = 49152
 _MAX_NARROW_ROW_ELEMS = 65536
-_CHUNK_BYTES = 16 * 1024
+CHUNK_BYTES = 16 * 1024
 _STREAM_ROW_BYTES = 128 * 1024
-_STREAM_CHUNK_BYTES = 64 * 1024
+STREAM_CHUNK_BYTES = 64 * 1024
 _MAX_REGISTER_ROW = tl.constexpr(_MAX_REGISTER_ROW_ELEMS)  # norm_tile's test for narrow rows
-_STREAM_CHUNK = tl.constexpr(_STREAM_CHUNK_BYTES)  # norm_tile's test for streaming chunks
+_STREAM_CHUNK = tl.constexpr(STREAM_CHUNK_BYTES)  # norm_tile's test for streaming chunks
 _CHUNKED_FWD_WARPS = 32
 _BWD_CHUNK_BYTES = 8 * 1024
 # Short rows are stacked into tiles of at least 2 KiB (H200, M=32768 bf16: N=512 reached 91%
@@ -94,7 +94,7 @@ _MIN_BWD_TILE_BYTES = 8 * 1024
 # (8). bf16 N=2880 (an 8 KiB tile) did not gain: 73 -> 71 at best.
 _MIN_BWD_SPLIT_BYTES = 16 * 1024
 # The backward's tile rules; what measured each: benchmarks/NOTES.md, "Knobs", the norm.
-_MAX_PREFETCH_LANES = 12288
+MAX_PREFETCH_LANES = 12288
 _MAX_PREFETCH_BYTES = 32 * 1024
 """Backward tiles of up to this many lanes (rows x the pieces' widths) and bytes prefetch the
 next tile (two tiles in flight); larger ones run out of registers."""
@@ -172,7 +172,7 @@ class NormConfig:
         if held:
             block_n = bwd_block_n = triton.next_power_of_2(max(n, 1))
         else:
-            chunk_bytes = _STREAM_CHUNK_BYTES if n * esize >= _STREAM_ROW_BYTES else _CHUNK_BYTES
+            chunk_bytes = STREAM_CHUNK_BYTES if n * esize >= _STREAM_ROW_BYTES else CHUNK_BYTES
             block_n = triton.next_power_of_2(n) if narrow else chunk_bytes // esize
             bwd_block_n = _BWD_CHUNK_BYTES // esize
         num_chunks = triton.cdiv(n, block_n)
@@ -202,7 +202,7 @@ class NormConfig:
         two_vectors = bwd_rows * bwd_block_n * esize >= 2 * 16 * 32 * (2 * bwd_warps)
         bwd_long_run_warps = 2 * bwd_warps if extra_take_rows and two_vectors else bwd_warps
         bwd_lanes = bwd_rows * (bwd_block_n // 2 + bwd_tail_n if bwd_tail_n else bwd_block_n)
-        bwd_prefetch = held and bwd_lanes <= min(_MAX_PREFETCH_LANES, _MAX_PREFETCH_BYTES // esize)
+        bwd_prefetch = held and bwd_lanes <= min(MAX_PREFETCH_LANES, _MAX_PREFETCH_BYTES // esize)
         bwd_reload = (held and bwd_rows == 1
                       and bwd_lanes >= _MIN_RELOAD_ELEMS_PER_THREAD * 32 * bwd_warps)
         return NormConfig(

@@ -53,8 +53,8 @@ from tpfuse.kernels.norm_dw import DwPlan
 # chunks per program spilled and lost at every shape (bf16 M=4096 on 4 warps 481 -> 2766):
 # they are taken only where one-chunk slices could not all be resident (rows of over 264
 # chunks on H200, bf16 over a million elements).
-_EXCHANGE_WARPS = 4
-_EXCHANGE_MAX_REGISTERS = 255
+EXCHANGE_WARPS = 4
+EXCHANGE_MAX_REGISTERS = 255
 
 
 @functools.lru_cache(maxsize=None)
@@ -76,7 +76,7 @@ def exchange_slicing(num_chunks: int, device: torch.device) -> tuple[int, int]:
     if INTERPRETER:
         chunks = triton.next_power_of_2(num_chunks)
     else:
-        resident = _resident_programs(device.index, _EXCHANGE_WARPS, _EXCHANGE_MAX_REGISTERS)
+        resident = _resident_programs(device.index, EXCHANGE_WARPS, EXCHANGE_MAX_REGISTERS)
         chunks = triton.next_power_of_2(triton.cdiv(num_chunks, resident))
     return chunks, triton.cdiv(num_chunks, chunks)
 
@@ -216,7 +216,7 @@ def _rms_norm_bwd_chunked(cfg: NormConfig, plan: DwPlan, operands: dict, n_rows:
     "tree": one partial) it stores dW itself."""
     x = operands["X"]
     chunks, slices = exchange_slicing(cfg.bwd_num_chunks, x.device)
-    resident = 1 if INTERPRETER else _resident_programs(x.device.index, _EXCHANGE_WARPS, _EXCHANGE_MAX_REGISTERS)
+    resident = 1 if INTERPRETER else _resident_programs(x.device.index, EXCHANGE_WARPS, EXCHANGE_MAX_REGISTERS)
     num_groups = min(plan.num_partials, max(1, resident // slices))
     chunk_words = torch.zeros((n_rows, cfg.bwd_num_chunks, 2), dtype=torch.int64, device=x.device)
     rms_norm_bwd_exchange_kernel[(num_groups * slices,)](
@@ -224,6 +224,6 @@ def _rms_norm_bwd_chunked(cfg: NormConfig, plan: DwPlan, operands: dict, n_rows:
         rows_per_partial=plan.rows_per_partial, num_partials=plan.num_partials, num_groups=num_groups, eps=eps,
         weight_offset=weight_offset, BLOCK_N=cfg.bwd_block_n, CHUNKS=chunks, NUM_CHUNKS=cfg.bwd_num_chunks,
         CHUNKS_P2=triton.next_power_of_2(cfg.bwd_num_chunks),
-        HAS_WEIGHT=has_weight, HAS_DRES=has_dres, TREE=tree, num_warps=_EXCHANGE_WARPS,
-        maxnreg=_EXCHANGE_MAX_REGISTERS, launch_cooperative_grid=True, **EXACT_FP,
+        HAS_WEIGHT=has_weight, HAS_DRES=has_dres, TREE=tree, num_warps=EXCHANGE_WARPS,
+        maxnreg=EXCHANGE_MAX_REGISTERS, launch_cooperative_grid=True, **EXACT_FP,
     )

@@ -25,7 +25,7 @@ from tpfuse.kernels.norm import NormConfig
 # _DW_GROUP_SIZE summed in order, then the group sums in order). Their number depends on
 # (M, N, dtype) only, never the SM count, so dW has the same bits on every GPU of the arch:
 # half the rows, at least 16 (or one per row), at most 256 (chunked rows: at most
-# _CHUNKED_BWD_PROGRAMS / chunks, at least 1), then rows per partial rounded up to the
+# CHUNKED_BWD_PROGRAMS / chunks, at least 1), then rows per partial rounded up to the
 # backward tile's. 256 beat 1024 at every swept shape on H200;
 # at small M more programs of fewer rows win (bf16, N=16384: M=16 in 16 one-row partials
 # 8.2 us, 8 two-row 10.2, 4 four-row 14.6; M=128 in 64 two-row partials 13.8, 128 one-row
@@ -37,7 +37,7 @@ from tpfuse.kernels.norm import NormConfig
 # rows) gained at M=1024 only, 17.2 vs 18.6, and lost from M=2048). Short calls (below)
 # replaced this rule from 257 rows on rows of up to 8192 elements: it serves M <= 256 and
 # wider rows.
-_MAX_DW_PARTIALS = 256
+MAX_DW_PARTIALS = 256
 # Short calls, 257 to 4096 rows of up to 8192 elements: up to 1024 rows 128 partials (one
 # wave), above it 128 for rows of over 12 KiB and 256 for shorter ones; rows of 8 KiB to
 # 20 KiB combined over columns of 256, by the separate launch for 16-bit rows and by in-kernel
@@ -65,15 +65,15 @@ _SHORT_COLUMNS_ROW_BYTES = (8 * 1024, 20 * 1024)  # over the first, up to the se
 _SHORT_COMBINE_BLOCK = 256
 _FEW_ROWS = 4096
 _FEW_ROWS_MIN_ROW_BYTES = 16 * 1024
-_FEW_ROWS_MAX_PARTIALS = 128
+FEW_ROWS_MAX_PARTIALS = 128
 _MIN_DW_PARTIALS = 16
 _DW_GROUP_SIZE = 16
 _COMBINE_BLOCK = 1024  # DwPlan.combine_block, but for short calls
-# Chunked rows (N > 16384, norm_bwd_chunked) take _CHUNKED_BWD_PROGRAMS / chunks partials
+# Chunked rows (N > 16384, norm_bwd_chunked) take CHUNKED_BWD_PROGRAMS / chunks partials
 # (bf16 N=65536: 32), which their groups of programs run through: twice as many lost or tied
 # at every swept shape on H200 (bf16 N=65536 M=128 32.2 vs 45.1 us, M=4096 481 vs 501; fp32
 # N=65536 M=1024 221 vs 233).
-_CHUNKED_BWD_PROGRAMS = 512
+CHUNKED_BWD_PROGRAMS = 512
 
 
 @dataclass(frozen=True)
@@ -116,14 +116,14 @@ class DwPlan:
         cfg = NormConfig.from_shape(n, dtype)
         row_bytes = n * dtype.itemsize
         few_wide_rows = cfg.bwd_num_chunks == 1 and m <= _FEW_ROWS and row_bytes >= _FEW_ROWS_MIN_ROW_BYTES
-        short = 2 * _FEW_ROWS_MAX_PARTIALS < m <= _FEW_ROWS and n <= _SHORT_MAX_N
+        short = 2 * FEW_ROWS_MAX_PARTIALS < m <= _FEW_ROWS and n <= _SHORT_MAX_N
         if cfg.bwd_num_chunks > 1:  # a program per (partial, chunk): as many programs from fewer partials
-            max_partials = max(1, _CHUNKED_BWD_PROGRAMS // cfg.bwd_num_chunks)
+            max_partials = max(1, CHUNKED_BWD_PROGRAMS // cfg.bwd_num_chunks)
         elif short:
             fewer = m <= _ONE_WAVE_ROWS or row_bytes > _SHORT_FEWER_PARTIALS_ROW_BYTES
-            max_partials = _FEW_ROWS_MAX_PARTIALS if fewer else _MAX_DW_PARTIALS
+            max_partials = FEW_ROWS_MAX_PARTIALS if fewer else MAX_DW_PARTIALS
         else:
-            max_partials = _FEW_ROWS_MAX_PARTIALS if few_wide_rows else _MAX_DW_PARTIALS
+            max_partials = FEW_ROWS_MAX_PARTIALS if few_wide_rows else MAX_DW_PARTIALS
         num_partials = max(1, min(max_partials, max(min(m, _MIN_DW_PARTIALS), m // 2)))
         rows_per_partial = triton.cdiv(triton.cdiv(m, num_partials), cfg.bwd_rows) * cfg.bwd_rows
         num_partials = triton.cdiv(m, rows_per_partial)
@@ -273,7 +273,7 @@ _dw_counters: dict[torch.device, torch.Tensor] = {}
 
 def _dw_counters_for(device: torch.device) -> torch.Tensor:
     """Zeroed int32 counters for the in-kernel dW combine, one set per device, enough for
-    every plan: one per group of up to _MAX_DW_PARTIALS partials and one more (``_finish_dw``;
+    every plan: one per group of up to MAX_DW_PARTIALS partials and one more (``_finish_dw``;
     ``_combine_when_done`` uses the first three).
 
     The kernels leave them at zero, so they are allocated once and reused by every later
@@ -285,7 +285,7 @@ def _dw_counters_for(device: torch.device) -> torch.Tensor:
     first such call on a device must not be under graph capture (memory allocated there
     would belong to the graph and be zeroed only by its replays).
     """
-    max_groups = triton.cdiv(_MAX_DW_PARTIALS, _DW_GROUP_SIZE)
+    max_groups = triton.cdiv(MAX_DW_PARTIALS, _DW_GROUP_SIZE)
     counters = _dw_counters.get(device)
     if counters is None or counters.numel() < max_groups + 1:
         if not INTERPRETER and torch.cuda.is_current_stream_capturing():

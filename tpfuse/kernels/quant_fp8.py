@@ -70,8 +70,9 @@ def quant_fp8_into(y: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, mode:
     groups = triton.next_power_of_2(triton.cdiv(n, width))
     stride_row, stride_group = (scales.stride(0), scales.stride(1)) if mode != "tensor" else (0, 0)
     quant_fp8_kernel[(m,)](
-        y, q.view(torch.uint8), scales, scales, n, stride_row, stride_group, MODE=MODE_IDS[mode], GROUP=width,
-        GROUPS=groups, HW_E4M3=hardware_e4m3(y.device), num_warps=_num_warps(groups * width), **EXACT_FP)
+        Y=y, Q=q.view(torch.uint8), SCALE=scales, S_OUT=scales, N=n, s_stride_row=stride_row,
+        s_stride_group=stride_group, MODE=MODE_IDS[mode], GROUP=width, GROUPS=groups, HW_E4M3=hardware_e4m3(y.device),
+        num_warps=_num_warps(groups * width), **EXACT_FP)
 
 
 def _num_warps(elems: int) -> int:
