@@ -119,7 +119,7 @@ def main():
     if VARIANTS[opts.variant] is not None:
         name, fn = VARIANTS[opts.variant]
         setattr(fused, name, fn)
-        if name == "ll_pieces":  # the plan sizes the grid by the pieces too
+        if name == "ll_pieces":  # the plan sizes the grid and the launch's pieces by it
             setattr(plan, name, fn)
     from tpfuse.comm import Communicator, knobs_for
 

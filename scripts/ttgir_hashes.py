@@ -90,7 +90,8 @@ def main() -> None:
         record(f"quant_allreduce:{codec}", lambda: quant_all_reduce_into(  # noqa: B023
             x[:seg.numel], x[:seg.numel], plan, seg, PEERS))
     y, q = torch.empty(4, 4096, dtype=torch.bfloat16), torch.empty(4, 4096, dtype=torch.float8_e4m3fn)
-    for mode, scales in (("tensor", torch.ones(1)), ("token", torch.empty(4, 1)), ("group", torch.empty(32, 8).t()[:4])):
+    modes = (("tensor", torch.ones(1)), ("token", torch.empty(4, 1)), ("group", torch.empty(32, 8).t()[:4]))
+    for mode, scales in modes:
         record(f"quant_fp8:{mode}", lambda: quant_fp8_into(y, q, scales, mode, 128))  # noqa: B023
     quant_fp8_module.hardware_e4m3 = lambda device: True  # as on sm_89+: the hardware conversion
     record("quant_fp8:group:hardware_e4m3", lambda: quant_fp8_into(y, q, scales, "group", 128))

@@ -1,6 +1,6 @@
-"""Sweep the all-reduce launch knobs of tpfuse/comm/plan.py (CTAs, tile, warps, gather, protocol)
-on one GPU node, to choose their values. Not part of the library: it patches plan's module
-constants between calls.
+"""Sweep the all-reduce's launch knobs (``tpfuse.comm.knobs``: each launch kind's CTAs, tile and
+warps, gather, protocol) on one GPU node, to choose their values. Not part of the library: each
+configuration's knobs are set for its calls with ``Communicator.using_knobs``.
 
 The size thresholds that "auto" uses (ONESHOT_MAX_BYTES, LL_MAX_BYTES, the fused and
 quantized crossovers) come from `tpfuse tune` instead, which measures them at the machine's
@@ -11,19 +11,19 @@ writes nothing the plans read.
 
 Knobs (every combination, per algorithm; a combination whose plan at a size equals one
 already timed there is not timed again):
-  ctas   MAX_CTAS[algo]: CTAs per call (the grid is min(tiles, ctas)); <= 128 = MAX_BLOCKS,
+  ctas   Launch.max_ctas: CTAs per call (the grid is min(tiles, ctas)); <= 128 = MAX_BLOCKS,
          below the H200's 132 SMs, because every CTA of a grid must be resident at once
          (block b waits for block b of every peer).
-  tile   TILE_BYTES[algo]: bytes of a tile (8 KiB = 512 16-byte vectors: one per thread at
+  tile   Launch.tile_bytes: bytes of a tile (8 KiB = 512 16-byte vectors: one per thread at
          16 warps, two at 8).
-  warps  NUM_WARPS[algo] (Lamport words: at most, with a warp per 512 bytes of tile).
-  gather GATHER (two-shot only): "push" (store the reduced chunk into every peer's gather
+  warps  Launch.num_warps (Lamport words: at most, with a warp per 512 bytes of tile).
+  gather Knobs.gather (two-shot only): "push" (store the reduced chunk into every peer's gather
          slot, peers copy it out) or "pull" (peers load it from the owner's gather slot
          straight into their output).
   protocol  one-shot only: "flags" (separate flags), "ll" (LL words) or "lamport" (Lamport
-         words) at every one-shot size swept (tpfuse.kernels.ll; LL_MAX_BYTES and
-         LAMPORT_MAX_BYTES set accordingly), each with its own knobs (plan's "oneshot",
-         "oneshot_ll" and "oneshot_lamport" entries).
+         words) at every one-shot size swept (tpfuse.kernels.ll; ll_max_bytes and
+         lamport_max_bytes set accordingly), each with its own launch shape (the knobs'
+         "oneshot", "oneshot_ll" and "oneshot_lamport").
 --knobs '{"oneshot": {"warps": [16]}}' replaces knob lists, --algos and --sizes-kib narrow
 the sweep.
 

@@ -1,8 +1,9 @@
-"""Sweep the quantized all-reduce's launch knobs (tpfuse/comm/quant_plan.py) on GPUs.
+"""Sweep the quantized all-reduce's launch knobs (``tpfuse.comm.knobs``: quant_tile,
+quant_num_warps, quant_max_ctas) on GPUs.
 
     python scripts/tune_quant.py [--bytes N ...] [--configs TILE,WARPS,CTAS ...] [--out DIR]
 
-For each (tile, QUANT_NUM_WARPS, QUANT_MAX_CTAS), that tile for every codec on every segment,
+For each (tile, warps, CTAs), that tile for every codec on every segment,
 it runs `tpfuse bench allreduce --quant`'s GPU worker on every visible GPU at the given sizes
 (bits and error are checked there) and prints one line per config with every codec's time;
 the full tables go to DIR/<config>/.

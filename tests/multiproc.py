@@ -30,7 +30,7 @@ _ENV = {
 
 
 def _serve(rank: int, world_size: int, port: int, backend: str, inbox, outbox) -> None:
-    os.environ.update(_ENV[backend])
+    os.environ.update(_ENV[backend], LOCAL_RANK=str(rank))  # init_rank's GPU, whatever the parent had set
     import torch.distributed as dist
 
     from tpfuse.bench.common import init_rank

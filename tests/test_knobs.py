@@ -30,6 +30,12 @@ def test_defaults_are_valid_and_unmeasured_world_sizes_take_w8s():
     ({"quant_min_bytes": {"int5": 1}}, "one entry per codec"),
     ({"quant_min_bytes": {"int4": -1}}, r"quant_min_bytes\[int4\]"),
     ({"quant_tile": {"fp8": 0}}, r"quant_tile\[fp8\]"),
+    ({"quant_tile": {"int8": 100}}, "multiple of 128"),
+    ({"oneshot_max_bytes": "512"}, "oneshot_max_bytes"),
+    ({"oneshot": Launch(3000, 16, 32)}, "power of two"),
+    ({"oneshot_lamport": Launch(2048, 16, 128)}, "max_tile_bytes"),
+    ({"fused_rows_piece_bytes": 0}, "fused_rows_piece_bytes"),
+    ({"source": 3}, "source"),
 ])
 def test_bad_knobs_raise_naming_the_field(changes, match):
     with pytest.raises(ValueError, match=match):

@@ -193,15 +193,37 @@ def _closing_drops_the_decode_session():
     model = TPModel.random(config, comm, seed=1)
     comm.on_close(lambda: calls.append("function"))
     comm.on_close(Holder().drop)  # the holder is gone at once: held weakly, never called
+
+    def fails():
+        calls.append("failing")
+        raise KeyError("on_close failed")
+
+    comm.on_close(fails)
+    comm.on_close(lambda: calls.append("after the failing one"))
     model.generate(torch.zeros(1, 3, dtype=torch.int64), 2)
-    if model._session is None:
+    session = model._session  # a caller's reference does not keep the session open
+    if session is None:
         failures.append("generate left no decode session")
+    try:
+        comm.close()
+        failures.append("close() swallowed an on_close function's error")
+    except KeyError:
+        pass
     comm.close()
-    comm.close()
-    if model._session is not None:
-        failures.append("closing the communicator left the model's decode session")
-    if calls != ["function"]:
+    if model._session is not None or session.caches is not None:
+        failures.append("closing the communicator left the model's decode session open")
+    try:
+        session.step(torch.zeros(1, dtype=torch.int64))
+        failures.append("a closed decode session stepped")
+    except RuntimeError:
+        pass
+    if calls != ["function", "failing", "after the failing one"]:
         failures.append(f"on_close functions called: {calls}")
+    try:
+        comm.on_close(lambda: None)
+        failures.append("on_close accepted a function after close")
+    except RuntimeError:
+        pass
     return failures
 
 

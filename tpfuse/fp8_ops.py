@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from tpfuse._runtime import aligned_contiguous, check_float_tensor
-from tpfuse.kernels.quant_fp8 import quant_fp8_into
+from tpfuse.kernels.quant_fp8 import TILE_ELEMS, quant_fp8_into
 from tpfuse.reference import FP8_MODES, fp8_scale_rows
 
 Tensor = torch.Tensor
@@ -26,11 +26,32 @@ def _empty_outputs(y: Tensor, mode: str, group: int) -> tuple[Tensor, Tensor]:
     if mode == "token":
         return q, torch.empty(*y.shape[:-1], 1, dtype=torch.float32, device=y.device)
     storage = torch.empty(y.shape[-1] // group, fp8_scale_rows(m), dtype=torch.float32, device=y.device)
+    storage[:, m:].zero_()  # the padding rows (at most 3), as the reference's
     return q, storage.t()[:m]
+
+
+def _check_args(y: Tensor, mode: str, scale: Optional[Tensor], group: int) -> None:
+    check_float_tensor(y, "y")
+    if y.dim() == 0 or y.shape[-1] == 0:
+        raise ValueError(f"y must have a last dimension of at least one element; got shape {tuple(y.shape)}")
+    if mode not in FP8_MODES:
+        raise ValueError(f"mode must be one of {', '.join(map(repr, FP8_MODES))}, got {mode!r}")
+    if mode == "tensor":
+        if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 or scale.numel() != 1:
+            raise ValueError(f"mode='tensor' needs scale=, an fp32 tensor of one element; got {scale!r}")
+        if scale.device != y.device:
+            raise ValueError(f"scale is on {scale.device} but y is on {y.device}")
+    elif scale is not None:
+        raise ValueError(f"scale= is for mode='tensor'; mode={mode!r} derives its scales from y")
+    if mode == "group" and (isinstance(group, bool) or not isinstance(group, int) or group < 16
+                            or group > TILE_ELEMS or group & (group - 1) or y.shape[-1] % group):
+        raise ValueError(f"group must be a power of two from 16 to {TILE_ELEMS} that divides N={y.shape[-1]}, "
+                         f"got {group!r}")
 
 
 @torch.library.custom_op("tpfuse::quant_fp8", mutates_args=())
 def _quant_fp8_op(y: Tensor, mode: str, scale: Optional[Tensor], group: int) -> tuple[Tensor, Tensor]:
+    _check_args(y, mode, scale, group)  # for callers of torch.ops.tpfuse.quant_fp8 too
     q, scales = _empty_outputs(y, mode, group)
     n = y.shape[-1]
     quant_fp8_into(aligned_contiguous(y.reshape(-1, n)), q.view(-1, n),
@@ -40,6 +61,7 @@ def _quant_fp8_op(y: Tensor, mode: str, scale: Optional[Tensor], group: int) -> 
 
 @_quant_fp8_op.register_fake
 def _(y, mode, scale, group):
+    _check_args(y, mode, scale, group)
     return _empty_outputs(y, mode, group)
 
 
@@ -54,25 +76,12 @@ def quant_fp8(y: Tensor, mode: str = "token", *, scale: Tensor | None = None,
     device, returned as ``scales``), "token" (a scale per row: scales [..., 1] fp32) or
     "group" (a scale per row and ``group`` consecutive columns, a power of two from 16 to
     1024 dividing N: scales [M, N / group] fp32 for the M rows of y flattened, column-major
-    with M padded to a multiple of 4, as DeepGEMM-style block-scaled GEMMs read them). New
-    tensors (but the "tensor" scale); not differentiable; y is not modified.
+    with M padded to a multiple of 4 (the padding rows zero), as DeepGEMM-style block-scaled
+    GEMMs read them). Rows of any length. New tensors (but the "tensor" scale); not
+    differentiable; y is not modified.
     """
-    check_float_tensor(y, "y")
-    if y.dim() == 0 or y.shape[-1] == 0:
-        raise ValueError(f"y must have a last dimension of at least one element; got shape {tuple(y.shape)}")
-    if mode not in FP8_MODES:
-        raise ValueError(f"mode must be one of {', '.join(map(repr, FP8_MODES))}, got {mode!r}")
-    if mode == "tensor":
-        if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 or scale.numel() != 1:
-            raise ValueError(f"mode='tensor' needs scale=, an fp32 tensor of one element; got {scale!r}")
-        if scale.device != y.device:
-            raise ValueError(f"scale is on {scale.device} but y is on {y.device}")
-    elif scale is not None:
-        raise ValueError(f"scale= is for mode='tensor'; mode={mode!r} derives its scales from y")
-    if mode == "group" and (isinstance(group, bool) or not isinstance(group, int) or group < 16 or group > 1024
-                            or group & (group - 1) or y.shape[-1] % group):
-        raise ValueError(f"group must be a power of two from 16 to 1024 that divides N={y.shape[-1]}, got {group!r}")
-    if y.requires_grad:
-        raise RuntimeError("quant_fp8 is not differentiable: pass y.detach()")
+    _check_args(y, mode, scale, group)
+    if torch.is_grad_enabled() and y.requires_grad:
+        raise RuntimeError("quant_fp8 is not differentiable: pass y.detach(), or call it under torch.no_grad()")
     q, scales = torch.ops.tpfuse.quant_fp8(y, mode, scale if mode == "tensor" else None, group)
     return (q, scale) if mode == "tensor" else (q, scales)

@@ -261,7 +261,7 @@ class _Sweeper:
         pool = [(xs[self.rank].clone(), residual.clone()) for _ in range(rot)]
         # One-shot's protocol is the sweep's FUSED_*LL_MAX_BYTES's and FUSED_*LAMPORT_MAX_BYTES's
         # choice (within the workspace's LL regions), never row-wise, which the chain has no
-        # place for (plan.FUSED_ROWS_MAX_BYTES: measured by scripts/fused_ab.py).
+        # place for (Knobs.fused_rows_max_bytes: measured by scripts/fused_ab.py).
         ll, lamport = f"{prefix}LL_MAX_BYTES", f"{prefix}LAMPORT_MAX_BYTES"
         knobs = {"oneshot_ll": {ll: nbytes}, "oneshot_lamport": {ll: 0, lamport: nbytes},
                  "oneshot_flags": {ll: 0, lamport: 0}}

@@ -134,10 +134,9 @@ class Communicator:
         if knobs is None:
             knobs = tables.knobs_for(self.world_size,
                                      torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None)
-        if not isinstance(knobs, Knobs) or knobs.world_size != self.world_size:
-            raise ValueError(f"knobs must be a tpfuse.comm.Knobs of world_size {self.world_size}, got {knobs!r}")
-        self.knobs = knobs.check()
-        """The settings every plan of this communicator reads (the same on every rank)."""
+        if error := self._knob_error(knobs):
+            raise ValueError(error)
+        self._knobs = knobs
         self.layout: WorkspaceLayout | None = None
         self._peer: PeerMemory | None = None
         self._failure: Exception | None = None
@@ -438,19 +437,34 @@ class Communicator:
         the same knobs, which it checks. The workspace stays as constructed; knobs that reach
         past its regions are capped by them, as always."""
         self._check_open()
-        if not isinstance(knobs, Knobs) or knobs.world_size != self.world_size:
-            raise ValueError(f"knobs must be a tpfuse.comm.Knobs of world_size {self.world_size}, got {knobs!r}")
-        knobs.check()
+        error = self._knob_error(knobs)  # settled together below: a rank that raised alone would hang the others
+        peers = [(error, "" if error else json.dumps(knobs.as_dict(), sort_keys=True))] * self.world_size
         if self.world_size > 1:
-            peers = [None] * self.world_size
-            dist.all_gather_object(peers, json.dumps(knobs.as_dict(), sort_keys=True), group=self.group)
-            if len(set(peers)) > 1:
-                raise ValueError(f"using_knobs: every rank must pass the same knobs; the ranks': {peers}")
-        own, self.knobs = self.knobs, knobs
+            dist.all_gather_object(peers, peers[0], group=self.group)
+        if any(e for e, _ in peers):
+            raise ValueError("using_knobs: " + "; ".join(f"rank {r}: {e}" for r, (e, _) in enumerate(peers) if e))
+        if len({k for _, k in peers}) > 1:
+            raise ValueError(f"using_knobs: every rank must pass the same knobs; the ranks': {[k for _, k in peers]}")
+        own, self._knobs = self._knobs, knobs
         try:
             yield self
         finally:
-            self.knobs = own
+            self._knobs = own
+
+    @property
+    def knobs(self) -> Knobs:
+        """The settings every plan of this communicator reads (the same on every rank)."""
+        return self._knobs
+
+    def _knob_error(self, knobs) -> str:
+        """Why ``knobs`` cannot be this communicator's ("" when they can)."""
+        if not isinstance(knobs, Knobs) or knobs.world_size != self.world_size:
+            return f"knobs must be a tpfuse.comm.Knobs of world_size {self.world_size}, got {knobs!r}"
+        try:
+            knobs.check()
+        except ValueError as e:
+            return str(e)
+        return ""
 
     def check(self) -> None:
         """Synchronize the device, then raise CommTimeoutError if any call so far failed."""
@@ -464,6 +478,8 @@ class Communicator:
         step's): the graphs' kernels use the workspace, and NCCL does not destroy a process
         group while a graph that captured one of its collectives exists, so
         ``destroy_process_group`` would wait for ever. A bound method is held weakly."""
+        self._check_open()
+        self._on_close = [ref for ref in self._on_close if ref() is not None]  # no dead methods pile up
         self._on_close.append(weakref.WeakMethod(fn) if inspect.ismethod(fn) else lambda: fn)
 
     def close(self) -> None:
@@ -471,11 +487,14 @@ class Communicator:
         this rank's last call) and unregister ``group_name``."""
         if self._closed:
             return
-        callbacks, self._on_close = self._on_close, []
+        callbacks, self._on_close, error = self._on_close, [], None
         for ref in callbacks:
             fn = ref()
-            if fn is not None:
-                fn()
+            try:
+                if fn is not None:
+                    fn()
+            except Exception as e:  # the close goes on; the first error is raised at its end
+                error = error or e
         collective_ops.unregister(self.group_name)
         if self._peer is not None:
             self._release()
@@ -485,6 +504,8 @@ class Communicator:
         # drop what they hold (an abort: "terminate called without an active exception").
         self.group = None
         self._closed = True
+        if error is not None:
+            raise error
 
     def __enter__(self) -> "Communicator":
         return self

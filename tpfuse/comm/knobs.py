@@ -9,7 +9,7 @@ A ``Communicator`` takes its knobs once, at construction (``Communicator(knobs=.
 default the table of its GPU model and world size over ``default_knobs``), checks that every
 rank has the same ones, and hands them to every plan: nothing here changes at run time, so
 ranks cannot drift apart (docs/design.md 2.5). Experiments build their own knobs with
-``dataclasses.replace``. Sizes are message bytes; what chose each value is in
+``knobs.replace(...)``. Sizes are message bytes; what chose each value is in
 benchmarks/NOTES.md, "Knobs", under the knob's name in capitals.
 """
 
@@ -25,6 +25,9 @@ KiB = 1024
 MiB = 1024 * KiB
 
 LAUNCH_KINDS = ("oneshot", "oneshot_ll", "oneshot_lamport", "twoshot")
+QUANT_TILE_UNIT = 128
+"""Quantized tiles are multiples of this many elements: whole groups of 32, and whole 256-byte
+units of every dtype (``tpfuse.comm.quant_plan``)."""
 GATHER_MODES = ("push", "pull")
 
 
@@ -44,8 +47,10 @@ class Launch:
 
 @dataclass(frozen=True)
 class Knobs:
-    """Every setting the plans read, at one world size. Frozen: build another with
-    ``dataclasses.replace``. ``check()`` validates; ``Communicator`` calls it."""
+    """Every setting the plans read, at one world size. Build them with ``default_knobs(W)``
+    or ``tpfuse.comm.knobs_for(W, gpu_name)`` (``Knobs(W)`` alone holds the field defaults
+    below, W=2's GPU values, whatever W and device), then ``knobs.replace(...)``, which
+    checks. Frozen. ``check()`` validates; ``Communicator`` calls it."""
 
     world_size: int
     source: str = "defaults"
@@ -149,26 +154,51 @@ class Knobs:
 
     def check(self) -> Knobs:
         """Raise ValueError for a value no plan can use; return self."""
+        defaults = Knobs(self.world_size)
         for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if isinstance(value, Launch):
-                for key, size in dataclasses.asdict(value).items():
-                    _check_size(f"{field.name}.{key}", size, minimum=0 if key == "max_tile_bytes" else 1)
-            elif isinstance(value, (tuple, str)) or (value is None and field.name == "nccl_min_bytes"):
-                continue  # per codec, and gather: below
-            else:  # sizes may be 0 (never); counts may not
-                _check_size(field.name, value, minimum=0 if field.name.endswith("_bytes") else 1)
+            value, name = getattr(self, field.name), field.name
+            default = getattr(defaults, name)
+            if isinstance(default, Launch):
+                _check_launch(name, value)
+            elif isinstance(default, int) or (default is None and value is not None):
+                # sizes may be 0 (never); counts may not
+                _check_size(name, value, minimum=0 if name.endswith("_bytes") else 1)
+            elif isinstance(default, str) and not isinstance(value, str):
+                raise ValueError(f"knobs: {name} must be a string, got {value!r}")
         if self.gather not in GATHER_MODES:
             raise ValueError(f"knobs: gather must be one of {GATHER_MODES}, got {self.gather!r}")
-        if sorted(dict(self.quant_min_bytes)) != sorted(QUANT_CODECS) or sorted(dict(self.quant_tile)) != sorted(
-                QUANT_CODECS):
-            raise ValueError(f"knobs: quant_min_bytes and quant_tile need one entry per codec {QUANT_CODECS}")
+        if _is_pow2(self.fused_rows_piece_bytes) < 16:
+            raise ValueError(f"knobs: fused_rows_piece_bytes must be a power of two >= 16, got {self.fused_rows_piece_bytes}")
+        for name in ("quant_min_bytes", "quant_tile"):
+            codecs = [c for c, _ in getattr(self, name)]
+            if sorted(codecs) != sorted(QUANT_CODECS):
+                raise ValueError(f"knobs: {name} needs one entry per codec {QUANT_CODECS}, got {codecs}")
         for codec, size in self.quant_min_bytes:
             if size is not None:
                 _check_size(f"quant_min_bytes[{codec}]", size)
-        for codec, elems in self.quant_tile:
-            _check_size(f"quant_tile[{codec}]", elems, minimum=1)
+        for name, elems in [(f"quant_tile[{c}]", e) for c, e in self.quant_tile] + [("quant_small_tile",
+                                                                                     self.quant_small_tile)]:
+            _check_size(name, elems, minimum=1)
+            if elems % QUANT_TILE_UNIT:  # whole groups of whole 16-byte vectors in every dtype
+                raise ValueError(f"knobs: {name} must be a multiple of {QUANT_TILE_UNIT}, got {elems}")
         return self
+
+
+def _is_pow2(value: int) -> int:
+    """value where it is a power of two, else 0."""
+    return value if value > 0 and value & (value - 1) == 0 else 0
+
+
+def _check_launch(name: str, launch) -> None:
+    if not isinstance(launch, Launch):
+        raise ValueError(f"knobs: {name} must be a Launch, got {launch!r}")
+    for key, value in dataclasses.asdict(launch).items():
+        _check_size(f"{name}.{key}", value, minimum=0 if key == "max_tile_bytes" else 1)
+    if _is_pow2(launch.tile_bytes) < 16 or not _is_pow2(launch.num_warps) or launch.num_warps > 32:
+        raise ValueError(f"knobs: {name} needs a tile of a power of two of at least 16 bytes and 1 to 32 warps, a "
+                         f"power of two; got {launch}")
+    if name == "oneshot_lamport" and (_is_pow2(launch.max_tile_bytes) < launch.tile_bytes):
+        raise ValueError(f"knobs: {name}.max_tile_bytes must be a power of two >= tile_bytes, got {launch}")
 
 
 def _check_size(name: str, value, minimum: int = 0) -> None:

@@ -19,8 +19,6 @@ from tpfuse.kernels.common import TRITON_DIVISIBILITY
 from tpfuse.kernels.fused import lamport_tiling, ll_pieces, rows_pieces
 from tpfuse.kernels.norm import NormConfig
 
-KiB = 1024
-
 MAX_BLOCKS = 128
 """Flag slots per phase in the workspace: every grid must fit."""
 MAX_ELEMENTS = 2**31 - 1

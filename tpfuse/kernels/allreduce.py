@@ -194,7 +194,8 @@ def all_reduce_into(x: torch.Tensor, out: torch.Tensor, plan, peers: PeerContext
     if protocol != "flags":
         raise ValueError(f"protocol must be 'flags', 'll' or 'lamport' (one-shot only), got {protocol!r} for {algo!r}")
     common = dict(x_ptr=x, out_ptr=out, numel=x.numel(), **peers.kernel_args(), flags_offset=layout.flag_offset(0),
-                  data_offset=layout.data_offset(0), data_bytes=layout.data_bytes, W=world, PEERS=triton.next_power_of_2(world), BLOCK=block, num_warps=num_warps, **EXACT_FP)
+                  data_offset=layout.data_offset(0), data_bytes=layout.data_bytes, W=world,
+                  PEERS=triton.next_power_of_2(world), BLOCK=block, num_warps=num_warps, **EXACT_FP)
     if algo == "oneshot":
         oneshot_all_reduce_kernel[(grid,)](slot_elems=layout.oneshot_slot_bytes // x.element_size(), **common)
     elif algo == "twoshot":

@@ -391,6 +391,8 @@ def all_reduce_norm_into(x: torch.Tensor, weight: torch.Tensor | None, residual:
     """
     n_rows, n = x.shape
     cfg, layout, algo, protocol, grid = plan.norm, peers.layout, plan.algo, plan.protocol, plan.grid
+    if cfg != NormConfig.from_shape(n, x.dtype):  # cached: a plan made for another shape must not launch
+        raise ValueError(f"the plan's norm tile {cfg} is not that of hidden size {n} in {x.dtype}")
     world = layout.world_size
     common = dict(
         X=x, RES=residual if residual is not None else x, W=weight if weight is not None else x, Y=y,

@@ -36,10 +36,6 @@ class PeerContext:
     timeout_ns: int
 
     @property
-    def world_size(self) -> int:
-        return self.layout.world_size
-
-    @property
     def local(self) -> int:
         """This rank's workspace base."""
         return self.table_addrs[self.rank]

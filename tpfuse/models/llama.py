@@ -123,8 +123,12 @@ class TPModel(nn.Module):
         self._drop_session()
 
     def _drop_session(self) -> None:
-        # A DecodeSession refers to itself through its step function: only the cycle collector
+        # Closed first: a session still referenced elsewhere (a caller's, torch.compile's cache)
+        # must not keep its graph, whose captured NCCL all-gather keeps destroy_process_group
+        # waiting. It refers to itself through its step function: only the cycle collector
         # frees it, and with it a KV cache of up to tens of GB.
+        if self._session is not None:
+            self._session.close()
         self._session = None
         gc.collect()
 
@@ -412,8 +416,20 @@ class DecodeSession:
             v.zero_()
         return graph
 
+    def close(self) -> None:
+        """Release the captured graph and the KV cache (``TPModel`` closes its session when it
+        makes a new one and when its communicator closes); later calls raise."""
+        if self.graph is not None:
+            self.graph.reset()
+        self.graph, self.caches = None, None
+
+    def _check_open(self) -> None:
+        if self.caches is None:
+            raise RuntimeError("this decode session is closed (its model made a new one, or its communicator closed)")
+
     @torch.no_grad()
     def prefill(self, input_ids: Tensor) -> Tensor:
+        self._check_open()
         t = input_ids.shape[1]
         if input_ids.shape[0] != self.batch or t >= self.seq_len:
             raise ValueError(f"prefill of {tuple(input_ids.shape)} does not fit this decode session "
@@ -427,6 +443,7 @@ class DecodeSession:
 
     @torch.no_grad()
     def step(self, tokens: Tensor) -> Tensor:
+        self._check_open()
         if self.position >= self.seq_len:
             raise ValueError(f"the decode session holds {self.seq_len} tokens: no position left")
         self.tokens.copy_(tokens)

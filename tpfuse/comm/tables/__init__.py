@@ -53,7 +53,7 @@ QUANT_KNOB = "QUANT_MIN_BYTES"
 """The quantized path's knob: {codec: bytes or None}."""
 _FILE = re.compile(r"w([1-9]\d*)(?:-([a-z0-9-]+))?\.json")
 _LOGGED: set[tuple[int, str]] = set()
-"""(world size, GPU model) pairs ``knobs_for`` has logged a fallback for."""
+"""(world size, missing table's path) pairs ``knobs_for`` has logged a fallback for."""
 logger = logging.getLogger("tpfuse.comm")
 
 
