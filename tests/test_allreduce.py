@@ -159,7 +159,7 @@ def test_plan_follows_the_knobs():
     layout = WorkspaceLayout(4, 16 << 20, max_blocks=128)
     bf16 = torch.bfloat16
     knobs = default_knobs(4).replace(oneshot=Launch(16384, 4, 8), oneshot_ll=Launch(1024, 2, 6),
-                                     oneshot_lamport=Launch(16384, 3, 10, max_tile_bytes=16384),
+                                     oneshot_lamport=Launch(16384, 2, 10, max_tile_bytes=16384),
                                      twoshot=Launch(32768, 16, 96), gather="pull")
     one = AllReducePlan.from_numel(1 << 20, bf16, layout, knobs, "oneshot")
     assert (one.block, one.grid, one.num_warps) == (8192, 8, 4)
@@ -181,7 +181,7 @@ def test_plan_follows_the_knobs():
     # LL words to fused_ll_max_bytes (for the fused kernel), more than ll_max_bytes now
     assert (lamport_layout.ll_max_bytes, lamport_layout.lamport_max_bytes) == (knobs.fused_ll_max_bytes, 3 << 20)
     lamport = AllReducePlan.from_numel(1 << 20, bf16, lamport_layout, knobs, "oneshot")
-    assert lamport.protocol == "lamport" and (lamport.block, lamport.grid, lamport.num_warps) == (8192, 10, 3)
+    assert lamport.protocol == "lamport" and (lamport.block, lamport.grid, lamport.num_warps) == (8192, 10, 2)
     assert AllReducePlan.from_numel((3 << 20) // 2 + 1, bf16, lamport_layout, knobs, "oneshot").protocol == "flags"
     small = P.workspace_layout(default_knobs(2).replace(lamport_max_bytes=1 << 20), 1024)
     assert small.ll_max_bytes == small.lamport_max_bytes == 1024  # capped by the one-shot capacity
