@@ -197,7 +197,8 @@ def cpu_check_verdict(ok: bool) -> None:
 
 
 def header_markdown(title: str, header: dict) -> str:
-    fields = ", ".join(f"{k} {v}" for k, v in header.items())
+    """A results file's title and header line; knobs by their source (the JSON has them all)."""
+    fields = ", ".join(f"{k} {v['source'] if k == 'knobs' and isinstance(v, dict) else v}" for k, v in header.items())
     return f"# {title}\n\n{fields}\n\n"
 
 
