@@ -121,8 +121,8 @@ def _markdown(records, header, world, dtype_name, max_bytes, quant_max_bytes) ->
         md += f"| {fmt_size(s)} | " + " | ".join(
             "-" if (s, m) not in by else f"{100 * by[(s, m)]['rel_err']:.3f}" for m in METHODS) + " |\n"
     budget = ", ".join(f"{c} {100 * b:g}%" for c, b in reference.QUANT_ERROR_BUDGET.items())
-    md += f"\nError budget: {budget}.\n\nSuggested QUANT_MIN_BYTES (a table's; Knobs.quant_min_bytes) at W={world} (smallest size from which the codec "
-    md += "beats NCCL and the exact path at every larger size): "
+    md += f"\nError budget: {budget}.\n\nSuggested QUANT_MIN_BYTES (a table's; Knobs.quant_min_bytes) at W={world} "
+    md += "(smallest size from which the codec beats NCCL and the exact path at every larger size): "
     md += ", ".join(f"{c}: {'never' if s is None else fmt_size(s)}" for c, s in suggested_min_bytes(records).items())
     return md + "\n"
 

@@ -25,9 +25,9 @@ from tpfuse.comm.workspace import WorkspaceLayout
 from tpfuse.kernels.allreduce import OP_NAMES, all_reduce_into
 from tpfuse.kernels.fused import all_reduce_norm_into
 from tpfuse.kernels.quant_allreduce import quant_all_reduce_into
-from tpfuse.kernels.sync import STATUS_WORDS, decode_status
 from tpfuse.kernels.norm import rms_norm_fwd
 from tpfuse.kernels.peer import PeerContext
+from tpfuse.kernels.sync import STATUS_WORDS, decode_status
 from tpfuse.norm_ops import check_norm_args
 
 MAX_WORLD_SIZE = 8
@@ -215,9 +215,9 @@ class Communicator:
 
         With ``quant`` ("fp8", "int8", "int6" or "int4"), messages of at least
         ``quant_min_bytes`` bytes (default: the codec's entry of ``self.knobs.quant_min_bytes``)
-        take the quantized two-shot path: each rank sends its contribution group-quantized (32 values per scale), the owner of each chunk
-        sums the decoded contributions in fp32 in rank order and sends the re-quantized sum,
-        and every rank decodes the same bytes. The result is
+        take the quantized two-shot path: each rank sends its contribution group-quantized (32
+        values per scale), the owner of each chunk sums the decoded contributions in fp32 in
+        rank order and sends the re-quantized sum, and every rank decodes the same bytes. The result is
         ``tpfuse.reference.quantized_all_reduce`` bit for bit, identical on every rank and
         deterministic, but not the exact sum: its error is within
         ``tpfuse.reference.QUANT_ERROR_BUDGET`` (relative RMS on Gaussian inputs). A group of

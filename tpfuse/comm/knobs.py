@@ -168,7 +168,8 @@ class Knobs:
         if self.gather not in GATHER_MODES:
             raise ValueError(f"knobs: gather must be one of {GATHER_MODES}, got {self.gather!r}")
         if _is_pow2(self.fused_rows_piece_bytes) < 16:
-            raise ValueError(f"knobs: fused_rows_piece_bytes must be a power of two >= 16, got {self.fused_rows_piece_bytes}")
+            raise ValueError("knobs: fused_rows_piece_bytes must be a power of two >= 16, got "
+                             f"{self.fused_rows_piece_bytes}")
         for name in ("quant_min_bytes", "quant_tile"):
             codecs = [c for c, _ in getattr(self, name)]
             if sorted(codecs) != sorted(QUANT_CODECS):

@@ -63,7 +63,8 @@ def oneshot_all_reduce_kernel(x_ptr, out_ptr, numel, table_ptr, local, status_ad
                               data_offset, data_bytes, slot_elems, W: tl.constexpr, PEERS: tl.constexpr,
                               BLOCK: tl.constexpr):
     ELEM: tl.constexpr = x_ptr.dtype.element_ty
-    pid, grid, ctrl, status, epoch, data, n_tiles = begin_collective(local, status_addr, data_offset, data_bytes, numel, BLOCK)
+    pid, grid, ctrl, status, epoch, data, n_tiles = begin_collective(
+        local, status_addr, data_offset, data_bytes, numel, BLOCK)
     for tile in range(pid, n_tiles, grid):
         offs = tile * BLOCK + tl.arange(0, BLOCK)
         mask = offs < numel
@@ -92,7 +93,8 @@ def ll_oneshot_all_reduce_kernel(x_ptr, out_ptr, numel, n_words, table_ptr, loca
     ELEM: tl.constexpr = x_ptr.dtype.element_ty
     WORDS: tl.constexpr = BLOCK if LAMPORT else BLOCK * ELEM.primitive_bitwidth // 32
     WORD: tl.constexpr = lamport_word(ELEM) if LAMPORT else tl.uint64
-    pid, grid, ctrl, status, epoch, region, n_tiles = begin_collective(local, status_addr, ll_offset, ll_bytes, numel, BLOCK)
+    pid, grid, ctrl, status, epoch, region, n_tiles = begin_collective(
+        local, status_addr, ll_offset, ll_bytes, numel, BLOCK)
     flag = ll_flag(epoch)
     for tile in range(pid, n_tiles, grid):
         offs = tile * BLOCK + tl.arange(0, BLOCK)
@@ -119,7 +121,8 @@ def twoshot_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, st
                               flags_offset, flags_bytes, data_offset, data_bytes, gather_offset, slot_elems,
                               W: tl.constexpr, PEERS: tl.constexpr, BLOCK: tl.constexpr, GATHER_PULL: tl.constexpr):
     ELEM: tl.constexpr = x_ptr.dtype.element_ty
-    pid, grid, ctrl, status, epoch, data, n_tiles = begin_collective(local, status_addr, data_offset, data_bytes, chunk, BLOCK)
+    pid, grid, ctrl, status, epoch, data, n_tiles = begin_collective(
+        local, status_addr, data_offset, data_bytes, chunk, BLOCK)
     # Reduce-scatter, part 1: chunk c of my input into scatter slot `rank` of rank c, from
     # c = rank + 1 on, so that ranks working in step write to different peers at any moment.
     # My own chunk stays in x, which part 2 reads in place of my own scatter slot.

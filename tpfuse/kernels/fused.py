@@ -97,7 +97,8 @@ def oneshot_all_reduce_norm_kernel(
     HAS_WEIGHT: tl.constexpr, WORLD: tl.constexpr, PEERS: tl.constexpr,
 ):
     ELEM: tl.constexpr = X.dtype.element_ty
-    pid, grid, ctrl, status, epoch, data, n_tiles = begin_collective(local, status_addr, data_offset, data_bytes, n_rows, ROWS)
+    pid, grid, ctrl, status, epoch, data, n_tiles = begin_collective(
+        local, status_addr, data_offset, data_bytes, n_rows, ROWS)
     for tile in range(pid, n_tiles, grid):
         rows = tile * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK_N)[None, :]
@@ -105,7 +106,8 @@ def oneshot_all_reduce_norm_kernel(
             ccols = c * BLOCK_N + cols
             mask = (rows < n_rows)[:, None] & (ccols < N)
             offs = rows.to(tl.int64)[:, None] * N + ccols
-            push_to_peers(table_ptr, data, tl.load(X + offs, mask=mask), rank * slot_elems + offs, mask, rank, WORLD, True)
+            push_to_peers(table_ptr, data, tl.load(X + offs, mask=mask), rank * slot_elems + offs, mask, rank, WORLD,
+                          True)
     signal(table_ptr, flags_offset + (pid * WORLD + rank) * 8, epoch, WORLD, PEERS)
     # The first tile's residual and weight, after the stores the peers wait on (before them it
     # delayed the peers), for tiles held in registers (up to 1024 lines each). Prefetching every
@@ -168,7 +170,8 @@ def ll_oneshot_all_reduce_norm_kernel(
     ELEM: tl.constexpr = X.dtype.element_ty
     PACK: tl.constexpr = 1 if LAMPORT else 32 // ELEM.primitive_bitwidth  # elements per word
     WORD: tl.constexpr = lamport_word(ELEM) if LAMPORT else tl.uint64
-    pid, grid, ctrl, status, epoch, region, n_tiles = begin_collective(local, status_addr, ll_offset, ll_bytes, n_rows, ROWS)
+    pid, grid, ctrl, status, epoch, region, n_tiles = begin_collective(
+        local, status_addr, ll_offset, ll_bytes, n_rows, ROWS)
     flag = ll_flag(epoch)
     tile_words = ROWS * N // PACK
     n_words = tl.multiple_of(n_rows * N // PACK, 8)

@@ -47,7 +47,8 @@ def quant_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, stat
                             CODEC: tl.constexpr, HW_E4M3: tl.constexpr):
     ELEM: tl.constexpr = out_ptr.dtype.element_ty
     GB: tl.constexpr = BLOCK // 32
-    pid, grid, ctrl, status, epoch, data, n_tiles = begin_collective(local, status_addr, data_offset, data_bytes, chunk, BLOCK)
+    pid, grid, ctrl, status, epoch, data, n_tiles = begin_collective(
+        local, status_addr, data_offset, data_bytes, chunk, BLOCK)
     # 1. Encode chunk c of my input into scatter slot `rank` of rank c, from c = rank on, so
     # that ranks working in step write to different peers at any moment.
     for tile in range(pid, n_tiles, grid):

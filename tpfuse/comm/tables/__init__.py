@@ -158,8 +158,9 @@ def knobs_for(world_size: int, device_name: str | None = None) -> Knobs:
     if device_name and not os.path.exists(path):
         if (world_size, path) not in _LOGGED:
             _LOGGED.add((world_size, path))
-            source = (f"{os.path.basename(generic)} (measured on {read_table(generic)['provenance'].get('gpu', 'a GPU')})"
-                      if os.path.exists(generic) else "the defaults of tpfuse/comm/knobs.py")
+            measured_on = read_table(generic)["provenance"].get("gpu", "a GPU") if os.path.exists(generic) else None
+            source = (f"{os.path.basename(generic)} (measured on {measured_on})" if measured_on
+                      else "the defaults of tpfuse/comm/knobs.py")
             logger.warning("tpfuse: no plan table measured on %s at world size %d (%s); the plans use %s",
                            device_name, world_size, os.path.basename(path), source)
         path = generic
