@@ -24,8 +24,9 @@ else:
     device = "cpu"
 
 torch.manual_seed(0)  # every rank builds the same weights
+# Heads, kv heads, the MLP and the vocabulary split over 1, 2 or 4 ranks.
 config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+                     num_attention_heads=8, num_key_value_heads=4, head_dim=8)
 hf = LlamaForCausalLM(config).to(device=device, dtype=torch.bfloat16).eval()
 # With a checkpoint: hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
 

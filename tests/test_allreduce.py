@@ -32,10 +32,15 @@ SIZES = [1, 2, 7, 8, 9, 17, 127, 1000, 4097, 32769, 75001]
 
 def _inputs(seed: int, numel: int, dtype: torch.dtype, world: int) -> list[torch.Tensor]:
     """Every rank's input for one call: normals times powers of two from 2**-8 to 2**8, so
-    that sums cancel and round (never zeros)."""
+    that sums cancel and round (never zeros). Element 0 tells the order of the sum from 4
+    ranks on: 2**12, 2**-13, -2**12, 2**-13, ... sum to 0 in the pairwise tree (each pair
+    rounds to its large term) and to 2**-13 in rank order."""
     g = torch.Generator().manual_seed(seed)
     scale = torch.exp2(torch.randint(-8, 9, (numel,), generator=g).float())
-    return [(torch.randn(numel, generator=g) * scale).to(dtype) for _ in range(world)]
+    xs = [(torch.randn(numel, generator=g) * scale).to(dtype) for _ in range(world)]
+    for r, x in enumerate(xs):
+        x[0] = 2.0**-13 if r % 2 else (-1) ** (r // 2) * 2.0**12
+    return xs
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -60,6 +65,34 @@ def _check(comm, xs, what, failures, digests, algo="auto", x=None):
     if not _same_bits(src, before):
         failures.append(f"{what}: the input was modified")
     digests.append(_digest(out))
+
+
+# ---------------------------------------------------------------- the reference's order (no ranks)
+
+class _Term(str):
+    """A term that writes its sums out: ``_Term("0") + _Term("1") == "(0+1)"``."""
+
+    def __add__(self, other):
+        return _Term(f"({self}+{other})")
+
+
+@pytest.mark.parametrize("world, tree", [
+    (1, "0"), (2, "(0+1)"), (3, "((0+1)+2)"), (4, "((0+1)+(2+3))"), (6, "(((0+1)+(2+3))+(4+5))"),
+    (7, "(((0+1)+(2+3))+((4+5)+6))"), (8, "(((0+1)+(2+3))+((4+5)+(6+7)))")])
+def test_reference_sums_ranks_over_the_pairwise_tree(world, tree):
+    assert reference.tree_sum([_Term(str(r)) for r in range(world)]) == tree
+
+
+def test_tree_sum_over_chunks_does_not_depend_on_how_ranks_share_them():
+    """8 fp32 partials (a row-parallel layer's K chunks): each of t ranks sums its 8/t in the
+    tree and the all-reduce sums the ranks' sums in the tree, the same bits for t = 1, 2, 4, 8."""
+    g = torch.Generator().manual_seed(0)
+    chunks = list(torch.randn(8, 4096, generator=g) * torch.exp2(torch.randint(-20, 21, (8, 4096), generator=g)))
+    whole = reference.tree_sum(chunks)
+    for t in (1, 2, 4, 8):
+        per_rank = [reference.tree_sum(chunks[r * 8 // t:(r + 1) * 8 // t]) for r in range(t)]
+        assert _same_bits(reference.tree_sum(per_rank), whole), t
+    assert not _same_bits(sum(chunks[1:], chunks[0]), whole)  # rank order would not do
 
 
 # ---------------------------------------------------------------- layout and plan (no ranks)

@@ -176,13 +176,16 @@ def _streams(calls):
                            what=f"two streams, call {call}")
         torch.cuda.synchronize()
         failures += check.failures()
-        # A graph captured on a side stream, replayed on streams[1]; eager calls after it on the
-        # current stream wait for that stream themselves.
+        # A graph captured on a side stream, replayed on streams[1], eager calls between the
+        # replays on the current stream. A replay launches no host code of tpfuse's: like any
+        # CUDA work, it is ordered by the stream it is replayed on, so that stream waits for the
+        # communicator's last call (docs/design.md 2.5); the eager calls wait for the replay.
         check = _Checker(comm, pools)
         x = torch.empty(50_000, dtype=torch.bfloat16, device="cuda")
         graph, out = capture_graph(lambda: comm.all_reduce(x))
         for i in range(20):
             offset = rng.randrange(0, POOL // 2)
+            streams[1].wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(streams[1]):
                 x.copy_(check.inputs(50_000, torch.bfloat16, offset)[dist.get_rank()])
                 graph.replay()

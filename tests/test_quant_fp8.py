@@ -67,6 +67,20 @@ def test_saturation_ties_and_zeros():
         assert torch.all(s == torch.tensor(1e-10) / 448.0) and not _bytes(q).any()
 
 
+def test_dynamic_scales_are_the_correctly_rounded_quotient():
+    """amax / 448 divided, never amax times a rounded 1/448 (which differs in the last bit for
+    about half of all amax values; torch on CUDA divides by a Python number that way)."""
+    amax = torch.rand(64, generator=torch.Generator().manual_seed(3)) * 100 + 1e-3
+    y = torch.zeros(64, 128)
+    y[:, 5] = -amax
+    want = (amax.double() / 448).float()
+    assert not torch.equal(amax * torch.tensor(1 / 448), want)  # the case matters for these values
+    for impl in (tpfuse.quant_fp8, reference.quant_fp8):
+        token = impl(y.to(DEVICE), "token")[1]
+        group = impl(y.to(DEVICE), "group")[1]
+        assert torch.equal(token.cpu().view(-1), want) and torch.equal(group.cpu().view(-1), want), impl
+
+
 def test_the_launcher_writes_every_output_element():
     y = torch.randn(7, 512, device=DEVICE).to(torch.bfloat16)
     for mode, group in (("token", 128), ("group", 128), ("group", 32)):

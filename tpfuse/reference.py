@@ -91,15 +91,32 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
 
 
+def tree_sum(values: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The sum of ``values`` (one per rank, in rank order) over the pairwise tree every
+    tpfuse reduction across ranks follows: neighbours are added level by level, an odd one out
+    is carried up to the next level. ``((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7))`` at
+    8 ranks, ``(v0 + v1) + v2`` at 3; at 2 and 3 ranks this is rank order.
+
+    Why a tree: a row-parallel layer split over t ranks sums t partials, and the same layer
+    split over 2t ranks sums the halves of each of them. In the tree, the partials of
+    adjacent ranks meet first, so a sum over 8 chunks of K gives the same bits whether one
+    rank adds all 8 (in this tree) or 2, 4 or 8 ranks each add their share and the
+    all-reduce adds the rest: the sum does not depend on the TP size (docs/design.md 1)."""
+    if len(values) == 0:
+        raise ValueError("tree_sum needs at least one value")
+    level = list(values)
+    while len(level) > 1:
+        pairs = [level[i] + level[i + 1] for i in range(0, len(level) - 1, 2)]
+        level = pairs + level[len(pairs) * 2:]
+    return level[0]
+
+
 def all_reduce(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The all-reduce contract: the fp32 sum over ``tensors`` in list (rank) order, starting
-    from rank 0's value, rounded once to the inputs' dtype."""
+    """The all-reduce contract: the fp32 sum over ``tensors`` (one per rank, in rank order)
+    in ``tree_sum``'s order, rounded once to the inputs' dtype."""
     if len(tensors) == 0:
         raise ValueError("all_reduce needs at least one tensor")
-    acc = tensors[0].float()
-    for t in tensors[1:]:
-        acc = acc + t.float()
-    return acc.to(tensors[0].dtype)
+    return tree_sum([t.float() for t in tensors]).to(tensors[0].dtype)
 
 
 def all_reduce_add_rms_norm(
@@ -303,18 +320,14 @@ def dequantize(packed: torch.Tensor, codec: str, shape, dtype: torch.dtype) -> t
 
 def quantized_all_reduce(tensors: Sequence[torch.Tensor], quant: str) -> torch.Tensor:
     """The quantized all-reduce contract: each rank's values are encoded and decoded
-    (``quantize``), the decoded fp32 values summed in rank order 0..W-1, the sum encoded and
+    (``quantize``), the decoded fp32 values summed in ``tree_sum``'s order, the sum encoded and
     decoded again, and rounded once to the inputs' dtype. Every rank holds these bits."""
     check_codec(quant)
     if len(tensors) == 0:
         raise ValueError("quantized_all_reduce needs at least one tensor")
     shape, dtype, numel = tensors[0].shape, tensors[0].dtype, tensors[0].numel()
-    acc = None
-    for t in tensors:
-        codes, scale = _encode(_groups_f32(t.detach()), quant)
-        dec = _decode(codes, scale, quant)
-        acc = dec if acc is None else acc + dec
-    codes, scale = _encode(acc, quant)
+    decoded = [_decode(*_encode(_groups_f32(t.detach()), quant), quant) for t in tensors]
+    codes, scale = _encode(tree_sum(decoded), quant)
     out = _decode(codes, scale, quant).reshape(-1)[:numel]
     return out.to(dtype).reshape(shape)
 
@@ -327,6 +340,13 @@ FP8_AMAX_FLOOR = 1e-10
 """A dynamic scale is max(amax, FP8_AMAX_FLOOR) / FP8_MAX, so an all-zero row or group gets a
 positive scale (and zeros), never 0 / 0."""
 FP8_MODES = ("tensor", "token", "group")
+
+
+def _fp8_scale(amax: torch.Tensor) -> torch.Tensor:
+    """``max(amax, FP8_AMAX_FLOOR) / FP8_MAX`` in fp32, correctly rounded: divided in float64
+    and rounded once, which gives the fp32 quotient (torch on CUDA would multiply by the
+    reciprocal of a Python number instead)."""
+    return (amax.float().clamp_min(FP8_AMAX_FLOOR).double() / FP8_MAX).float()
 
 
 def fp8_scale_rows(m: int) -> int:
@@ -363,10 +383,10 @@ def quant_fp8(y: torch.Tensor, mode: str, scale: torch.Tensor | None = None,
     if mode == "tensor":
         s = scale.float().reshape(())
     elif mode == "token":
-        s = y2.abs().amax(-1, keepdim=True).clamp_min(FP8_AMAX_FLOOR) / FP8_MAX
+        s = _fp8_scale(y2.abs().amax(-1, keepdim=True))
     else:
         amax = y2.view(y2.shape[0], n // group, group).abs().amax(-1)
-        s = amax.clamp_min(FP8_AMAX_FLOOR) / FP8_MAX
+        s = _fp8_scale(amax)
     per_col = s if mode != "group" else s.repeat_interleave(group, dim=-1)
     q = (y2 / per_col).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).reshape(y.shape)
     if mode == "tensor":

@@ -207,7 +207,8 @@ class Communicator:
         """Sum of ``x`` over the ranks of the group, as a new contiguous tensor.
 
         Every rank must call it, in the same order, with the same shape, dtype and algo.
-        Result: every element is the fp32 sum over ranks 0..W-1 in that order, rounded once
+        Result: every element is the fp32 sum over the ranks in a pairwise tree
+        (``(x0 + x1) + (x2 + x3)`` at 4 ranks; ``tpfuse.reference.tree_sum``), rounded once
         to x's dtype (``tpfuse.reference.all_reduce``), bitwise identical on every rank, for
         "oneshot", "twoshot" and "auto" (whichever custom algorithm or size). "nccl" (and any
         fallback to the group's backend) does not carry this contract: the backend's
@@ -217,7 +218,7 @@ class Communicator:
         ``quant_min_bytes`` bytes (default: the codec's entry of ``self.knobs.quant_min_bytes``)
         take the quantized two-shot path: each rank sends its contribution group-quantized (32
         values per scale), the owner of each chunk sums the decoded contributions in fp32 in
-        rank order and sends the re-quantized sum, and every rank decodes the same bytes. The result is
+        the tree's order and sends the re-quantized sum, and every rank decodes the same bytes. The result is
         ``tpfuse.reference.quantized_all_reduce`` bit for bit, identical on every rank and
         deterministic, but not the exact sum: its error is within
         ``tpfuse.reference.QUANT_ERROR_BUDGET`` (relative RMS on Gaussian inputs). A group of

@@ -1,22 +1,22 @@
 """One-shot and two-shot all-reduce over peer memory, exact by construction.
 
-Each rank's result element is ``round(((f32(x_0) + f32(x_1)) + ...) + f32(x_{W-1}))``: fp32
-accumulation in rank order, one rounding (``tpfuse.reference.all_reduce``), on every rank
-and for every size, because every output element of both algorithms comes from the same
-order of fp32 adds: ``sum_in_rank_order`` here, and ``tpfuse.kernels.ll``'s poll over LL and
-Lamport words, which sums in the same order.
+Each rank's result element is the fp32 sum of ``f32(x_0) .. f32(x_{W-1})`` over the pairwise
+tree (``(x_0 + x_1) + (x_2 + x_3)`` at W = 4), rounded once (``tpfuse.reference.all_reduce``),
+on every rank and for every size, because every output element of both algorithms comes from
+the same order of fp32 adds: ``peer.tree_sum``, through ``sum_in_tree_order`` here and
+``tpfuse.kernels.ll``'s poll over LL and Lamport words.
 
 Both kernels push: a rank writes into its peers' workspaces and reads only its own, so
 every poll is of local memory and every remote access is a posted store.
 
 - one-shot: each rank writes its input into slot ``rank`` of every other rank's data region,
   raises its flag there, waits for all W flags, and sums its W - 1 local slots and its own
-  input, in rank order. One flag round trip.
+  input, in tree order. One flag round trip.
   Small messages use the LL protocol instead (``tpfuse.kernels.ll``): the same slots hold
   LL words in the LL regions, and the reader polls the words themselves; mid-size ones
   Lamport words there (the data as its own flag, half LL's bytes).
 - two-shot: each rank writes chunk c of its input into scatter slot ``rank`` of rank c (c
-  not itself); rank c sums its W - 1 scatter slots and its own chunk of x (in rank order),
+  not itself); rank c sums its W - 1 scatter slots and its own chunk of x (in tree order),
   rounds once, and writes the result straight into its own output and, in the all-gather, to
   the other ranks: "push" stores it into gather slot c of every peer, which copies its W-1
   gather slots to its output after the gather flags; "pull" stores it into its own gather
@@ -41,7 +41,7 @@ import triton.language as tl
 
 from tpfuse.kernels.common import EXACT_FP, round_to, to_f32
 from tpfuse.kernels.ll import lamport_pack, lamport_word, ll_flag, ll_pack, ll_reduce
-from tpfuse.kernels.peer import (PeerContext, begin_collective, flag_row, push_to_peers, sum_in_rank_order,
+from tpfuse.kernels.peer import (PeerContext, begin_collective, flag_row, push_to_peers, sum_in_tree_order,
                                  typed_ptr)
 from tpfuse.kernels.sync import end_call, signal, wait
 
@@ -77,7 +77,7 @@ def oneshot_all_reduce_kernel(x_ptr, out_ptr, numel, table_ptr, local, status_ad
             offs = tile * BLOCK + tl.arange(0, BLOCK)
             mask = offs < numel
             own = to_f32(tl.load(x_ptr + offs, mask=mask))
-            acc = sum_in_rank_order(slot0, slot_elems, offs, mask, W, own, rank)
+            acc = sum_in_tree_order(slot0, slot_elems, offs, mask, W, own, rank)
             tl.store(out_ptr + offs, round_to(acc, ELEM), mask=mask)
     end_call(ctrl, epoch)
 
@@ -143,7 +143,7 @@ def twoshot_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, st
             offs = tile * BLOCK + tl.arange(0, BLOCK)
             mask = (offs < chunk) & (rank * chunk + offs < numel)
             own = to_f32(tl.load(x_ptr + rank * chunk + offs, mask=mask))
-            y = round_to(sum_in_rank_order(slot0, slot_elems, offs, mask, W, own, rank), ELEM)
+            y = round_to(sum_in_tree_order(slot0, slot_elems, offs, mask, W, own, rank), ELEM)
             tl.store(out_ptr + rank * chunk + offs, y, mask=mask)
             if GATHER_PULL:
                 tl.store(typed_ptr(local, data + gather_offset, ELEM) + rank * slot_elems + offs, y, mask=mask)

@@ -1,10 +1,10 @@
 """Fused all-reduce + (residual add) + RMSNorm: one kernel per algorithm, exact by construction.
 
 ``y`` and ``residual_out`` equal, bit for bit, ``r = all_reduce(x)`` (tpfuse's exact
-all-reduce: fp32 sum in rank order, rounded once) followed by ``tpfuse.add_rms_norm(r,
+all-reduce: fp32 sum in tree order, rounded once) followed by ``tpfuse.add_rms_norm(r,
 residual, w)`` (or ``tpfuse.rms_norm(r, w)``, residual_out then being r) because:
 
-- the reduced rows come from ``sum_in_rank_order`` and one ``round_to``, as in
+- the reduced rows come from ``sum_in_tree_order`` and one ``round_to``, as in
   ``tpfuse.kernels.allreduce``, and are rounded before the residual add;
 - the residual add and the norm are ``tpfuse.kernels.norm.norm_tile``, the body of the norm
   forward kernel, on tiles of the same shape (``NormConfig``, from (N, dtype) alone) and the
@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.peer import (PeerContext, begin_collective, flag_row, push_to_peers, sum_in_rank_order,
+from tpfuse.kernels.peer import (PeerContext, begin_collective, flag_row, push_to_peers, sum_in_tree_order,
                                  typed_ptr)
 from tpfuse.kernels.common import EXACT_FP, prefetch_l2, round_to, to_f32
 from tpfuse.kernels.ll import lamport_pack, lamport_word, ll_flag, ll_pack, ll_reduce, ll_wait
@@ -226,7 +226,7 @@ def rows_oneshot_all_reduce_norm_kernel(
     The grid is one CTA per piece: CTA p stores piece p % PIECES (PIECE elements; N is a
     multiple of 16) of row tile p // PIECES as Lamport words into slot ``rank`` of every
     rank's rows region, then polls all W slots of the whole tile in the norm kernel's layout
-    (tiles held in registers without a tail, ``NormConfig``), sums them in rank order, rounds,
+    (tiles held in registers without a tail, ``NormConfig``), sums them in tree order, rounds,
     adds the residual and normalises, as ``norm_tile`` does, and stores only its own piece of
     y and residual_out. Nothing passes between CTAs of a rank but the Lamport words, so there
     is no handoff count and no release (``ll_oneshot_all_reduce_norm_kernel`` has both); each
@@ -306,7 +306,7 @@ def twoshot_all_reduce_norm_kernel(
             _copy_rows(X, dst, N, rows, local_rows, (local_rows < rows_per_group) & (rows < n_rows), BLOCK_N,
                        NUM_CHUNKS)
     signal(table_ptr, flags_offset + (pid * WORLD + rank) * 8, epoch, WORLD, PEERS)
-    # Part 2: sum my group's W contributions in rank order, round once, and store the
+    # Part 2: sum my group's W contributions in tree order, round once, and store the
     # reduced rows into gather slot `rank` of every rank (this one included).
     if wait(flag_row(local, flags_offset, WORLD), ctrl, status, epoch, rank, timeout_ns, OP_FUSED_SCATTER, WORLD,
             PEERS):
@@ -318,7 +318,7 @@ def twoshot_all_reduce_norm_kernel(
                 ccols = c * BLOCK_N + cols
                 mask = row_ok[:, None] & (ccols < N)
                 offs = local_rows.to(tl.int64)[:, None] * N + ccols
-                reduced = round_to(sum_in_rank_order(slot0, slot_elems, offs, mask, WORLD), ELEM)
+                reduced = round_to(sum_in_tree_order(slot0, slot_elems, offs, mask, WORLD), ELEM)
                 push_to_peers(table_ptr, data + gather_offset, reduced, rank * slot_elems + offs, mask, rank, WORLD, True)
     # All-gather; after a failed first wait the abort word makes this one return at once.
     signal(table_ptr, flags_offset + flags_bytes + (pid * WORLD + rank) * 8, epoch, WORLD, PEERS)

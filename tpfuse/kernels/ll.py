@@ -54,6 +54,7 @@ import triton.language as tl
 
 from tpfuse._runtime import INTERPRETER
 from tpfuse.kernels.common import to_f32
+from tpfuse.kernels.peer import tree_sum
 from tpfuse.kernels.sync import GUARD_POLLS, _record_error, backoff, give_up, now_ns
 
 SPIN_LOOKS = tl.constexpr(1 << 16)
@@ -135,11 +136,12 @@ def _arrived_f32(words, flag, ELEM: tl.constexpr, LAMPORT: tl.constexpr):
 @triton.jit
 def poll_slots(slot0, slot_words, woffs, wmask, flag, W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr,
                own=None, rank=0):
-    """One look at the W slots ``slot0 + s * slot_words`` at woffs: the fp32 sum in rank
-    order of their values (``allreduce.sum_in_rank_order``'s order and roundings), and
+    """One look at the W slots ``slot0 + s * slot_words`` at woffs: the fp32 sum of their
+    values in ``peer.tree_sum``'s order (``peer.sum_in_tree_order``'s order and roundings), and
     whether any word there has not arrived yet. The W loads are independent, so they are in
     flight together. With ``own`` (this rank's elements widened to fp32, in element order),
     slot ``rank`` is not read: own stands in for it."""
+    parts = ()
     for s in tl.static_range(W):
         if own is None:
             words = tl.load(slot0 + s * slot_words + woffs, mask=wmask, other=0, volatile=True)
@@ -150,13 +152,12 @@ def poll_slots(slot0, slot_words, woffs, wmask, flag, W: tl.constexpr, ELEM: tl.
             arrived, vals = _arrived_f32(words, flag, ELEM, LAMPORT)
             arrived = arrived | mine
             vals = tl.where(mine, own, vals)
+        parts = parts + (vals,)
         if s == 0:
-            acc = vals
             late = ~arrived
         else:
-            acc += vals
             late = late | ~arrived
-    return acc, _any(late & wmask)
+    return tree_sum(parts), _any(late & wmask)
 
 
 @triton.jit
@@ -246,6 +247,7 @@ def _spin(slot0, slot_words, woffs, wmask, W: tl.constexpr, ELEM: tl.constexpr, 
     first, last = _vector_ends(wmask.to(tl.int32), VEC)
     live = first & last
     late = tl.zeros([n], tl.int1)  # per vector, in the spin's layout
+    parts = ()
     for s in tl.static_range(W):
         mine = s == rank  # a uniform scalar: the own slot is neither read nor waited for
         r0, r1, r2, r3, least = _spin_vectors(slot0 + s * slot_words + voffs, tl.where(mine, 0, live), BITS)
@@ -255,12 +257,8 @@ def _spin(slot0, slot_words, woffs, wmask, W: tl.constexpr, ELEM: tl.constexpr, 
             words = tl.reshape(tl.join((regs & 0xFFFF).to(tl.uint16), (regs >> 16).to(tl.uint16)), [n * VEC])
         else:
             words = regs
-        vals = tl.where(mine, own, _arrived_f32(words, 0, ELEM, True)[1])
-        if s == 0:
-            acc = vals
-        else:
-            acc += vals
-    return acc, _any(late)
+        parts = parts + (tl.where(mine, own, _arrived_f32(words, 0, ELEM, True)[1]),)
+    return tree_sum(parts), _any(late)
 
 
 @triton.jit
@@ -279,7 +277,7 @@ def ll_reduce(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, 
 @triton.jit
 def ll_wait(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns, OP: tl.constexpr,
             W: tl.constexpr, ELEM: tl.constexpr, LAMPORT: tl.constexpr, own=None, SPIN: tl.constexpr = False):
-    """The fp32 sum in rank order of the elements in the words at woffs (1-D, or 2-D for
+    """The fp32 sum in tree order (``peer.tree_sum``) of the elements in the words at woffs (1-D, or 2-D for
     Lamport words; masked by wmask) of the W local slots, once every word has arrived (LL
     words: carries ``flag``; with LAMPORT, Lamport words: is not 0). The words are left as
     they are. With ``own`` (this rank's elements widened to fp32, in the words' element

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.peer import sum_in_rank_order
+from tpfuse.kernels.peer import sum_in_tree_order
 from tpfuse.kernels.common import EXACT_FP, TRITON_DIVISIBILITY, round_to, to_f32
 
 # A row of up to 16384 elements is held in registers and read from memory once (fp32 rows of
@@ -246,14 +246,14 @@ def _load_norm_input(SRC, src_offs, slot_elems, RES, RES_OUT, offs, mask, has_re
     """The values to normalise at offs, in SRC's dtype (element offsets into RES and RES_OUT).
 
     x is SRC[src_offs] (SLOTS == 0: the norm's own input), or (the fused all-reduce) the sum
-    of SLOTS workspace slots ``SRC + s * slot_elems`` in rank order, rounded once: exactly
+    of SLOTS workspace slots ``SRC + s * slot_elems`` in tree order, rounded once: exactly
     tpfuse's all-reduce result. With has_residual x becomes round(x + RES[offs]); x is
     stored to RES_OUT[offs] when store_out. EVICT: the L2 eviction policy of the loads of SRC
     (SLOTS == 0) and RES."""
     if SLOTS == 0:
         x = tl.load(SRC + src_offs, mask=mask, other=0.0, eviction_policy=EVICT)
     else:
-        x = round_to(sum_in_rank_order(SRC, slot_elems, src_offs, mask, SLOTS), SRC.dtype.element_ty)
+        x = round_to(sum_in_tree_order(SRC, slot_elems, src_offs, mask, SLOTS), SRC.dtype.element_ty)
     if has_residual:
         x = round_to(to_f32(x) + to_f32(tl.load(RES + offs, mask=mask, other=0.0, eviction_policy=EVICT)), x.dtype)
     if store_out:

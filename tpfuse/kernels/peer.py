@@ -53,11 +53,30 @@ def typed_ptr(base, byte_offset, ELEM: tl.constexpr):
 
 
 @triton.jit
-def sum_in_rank_order(slot0, slot_elems, offs, mask, W: tl.constexpr, own=None, rank=0):
-    """fp32 sum over the W slots ``slot0 + s * slot_elems`` (s = 0..W-1, in that order) at
-    ``offs``; the data was written by peers, so it is read through L2 (``.cg``). With ``own``
-    (this rank's elements at offs, widened to fp32), slot ``rank`` is not read: own stands
-    in for it, so a kernel that passes own need not store its elements into its own slot."""
+def tree_sum(parts):
+    """The sum of the tuple ``parts`` (one block per rank, in rank order) over the pairwise
+    tree of ``reference.tree_sum``: neighbours are added level by level, an odd one out is
+    carried up to the next level. W <= 8 ranks: three levels."""
+    for level in tl.static_range(3):
+        if len(parts) > 1:
+            pairs = ()
+            for i in tl.static_range(len(parts) // 2):
+                pairs = pairs + (parts[2 * i] + parts[2 * i + 1],)
+            if len(parts) % 2 == 1:
+                pairs = pairs + (parts[len(parts) - 1],)
+            parts = pairs
+    tl.static_assert(len(parts) == 1, "tree_sum serves at most 8 ranks")
+    return parts[0]
+
+
+@triton.jit
+def sum_in_tree_order(slot0, slot_elems, offs, mask, W: tl.constexpr, own=None, rank=0):
+    """fp32 sum over the W slots ``slot0 + s * slot_elems`` (s = 0..W-1) at ``offs``, in the
+    pairwise tree order of ``tree_sum``; the data was written by peers, so it is read through
+    L2 (``.cg``). With ``own`` (this rank's elements at offs, widened to fp32), slot ``rank``
+    is not read: own stands in for it, so a kernel that passes own need not store its
+    elements into its own slot."""
+    parts = ()
     for s in tl.static_range(W):
         if own is None:
             vals = to_f32(tl.load(slot0 + s * slot_elems + offs, mask=mask, other=0.0, cache_modifier=".cg"))
@@ -65,11 +84,8 @@ def sum_in_rank_order(slot0, slot_elems, offs, mask, W: tl.constexpr, own=None, 
             vals = to_f32(tl.load(slot0 + s * slot_elems + offs, mask=mask & (s != rank), other=0.0,
                                   cache_modifier=".cg"))
             vals = tl.where(s == rank, own, vals)
-        if s == 0:
-            acc = vals
-        else:
-            acc += vals
-    return acc
+        parts = parts + (vals,)
+    return tree_sum(parts)
 
 
 @triton.jit

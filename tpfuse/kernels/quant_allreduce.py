@@ -6,7 +6,7 @@ the exact two-shot kernel (``allreduce.py``), with packed groups in place of raw
 1. each rank encodes chunk c of its input (``codecs.encode_groups``) and stores the packed
    groups into scatter slot ``rank`` of rank c, then raises its scatter flag on every rank;
 2. rank c waits for the W scatter flags, decodes the W contributions to its chunk, sums
-   them in fp32 in rank order 0..W-1, encodes the sum, stores the packed sum into gather
+   them in fp32 in tree order (``peer.tree_sum``), encodes the sum, stores the packed sum into gather
    slot c of every peer and raises its gather flag; it decodes the same codes into its own
    output, rounded once to the dtype;
 3. after the W gather flags, every rank decodes the other W-1 gather slots into its output.
@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.peer import PeerContext, begin_collective, flag_row
+from tpfuse.kernels.peer import PeerContext, begin_collective, flag_row, tree_sum
 from tpfuse.kernels.codecs import (CODEC_IDS, decode_groups, encode_groups, hardware_e4m3, load_groups, load_packed,
                                    store_packed)
 from tpfuse.kernels.common import EXACT_FP, round_to
@@ -60,19 +60,18 @@ def quant_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, stat
             store_packed(tl.load(table_ptr + c) + data + rank * slot_bytes, p0, p1, psc, gidx, gmask, codes, scale,
                          CODEC)
     signal(table_ptr, flags_offset + (pid * W + rank) * 8, epoch, W, PEERS)
-    # 2. Decode my chunk's W contributions, sum in rank order, encode the sum, push it.
+    # 2. Decode my chunk's W contributions, sum in tree order, encode the sum, push it.
     if wait(flag_row(local, flags_offset, W), ctrl, status, epoch, rank, timeout_ns, OP_QUANT_SCATTER, W, PEERS):
         limit = tl.minimum(chunk, numel - rank * chunk)
         for tile in range(pid, n_tiles, grid):
             gidx = tile * GB + tl.arange(0, GB)
             offs = gidx[:, None] * 32 + tl.arange(0, 32)[None, :]
             gmask = gidx * 32 < limit
-            codes, scale = load_packed(local + data, p0, p1, psc, gidx, gmask, CODEC)
-            acc = decode_groups(codes, scale, CODEC, HW_E4M3)
-            for s in range(1, W):
+            parts = ()
+            for s in tl.static_range(W):
                 codes, scale = load_packed(local + data + s * slot_bytes, p0, p1, psc, gidx, gmask, CODEC)
-                acc += decode_groups(codes, scale, CODEC, HW_E4M3)
-            codes, scale = encode_groups(acc, CODEC, HW_E4M3)
+                parts = parts + (decode_groups(codes, scale, CODEC, HW_E4M3),)
+            codes, scale = encode_groups(tree_sum(parts), CODEC, HW_E4M3)
             for k in range(1, W):  # from the next rank on, as in phase 1
                 peer = tl.load(table_ptr + (rank + k) % W)
                 store_packed(peer + data + gather_offset + rank * slot_bytes, p0, p1, psc, gidx, gmask, codes, scale,
