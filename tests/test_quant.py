@@ -322,7 +322,8 @@ def _bits_all_codecs(sizes):
                 xs = _inputs(1000 * i + c, n, dtype, world)
                 _call(comm, xs, codec, f"n={n} {dtype} {codec}", failures, digests)
         # Rank 0 and 1 cancel (+-2**25) in the first value of every other group: the fp32 sum
-        # in rank order is exact there, any other order rounds the small contributions away.
+        # in tree order (ranks 0 and 1 meet first) is exact there; another order would round the
+        # small contributions away.
         for c, codec in enumerate(CODECS):
             xs = _inputs(77 + c, 4096, torch.bfloat16, world)
             xs[0][::64], xs[1][::64] = 2.0**25, -(2.0**25)
