@@ -218,3 +218,63 @@ def capture_graph(run):
     with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
         outs = run()
     return graph, outs
+
+
+MISMATCHES = {
+    # name: (rank 0's call, every other rank's call), as (numel, dtype name, algo, codec)
+    "bytes alike, dtypes not": ((512, "float32", "auto", None), (1024, "bfloat16", "auto", None)),
+    "counts alike, dtypes not": ((1000, "float32", "auto", None), (1000, "bfloat16", "auto", None)),
+    "1000 against 500": ((1000, "float32", "auto", None), (500, "float32", "auto", None)),
+    "4096 against 4000": ((4096, "bfloat16", "auto", None), (4000, "bfloat16", "auto", None)),
+    "int8 against int4": ((1 << 15, "float32", "auto", "int8"), (1 << 15, "float32", "auto", "int4")),
+    "nccl against a peer kernel": ((1000, "float32", "nccl", None), (1000, "float32", "auto", None)),
+    "one-shot against two-shot": ((4096, "float32", "oneshot", None), (4096, "float32", "twoshot", None)),
+    "fused rows differ": ((64, "float32", "fused", None), (128, "float32", "fused", None)),
+}
+
+
+def mismatched_calls(names: list[str], timeout_s: float = 2.0) -> list[str]:
+    """In a rank: for each case of MISMATCHES, a fresh Communicator, one good call, then rank 0
+    makes one call and the other ranks another. Every rank must raise ``CallMismatchError``
+    (under the interpreter from the call, on GPUs from ``check()``) within ``timeout_s`` plus
+    slack, naming itself and a peer; what the call returned, if anything, must be all NaN; and
+    the next call must raise too."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from tpfuse.comm import CallMismatchError, Communicator
+
+    rank, failures = dist.get_rank(), []
+    for name in names:
+        numel, dtype, algo, codec = MISMATCHES[name][0 if rank == 0 else 1]
+        comm = Communicator(timeout_s=timeout_s)
+        good = torch.randn(8, device=comm.device)
+        comm.all_reduce(good)
+        x = torch.randn(numel, device=comm.device).to(getattr(torch, dtype))
+        dist.barrier()
+        start, out = time.monotonic(), None
+        try:
+            if algo == "fused":
+                rows = x.view(-1, 32)
+                out = comm.all_reduce_add_rms_norm(rows, torch.ones_like(rows), None)[0]
+            else:
+                out = comm.all_reduce(x, algo=algo, quant=codec, quant_min_bytes=0 if codec else None)
+            comm.check()
+            failures.append(f"{name}: no error")
+        except CallMismatchError as e:
+            if e.rank != rank or e.peer == rank or f"call {e.epoch}" not in str(e):
+                failures.append(f"{name}: unexpected error contents: {e}")
+        if out is not None and not torch.isnan(out.float()).all():
+            failures.append(f"{name}: the mismatched call returned {int((~torch.isnan(out.float())).sum())} numbers")
+        if time.monotonic() - start > timeout_s + 8:
+            failures.append(f"{name}: the error took {time.monotonic() - start:.1f} s")
+        try:
+            comm.all_reduce(good)
+            failures.append(f"{name}: a failed communicator accepted another call")
+        except CallMismatchError:
+            pass
+        comm.close()
+        dist.barrier()
+    return failures

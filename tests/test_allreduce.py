@@ -16,12 +16,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.multiproc import missing_peer, no_failures, run_ranks, table_knobs
+from tests.conftest import DEVICE
+from tests.multiproc import mismatched_calls, missing_peer, no_failures, run_ranks, table_knobs
 from tests.tally import ll_regions_not_zeroed
 from tpfuse import reference
 from tpfuse.comm import Communicator, Launch, default_knobs
 from tpfuse.comm.plan import AllReducePlan
 from tpfuse.comm.workspace import ALIGN, WorkspaceLayout
+from tpfuse.kernels.peer import tree_sum
+import triton  # noqa: E402  (after tpfuse, which sets up Triton's interpreter on CPU)
+import triton.language as tl  # noqa: E402
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 ALGOS = ["oneshot", "twoshot", "auto"]
@@ -81,6 +85,26 @@ class _Term(str):
     (7, "(((0+1)+(2+3))+((4+5)+6))"), (8, "(((0+1)+(2+3))+((4+5)+(6+7)))")])
 def test_reference_sums_ranks_over_the_pairwise_tree(world, tree):
     assert reference.tree_sum([_Term(str(r)) for r in range(world)]) == tree
+
+
+@triton.jit
+def _tree_sum_kernel(X, Y, W: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    parts = ()
+    for s in tl.static_range(W):
+        parts = parts + (tl.load(X + s * BLOCK + offs),)
+    tl.store(Y + offs, tree_sum(parts))
+
+
+@pytest.mark.parametrize("world", range(1, 9))
+def test_the_kernels_tree_is_the_reference_tree(world):
+    """``peer.tree_sum`` (the running fold every kernel's sum goes through) adds as
+    ``reference.tree_sum`` does: values of many magnitudes, so any other order rounds otherwise."""
+    g = torch.Generator().manual_seed(world)
+    x = (torch.randn(world, 256, generator=g) * torch.exp2(torch.randint(-24, 25, (world, 256), generator=g)))
+    y = torch.full((256,), float("nan"), device=DEVICE)
+    _tree_sum_kernel[(1,)](x.to(DEVICE), y, world, 256)
+    assert _same_bits(y.cpu(), reference.tree_sum(list(x.unbind(0))))
 
 
 def test_tree_sum_over_chunks_does_not_depend_on_how_ranks_share_them():
@@ -536,6 +560,13 @@ def _subnormals():
             xs = [(torch.randn(1000, generator=g) * 1e-39).to(torch.bfloat16) for _ in range(world)]
             _check(comm, xs, f"subnormal {algo}", failures, digests, algo)
     return failures, digests
+
+
+@pytest.mark.parametrize("names", [["bytes alike, dtypes not", "int8 against int4", "nccl against a peer kernel"],
+                                   ["counts alike, dtypes not", "1000 against 500", "4096 against 4000",
+                                    "one-shot against two-shot", "fused rows differ"]])
+def test_ranks_that_disagree_on_a_call_all_raise_and_return_no_numbers(names):
+    no_failures(run_ranks(2, mismatched_calls, names, timeout_s=300))
 
 
 def test_bf16_subnormals_are_summed_exactly():
