@@ -25,10 +25,11 @@ from tpfuse import reference
 from tpfuse.comm import CallMismatchError, CommError, CommTimeoutError, Communicator
 from tpfuse.fp8_ops import quant_fp8
 from tpfuse.kernels.codecs import dequantize, quantize
+from tpfuse.kernels.linear import invariant_matmul
 from tpfuse.nn import RMSNorm
 from tpfuse.norm_ops import add_rms_norm, rms_norm
 
 __all__ = ["rms_norm", "add_rms_norm", "RMSNorm", "Communicator", "CommError", "CommTimeoutError", "CallMismatchError",
            "reference",
-           "quantize", "dequantize", "quant_fp8"]
+           "quantize", "dequantize", "quant_fp8", "invariant_matmul"]
 __version__ = "0.1.0"

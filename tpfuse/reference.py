@@ -332,6 +332,19 @@ def quantized_all_reduce(tensors: Sequence[torch.Tensor], quant: str) -> torch.T
     return out.to(dtype).reshape(shape)
 
 
+# ---------------------------------------------------------------- invariant linear layers
+
+def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` in float64: what ``tpfuse.invariant_matmul`` approximates (fp32
+    accumulation, one rounding), held to ``rel_err`` against it. Its bits are not written
+    here: a tensor core's sum inside one instruction has no torch spelling. What the contract
+    fixes instead, and the tests hold kernel against kernel, is that they depend on K and the
+    number of chunks alone: a row's bits are the same alone or in any batch, for any N, and a
+    layer split over t ranks into 1/t of K each, whose fp32 results are summed by
+    ``tree_sum``, gives the bits of the unsplit layer (docs/design.md 1.2)."""
+    return x.double() @ weight.double().T
+
+
 # ---------------------------------------------------------------- fp8 activations for fp8 GEMMs
 
 FP8_MAX = 448.0

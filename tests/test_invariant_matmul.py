@@ -1,0 +1,80 @@
+"""tpfuse.invariant_matmul: a row's bits do not depend on the batch around it, on N, or on how
+K is split over ranks (the chunks' tree); its error against float64 is fp32 accumulation's.
+
+Runs on CPU under Triton's interpreter (small shapes) and on CUDA (the model's shapes too)."""
+
+import pytest
+import torch
+
+import tpfuse
+from tests.conftest import DEVICE, ON_GPU
+from tpfuse import reference
+
+# (K, N, chunks): tiny ones for the interpreter; Llama-3-8B's layers at TP=2 on GPUs.
+SHAPES = [(256, 96, 8), (2048, 64, 8), (512, 40, 4)] + (
+    [(4096, 3072, 8), (4096, 7168, 8), (7168, 4096, 4), (2048, 4096, 4)] if ON_GPU else [])
+BATCHES = [1, 5, 16, 64] + ([256] if ON_GPU else [])
+
+
+def _operands(k, n, m, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) / k**0.5).bfloat16().to(DEVICE)
+    x = torch.randn(m, k, generator=g).bfloat16().to(DEVICE)
+    return x, w
+
+
+@pytest.mark.parametrize("k, n, chunks", SHAPES)
+def test_a_row_has_the_same_bits_alone_and_in_any_batch(k, n, chunks):
+    x, w = _operands(k, n, max(BATCHES), k + n)
+    alone = [tpfuse.invariant_matmul(x[i:i + 1], w, chunks, torch.float32) for i in (0, 3, 17 % len(x))]
+    for m in BATCHES:
+        batch = tpfuse.invariant_matmul(x[:m], w, chunks, torch.float32)
+        for i, row in zip((0, 3, 17 % len(x)), alone):
+            if i < m:
+                assert torch.equal(batch[i], row[0]), (m, i)
+
+
+@pytest.mark.parametrize("k, n, chunks", SHAPES)
+def test_a_split_over_ranks_summed_over_the_tree_gives_the_unsplit_bits(k, n, chunks):
+    x, w = _operands(k, n, 5, k * n)
+    whole = tpfuse.invariant_matmul(x, w, chunks, torch.float32)
+    for t in (2, 4, 8):
+        if chunks % t:
+            continue
+        part = k // t
+        shards = [tpfuse.invariant_matmul(x[:, r * part:(r + 1) * part].contiguous(),
+                                          w[:, r * part:(r + 1) * part].contiguous(), chunks // t, torch.float32)
+                  for r in range(t)]
+        assert torch.equal(reference.tree_sum(shards), whole), t
+    # Column shards (a column-parallel layer at any TP size) give the columns' bits.
+    assert torch.equal(tpfuse.invariant_matmul(x, w[: n // 2].contiguous(), chunks, torch.float32), whole[:, : n // 2])
+
+
+@pytest.mark.parametrize("k, n, chunks", SHAPES[:2])
+def test_error_against_float64(k, n, chunks):
+    x, w = _operands(k, n, 7, 1)
+    ref = reference.matmul(x, w)
+    assert reference.rel_err(tpfuse.invariant_matmul(x, w, chunks, torch.float32), ref) < 1e-6
+    out = torch.full((7, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    out.copy_(tpfuse.invariant_matmul(x, w, chunks))
+    assert out.dtype == torch.bfloat16 and reference.rel_err(out, ref) < reference.rel_err_budget(torch.bfloat16)
+    assert torch.equal(out, tpfuse.invariant_matmul(x, w, chunks, torch.float32).bfloat16())  # one rounding
+
+
+def test_leading_dimensions_and_empty_batches():
+    x, w = _operands(256, 48, 6, 2)
+    out = tpfuse.invariant_matmul(x.view(2, 3, 256), w, 8)
+    assert out.shape == (2, 3, 48) and torch.equal(out.view(6, 48), tpfuse.invariant_matmul(x, w, 8))
+    assert tpfuse.invariant_matmul(x[:0], w, 8).shape == (0, 48)
+
+
+def test_argument_errors():
+    x, w = _operands(256, 48, 2, 3)
+    with pytest.raises(ValueError, match="chunks must be"):
+        tpfuse.invariant_matmul(x, w, 3)
+    with pytest.raises(ValueError, match="does not split"):
+        tpfuse.invariant_matmul(x[:, :200].contiguous(), w[:, :200].contiguous(), 8)
+    with pytest.raises(TypeError, match="bf16 or fp16"):
+        tpfuse.invariant_matmul(x.float(), w.float(), 8)
+    with pytest.raises(ValueError, match="do not match"):
+        tpfuse.invariant_matmul(x, w.t().contiguous(), 8)

@@ -1,0 +1,149 @@
+"""A matmul whose bits depend on K alone: batch- and TP-invariant linear layers (docs/design.md 1.2).
+
+``invariant_matmul(x, weight, chunks)`` computes ``x @ weight.T`` so that each output
+element's reduction order is fixed by K and ``chunks`` only, never by M, N or the GPU:
+
+- one launch configuration for every shape (``LinearConfig``, from the chunk's length
+  alone): 16-row blocks, so that a row is summed by the same tensor-core instruction whether
+  it is alone or one of many, and no split of K chosen from the shape;
+- K is cut into ``chunks`` equal chunks; a CTA sums one chunk of one (row block, column
+  block) tile in BLOCK_K steps, in order, into an fp32 accumulator, and the chunks' fp32
+  partials are added over the pairwise tree (``peer.tree_sum``) by the last CTA of the tile
+  to arrive (an acq_rel count per tile: the deterministic last-CTA pattern, one launch).
+
+The tree is what makes the result TP-invariant: a row-parallel layer over t ranks gives each
+rank a contiguous 1/t of K, so with ``chunks = G / t`` (G chunks in all, a power of two), a
+rank's result is a subtree of the G-chunk tree, and the all-reduce's tree over the ranks
+(``tpfuse.reference.tree_sum``) completes it: the same bits as one rank's
+``invariant_matmul(x, weight, G)`` (tests/test_invariant_matmul.py).
+
+The chunks also spread a decode-sized product (M of 1 to 16) over enough CTAs to stream the
+weights: G = 8 gives N / 64 * 8 CTAs. Larger M re-reads each weight tile once per 16 rows,
+from L2 when the CTAs of neighbouring row blocks run together (row blocks vary fastest in the
+grid).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from tpfuse.kernels.common import EXACT_FP, _INTERPRETER, round_to, to_f32
+from tpfuse.kernels.peer import tree_sum
+
+BLOCK_M = 16
+"""Rows per tile: one mma.m16n8k16 row block on sm_80+, for every M (never a wgmma tile)."""
+MAX_CHUNKS = 8
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    """The launch configuration of ``invariant_matmul``, from the chunk length alone."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+
+    @classmethod
+    def for_chunk(cls, chunk_k: int) -> "LinearConfig":
+        return cls(block_n=64, block_k=min(128, chunk_k), num_warps=4)
+
+
+def check_chunks(k: int, chunks: int) -> int:
+    """The chunk length of ``chunks`` chunks of K, or ValueError where the split is not served."""
+    if chunks not in (1, 2, 4, 8):
+        raise ValueError(f"chunks must be 1, 2, 4 or 8 (a power of two of at most {MAX_CHUNKS}), got {chunks}")
+    if k % chunks or (k // chunks) % 16:
+        raise ValueError(f"K={k} does not split into {chunks} chunks of a multiple of 16")
+    chunk_k = k // chunks
+    if chunk_k % LinearConfig.for_chunk(chunk_k).block_k:
+        raise ValueError(f"K={k}: a chunk of {chunk_k} is not a multiple of 128 (chunks of more than 128 are summed in "
+                         "steps of 128)")
+    return chunk_k
+
+
+@triton.jit
+def _chunk_partial(X, Wt, rows, cols, M, N, K, k0, CHUNK_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 [BLOCK_M, BLOCK_N]: rows x cols of x @ w.T over K columns [k0, k0 + CHUNK_K), in
+    BLOCK_K steps, in order."""
+    acc = tl.zeros([rows.shape[0], cols.shape[0]], tl.float32)
+    ks = tl.arange(0, BLOCK_K)
+    for k in range(0, CHUNK_K, BLOCK_K):
+        a = tl.load(X + rows[:, None] * K + (k0 + k + ks)[None, :], mask=(rows < M)[:, None], other=0.0)
+        b = tl.load(Wt + cols[None, :] * K + (k0 + k + ks)[:, None], mask=(cols < N)[None, :], other=0.0)
+        if _INTERPRETER:  # numpy has no bf16 matmul: widen exactly, sum in fp32
+            acc = tl.dot(to_f32(a), to_f32(b), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit(do_not_specialize=["M", "N"])  # one compiled kernel for every M and N
+def invariant_matmul_kernel(X, Wt, OUT, PARTIAL, COUNTS, M, N, K,
+                            CHUNKS: tl.constexpr, CHUNK_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Grid (row blocks, column blocks, chunks). PARTIAL: fp32 [CHUNKS, M, N]; COUNTS: int32
+    zeros, one per (row block, column block) tile."""
+    pid_m, pid_n, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = _chunk_partial(X, Wt, rows, cols, M, N, K, chunk * CHUNK_K, CHUNK_K, BLOCK_K)
+    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    if CHUNKS == 1:
+        tl.store(OUT + offs, round_to(acc, OUT.dtype.element_ty), mask=mask)
+    else:
+        size = M.to(tl.int64) * N
+        tl.store(PARTIAL + chunk * size + offs, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial precedes the count (release)
+        counter = COUNTS + pid_m * tl.num_programs(1) + pid_n
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == CHUNKS - 1:
+            parts = ()
+            for c in tl.static_range(CHUNKS):
+                parts = parts + (tl.load(PARTIAL + c * size + offs, mask=mask, other=0.0, cache_modifier=".cg"),)
+            tl.store(OUT + offs, round_to(tree_sum(parts), OUT.dtype.element_ty), mask=mask)
+
+
+def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, chunks: int, out_dtype: torch.dtype | None = None
+                     ) -> torch.Tensor:
+    """``x @ weight.T`` with a reduction order fixed by K and ``chunks`` alone.
+
+    Args:
+        x: [..., K] bf16 or fp16, contiguous in its last dimension.
+        weight: [N, K], x's dtype, contiguous (``nn.Linear``'s layout).
+        chunks: 1, 2, 4 or 8 equal chunks of K, each a multiple of 128 (or of 16 up to 128),
+            summed over the pairwise tree; a TP=t shard of a layer of G chunks passes G / t.
+        out_dtype: the result's dtype (default x's); fp32 keeps a row-parallel layer's
+            partial sum unrounded for the all-reduce.
+
+    Returns a new [..., N] tensor. Row i's bits do not depend on the other rows or their
+    number, nor on N; they are not torch.matmul's (``tpfuse.reference.invariant_matmul``
+    holds them to a relative error budget).
+    """
+    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
+        raise TypeError(f"invariant_matmul takes bf16 or fp16 x and weight of the same dtype, got {x.dtype} and "
+                        f"{weight.dtype}")
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"x [..., K] and weight [N, K] do not match: {tuple(x.shape)} and {tuple(weight.shape)}")
+    if x.device != weight.device:
+        raise ValueError(f"x and weight are on different devices: {x.device} and {weight.device}")
+    n, k = weight.shape
+    chunk_k = check_chunks(k, chunks)
+    x2 = x.reshape(-1, k).contiguous()
+    w = weight.contiguous()
+    m = x2.shape[0]
+    out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    if m == 0:
+        return out.view(*x.shape[:-1], n)
+    cfg = LinearConfig.for_chunk(chunk_k)
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, cfg.block_n), chunks)
+    partial = torch.empty((chunks, m, n) if chunks > 1 else (1,), dtype=torch.float32, device=x.device)
+    counts = torch.zeros(grid[0] * grid[1] if chunks > 1 else 1, dtype=torch.int32, device=x.device)
+    invariant_matmul_kernel[grid](X=x2, Wt=w, OUT=out, PARTIAL=partial, COUNTS=counts, M=m, N=n, K=k, CHUNKS=chunks,
+                                  CHUNK_K=chunk_k,
+                                  BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                                  num_warps=cfg.num_warps, **EXACT_FP)
+    return out.view(*x.shape[:-1], n)
