@@ -18,9 +18,8 @@ rank's result is a subtree of the G-chunk tree, and the all-reduce's tree over t
 ``invariant_matmul(x, weight, G)`` (tests/test_invariant_matmul.py).
 
 The chunks also spread a decode-sized product (M of 1 to 16) over enough CTAs to stream the
-weights: G = 8 gives N / 64 * 8 CTAs. Larger M re-reads each weight tile once per 16 rows,
-from L2 when the CTAs of neighbouring row blocks run together (row blocks vary fastest in the
-grid).
+weights: G = 8 gives N / 64 * 8 CTAs. For larger M a CTA takes up to 8 row blocks, one after
+another, each summed exactly as alone (``row_blocks_per_cta``).
 """
 
 from __future__ import annotations
@@ -50,6 +49,13 @@ class LinearConfig:
     @classmethod
     def for_chunk(cls, chunk_k: int) -> "LinearConfig":
         return cls(block_n=64, block_k=min(128, chunk_k), num_warps=4)
+
+
+def row_blocks_per_cta(m: int) -> int:
+    """Row blocks a CTA sums, one after another: up to 8 (128 rows), so that the weights are
+    read from HBM about once per 128 rows, not once per 16. Chosen from M, which it may be: it
+    changes where a CTA reads the weights from, not how any row is summed."""
+    return min(8, triton.next_power_of_2(triton.cdiv(m, BLOCK_M)))
 
 
 def check_chunks(k: int, chunks: int) -> int:
@@ -84,27 +90,35 @@ def _chunk_partial(X, Wt, rows, cols, M, N, K, k0, CHUNK_K: tl.constexpr, BLOCK_
 @triton.jit(do_not_specialize=["M", "N"])  # one compiled kernel for every M and N
 def invariant_matmul_kernel(X, Wt, OUT, PARTIAL, COUNTS, M, N, K,
                             CHUNKS: tl.constexpr, CHUNK_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Grid (row blocks, column blocks, chunks). PARTIAL: fp32 [CHUNKS, M, N]; COUNTS: int32
-    zeros, one per (row block, column block) tile."""
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCKS: tl.constexpr):
+    """Grid (groups of ROW_BLOCKS row blocks, column blocks, chunks). PARTIAL: fp32 [CHUNKS, M,
+    N]; COUNTS: int32 zeros, one per (row group, column block) tile. A CTA sums its row blocks
+    one after another, each exactly as alone (the weight tile comes again from L1 or L2, not
+    from HBM): ROW_BLOCKS changes where the weights are read from, never a bit."""
     pid_m, pid_n, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = _chunk_partial(X, Wt, rows, cols, M, N, K, chunk * CHUNK_K, CHUNK_K, BLOCK_K)
-    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
-    if CHUNKS == 1:
-        tl.store(OUT + offs, round_to(acc, OUT.dtype.element_ty), mask=mask)
-    else:
-        size = M.to(tl.int64) * N
-        tl.store(PARTIAL + chunk * size + offs, acc, mask=mask)
-        tl.debug_barrier()  # every thread's partial precedes the count (release)
+    size = M.to(tl.int64) * N
+    for rb in tl.static_range(ROW_BLOCKS):
+        rows = (pid_m * ROW_BLOCKS + rb) * BLOCK_M + tl.arange(0, BLOCK_M)
+        acc = _chunk_partial(X, Wt, rows, cols, M, N, K, chunk * CHUNK_K, CHUNK_K, BLOCK_K)
+        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
+        if CHUNKS == 1:
+            tl.store(OUT + offs, round_to(acc, OUT.dtype.element_ty), mask=mask)
+        else:
+            tl.store(PARTIAL + chunk * size + offs, acc, mask=mask)
+    if CHUNKS > 1:
+        tl.debug_barrier()  # every thread's partials precede the count (release)
         counter = COUNTS + pid_m * tl.num_programs(1) + pid_n
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == CHUNKS - 1:
-            parts = ()
-            for c in tl.static_range(CHUNKS):
-                parts = parts + (tl.load(PARTIAL + c * size + offs, mask=mask, other=0.0, cache_modifier=".cg"),)
-            tl.store(OUT + offs, round_to(tree_sum(parts), OUT.dtype.element_ty), mask=mask)
+            for rb in tl.static_range(ROW_BLOCKS):
+                rows = (pid_m * ROW_BLOCKS + rb) * BLOCK_M + tl.arange(0, BLOCK_M)
+                offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+                mask = (rows < M)[:, None] & (cols < N)[None, :]
+                parts = ()
+                for c in tl.static_range(CHUNKS):
+                    parts = parts + (tl.load(PARTIAL + c * size + offs, mask=mask, other=0.0, cache_modifier=".cg"),)
+                tl.store(OUT + offs, round_to(tree_sum(parts), OUT.dtype.element_ty), mask=mask)
 
 
 def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, chunks: int, out_dtype: torch.dtype | None = None
@@ -139,11 +153,12 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, chunks: int, out_dty
     if m == 0:
         return out.view(*x.shape[:-1], n)
     cfg = LinearConfig.for_chunk(chunk_k)
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, cfg.block_n), chunks)
+    row_blocks = row_blocks_per_cta(m)
+    grid = (triton.cdiv(m, BLOCK_M * row_blocks), triton.cdiv(n, cfg.block_n), chunks)
     partial = torch.empty((chunks, m, n) if chunks > 1 else (1,), dtype=torch.float32, device=x.device)
     counts = torch.zeros(grid[0] * grid[1] if chunks > 1 else 1, dtype=torch.int32, device=x.device)
     invariant_matmul_kernel[grid](X=x2, Wt=w, OUT=out, PARTIAL=partial, COUNTS=counts, M=m, N=n, K=k, CHUNKS=chunks,
                                   CHUNK_K=chunk_k,
-                                  BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                                  BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROW_BLOCKS=row_blocks,
                                   num_warps=cfg.num_warps, **EXACT_FP)
     return out.view(*x.shape[:-1], n)
