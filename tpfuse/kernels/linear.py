@@ -18,8 +18,8 @@ rank's result is a subtree of the G-chunk tree, and the all-reduce's tree over t
 ``invariant_matmul(x, weight, G)`` (tests/test_invariant_matmul.py).
 
 The chunks also spread a decode-sized product (M of 1 to 16) over enough CTAs to stream the
-weights: G = 8 gives N / 64 * 8 CTAs. For larger M a CTA takes up to 8 row blocks, one after
-another, each summed exactly as alone (``row_blocks_per_cta``).
+weights: G = 8 gives N / 64 * 8 CTAs. For larger M a CTA applies each weight block it loads
+to up to 4 row blocks, each its own 16-row dot (``row_blocks_per_cta``).
 """
 
 from __future__ import annotations
@@ -52,10 +52,10 @@ class LinearConfig:
 
 
 def row_blocks_per_cta(m: int) -> int:
-    """Row blocks a CTA sums, one after another: up to 8 (128 rows), so that the weights are
-    read from HBM about once per 128 rows, not once per 16. Chosen from M, which it may be: it
-    changes where a CTA reads the weights from, not how any row is summed."""
-    return min(8, triton.next_power_of_2(triton.cdiv(m, BLOCK_M)))
+    """Row blocks a CTA sums with each weight block it loads: up to 4 (64 rows). Chosen from M,
+    which it may be: every row block is its own 16-row dot, so it changes how often the weights
+    are read, never how a row is summed (the tests compare rows alone and in batches)."""
+    return min(4, triton.next_power_of_2(triton.cdiv(m, BLOCK_M)))
 
 
 def check_chunks(k: int, chunks: int) -> int:
@@ -72,19 +72,30 @@ def check_chunks(k: int, chunks: int) -> int:
 
 
 @triton.jit
-def _chunk_partial(X, Wt, rows, cols, M, N, K, k0, CHUNK_K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """fp32 [BLOCK_M, BLOCK_N]: rows x cols of x @ w.T over K columns [k0, k0 + CHUNK_K), in
-    BLOCK_K steps, in order."""
-    acc = tl.zeros([rows.shape[0], cols.shape[0]], tl.float32)
+def _chunk_partials(X, Wt, rows0, cols, M, N, K, k0, CHUNK_K: tl.constexpr, BLOCK_K: tl.constexpr,
+                    ROW_BLOCKS: tl.constexpr):
+    """A tuple of ROW_BLOCKS fp32 [BLOCK_M, BLOCK_N] tiles: the row blocks from rows0 on, times
+    cols, of x @ w.T over K columns [k0, k0 + CHUNK_K), in BLOCK_K steps, in order. Each weight
+    block is loaded once per step and used by every row block, each its own 16-row dot."""
+    BLOCK_M: tl.constexpr = rows0.shape[0]
+    accs = ()
+    for rb in tl.static_range(ROW_BLOCKS):
+        accs = accs + (tl.zeros([BLOCK_M, cols.shape[0]], tl.float32),)
     ks = tl.arange(0, BLOCK_K)
     for k in range(0, CHUNK_K, BLOCK_K):
-        a = tl.load(X + rows[:, None] * K + (k0 + k + ks)[None, :], mask=(rows < M)[:, None], other=0.0)
         b = tl.load(Wt + cols[None, :] * K + (k0 + k + ks)[:, None], mask=(cols < N)[None, :], other=0.0)
         if _INTERPRETER:  # numpy has no bf16 matmul: widen exactly, sum in fp32
-            acc = tl.dot(to_f32(a), to_f32(b), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
-    return acc
+            b = to_f32(b)
+        new = ()
+        for rb in tl.static_range(ROW_BLOCKS):
+            rows = rows0 + rb * BLOCK_M
+            a = tl.load(X + rows[:, None] * K + (k0 + k + ks)[None, :], mask=(rows < M)[:, None], other=0.0)
+            if _INTERPRETER:
+                new = new + (tl.dot(to_f32(a), b, accs[rb], input_precision="ieee"),)
+            else:
+                new = new + (tl.dot(a, b, accs[rb]),)
+        accs = new
+    return accs
 
 
 @triton.jit(do_not_specialize=["M", "N"])  # one compiled kernel for every M and N
@@ -92,27 +103,28 @@ def invariant_matmul_kernel(X, Wt, OUT, PARTIAL, COUNTS, M, N, K,
                             CHUNKS: tl.constexpr, CHUNK_K: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCKS: tl.constexpr):
     """Grid (groups of ROW_BLOCKS row blocks, column blocks, chunks). PARTIAL: fp32 [CHUNKS, M,
-    N]; COUNTS: int32 zeros, one per (row group, column block) tile. A CTA sums its row blocks
-    one after another, each exactly as alone (the weight tile comes again from L1 or L2, not
-    from HBM): ROW_BLOCKS changes where the weights are read from, never a bit."""
+    N]; COUNTS: int32 zeros, one per (row group, column block) tile. Each row block is its own
+    16-row dot with the same weight block: ROW_BLOCKS changes how often the weights are read,
+    never a bit of a row."""
     pid_m, pid_n, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows0 = pid_m * ROW_BLOCKS * BLOCK_M + tl.arange(0, BLOCK_M)
     size = M.to(tl.int64) * N
+    accs = _chunk_partials(X, Wt, rows0, cols, M, N, K, chunk * CHUNK_K, CHUNK_K, BLOCK_K, ROW_BLOCKS)
     for rb in tl.static_range(ROW_BLOCKS):
-        rows = (pid_m * ROW_BLOCKS + rb) * BLOCK_M + tl.arange(0, BLOCK_M)
-        acc = _chunk_partial(X, Wt, rows, cols, M, N, K, chunk * CHUNK_K, CHUNK_K, BLOCK_K)
+        rows = rows0 + rb * BLOCK_M
         offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
         mask = (rows < M)[:, None] & (cols < N)[None, :]
         if CHUNKS == 1:
-            tl.store(OUT + offs, round_to(acc, OUT.dtype.element_ty), mask=mask)
+            tl.store(OUT + offs, round_to(accs[rb], OUT.dtype.element_ty), mask=mask)
         else:
-            tl.store(PARTIAL + chunk * size + offs, acc, mask=mask)
+            tl.store(PARTIAL + chunk * size + offs, accs[rb], mask=mask)
     if CHUNKS > 1:
         tl.debug_barrier()  # every thread's partials precede the count (release)
         counter = COUNTS + pid_m * tl.num_programs(1) + pid_n
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == CHUNKS - 1:
             for rb in tl.static_range(ROW_BLOCKS):
-                rows = (pid_m * ROW_BLOCKS + rb) * BLOCK_M + tl.arange(0, BLOCK_M)
+                rows = rows0 + rb * BLOCK_M
                 offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
                 mask = (rows < M)[:, None] & (cols < N)[None, :]
                 parts = ()
