@@ -77,11 +77,10 @@ def _relaxed_count(counter):
 
 
 @triton.jit
-def _early_release(table_ptr, local, status_addr, rank, call_desc, data_offset, data_bytes, n, BLOCK: tl.constexpr,
-                   W: tl.constexpr):
-    begun = _begin(table_ptr, local, status_addr, rank, call_desc, data_offset, data_bytes, n, BLOCK, W)
-    tl.atomic_add(begun[2] + 1, 0, sem="acq_rel", scope="gpu")  # adds 0 to the block count: a release, nothing else
-    return begun
+def _early_release(local, status_addr, data_offset, data_bytes, n, BLOCK: tl.constexpr):
+    pid, grid, ctrl, status, epoch, data, n_tiles = _begin(local, status_addr, data_offset, data_bytes, n, BLOCK)
+    tl.atomic_add(ctrl + 1, 0, sem="acq_rel", scope="gpu")  # adds 0 to the block count: a release, nothing else
+    return pid, grid, ctrl, status, epoch, data, n_tiles
 
 
 @triton.jit

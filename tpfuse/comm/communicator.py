@@ -21,13 +21,13 @@ from tpfuse.comm.knobs import Knobs
 from tpfuse.comm.peer_memory import PeerMemory, PeerMemoryUnavailable
 from tpfuse.comm.plan import AllReducePlan, FusedPlan, check_algo, check_fused_algo, workspace_layout
 from tpfuse.comm.quant_plan import QuantPlan, check_quant
-from tpfuse.comm.workspace import CALLS_OFFSET, WorkspaceLayout
-from tpfuse.kernels.allreduce import OP_NAMES, all_reduce_into, check_call_into
+from tpfuse.comm.workspace import WorkspaceLayout
+from tpfuse.kernels.allreduce import OP_NAMES, all_reduce_into
 from tpfuse.kernels.fused import all_reduce_norm_into
 from tpfuse.kernels.quant_allreduce import quant_all_reduce_into
 from tpfuse.kernels.norm import rms_norm_fwd
-from tpfuse.kernels.peer import PeerContext, call_text
-from tpfuse.kernels.sync import CALL_DESC_BITS, CALL_EPOCH_BITS, OP_CALL_MISMATCH, STATUS_WORDS, decode_status
+from tpfuse.kernels.peer import PeerContext
+from tpfuse.kernels.sync import STATUS_WORDS, decode_status
 from tpfuse.norm_ops import check_norm_args
 
 MAX_WORLD_SIZE = 8
@@ -58,23 +58,6 @@ class CommTimeoutError(CommError):
                          "the peer crashed, is stuck, or the ranks' call sequences differ. "
                          "This communicator cannot be used any more")
         self.op, self.rank, self.peer, self.epoch = op, rank, peer, epoch
-
-
-class CallMismatchError(CommError):
-    """The ranks made different calls at the same point of their sequences (a dtype, a size, an
-    algorithm or a codec that differs): every rank that sees it raises, no result of that
-    call is returned (on GPUs its output is NaN), and the communicator is unusable afterwards.
-
-    Attributes: rank, peer, epoch (as ``CommTimeoutError``'s), mine and theirs (the two calls
-    in words; mine is None where this rank waited in vain for words its peer's call never sent,
-    and learnt of the mismatch at its timeout).
-    """
-
-    def __init__(self, rank: int, peer: int, epoch: int, mine: str | None, theirs: str):
-        made = f"made call {epoch} as {mine}" if mine else f"waited in call {epoch} for what its peer never sent"
-        super().__init__(f"rank {rank} {made}, but rank {peer} made that call as {theirs}: every rank must make "
-                         "the same calls in the same order. This communicator cannot be used any more")
-        self.rank, self.peer, self.epoch, self.mine, self.theirs = rank, peer, epoch, mine, theirs
 
 
 class Communicator:
@@ -302,7 +285,6 @@ class Communicator:
             # A silent loss of the bitwise contract would surprise: warn unless it was asked for.
             level = logging.INFO if algo == "nccl" else logging.WARNING
             self._log_once(level, f"tpfuse all_reduce uses the group's backend: {plan.reason}")
-            self._check_before_backend(x)
             out = x.clone(memory_format=torch.contiguous_format)
             dist.all_reduce(out, group=self.group)
             return out
@@ -313,19 +295,6 @@ class Communicator:
         if _runtime.INTERPRETER:
             self._check_usable()
         return out
-
-    def _check_before_backend(self, x: torch.Tensor) -> None:
-        """Before a collective of the group's backend, which a rank cannot leave once inside: the
-        peers' call words, over peer memory, and the verdict read on the host (a stream sync,
-        about 20 us; not inside a CUDA graph capture, which cannot sync, nor without a
-        workspace)."""
-        if self._peer is None or (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            return
-        self._follow_last_call()
-        check_call_into(self._peers, x.dtype, x.numel())
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        self._check_usable()
 
     def _quantized_all_reduce(self, x: torch.Tensor, codec: str, min_bytes: int | None) -> torch.Tensor:
         """``torch.ops.tpfuse.quantized_all_reduce``'s implementation: ``all_reduce(x, quant=codec,
@@ -554,24 +523,10 @@ class Communicator:
         if self._failure is None and self._peer is not None:
             record = decode_status(self._status_view)
             if record is not None:
-                self._failure = self._error_of(*record)
+                op, rank, peer, epoch = record
+                self._failure = CommTimeoutError(OP_NAMES.get(op, f"op {op}"), rank, peer, epoch, self.timeout_s)
         if self._failure is not None:
             raise self._failure
-
-    def _error_of(self, op: int, rank: int, peer: int, epoch: int, mine: int, theirs: int) -> CommError:
-        """The exception for a status record. A timeout whose peer's call word says it made
-        another call (it waited on other slots, or a protocol that never delivers to this one)
-        is a mismatch too."""
-        if op != OP_CALL_MISMATCH and 0 <= peer < self.world_size:
-            words = self._peer.local[CALLS_OFFSET:CALLS_OFFSET + 16 * self.world_size].view(torch.int64).cpu()
-            theirs, mine = int(words[(epoch % 2) * self.world_size + peer]), 0
-            if theirs >> CALL_DESC_BITS != epoch % (1 << CALL_EPOCH_BITS):
-                theirs = 0
-        if theirs:
-            mask = (1 << CALL_DESC_BITS) - 1
-            return CallMismatchError(rank, peer, epoch, call_text(mine & mask) if mine else None,
-                                     call_text(theirs & mask))
-        return CommTimeoutError(OP_NAMES.get(op, f"op {op}"), rank, peer, epoch, self.timeout_s)
 
     def _log_once(self, level: int, message: str) -> None:
         if message not in self._logged:

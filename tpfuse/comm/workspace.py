@@ -10,11 +10,7 @@ Layout of one rank's buffer (every region starts at a multiple of ``ALIGN``)::
 
     ctrl      local words: [0] epoch of the last finished call, [1] blocks finished in
               the current call, [2] abort word (non-zero once any wait timed out), [3]
-              row-wise fused calls finished, [4] bytes per slot of the last of them; from
-              byte CALLS_OFFSET, in a cache line of their own, the call words: int64 word
-              (parity p, source rank s) at CALLS_OFFSET + (p * world_size + s) * 8, written
-              only by rank s's block 0, which describes there each call it makes
-              (``tpfuse.kernels.sync.announce_call``)
+              row-wise fused calls finished, [4] bytes per slot of the last of them
     flags[0]  phase-0 arrival flags: int64 word (block b, source rank s) at
               flags[0] + (b * world_size + s) * 8, written only by rank s's block b
     flags[1]  phase-1 arrival flags (two-shot all-gather), same shape
@@ -70,13 +66,6 @@ call), and the one writer per word rules out sub-word flags sharing a word."""
 CTRL_EPOCH, CTRL_DONE, CTRL_ABORT, CTRL_ROWS_CALLS, CTRL_ROWS_BYTES = 0, 1, 2, 3, 4
 """Indices of the int64 control words at the start of the buffer."""
 
-CALLS_OFFSET = 128
-"""Byte offset of the call words in the ctrl region: the second 128-byte line, away from the
-control words every block reads and counts on. 2 parities x 8 ranks fill it."""
-
-MAX_WORLD_SIZE = 8
-"""The most ranks a workspace serves (the call words' line; ``peer.tree_sum``'s levels)."""
-
 NUM_PHASES = 2
 NUM_PARITIES = 2
 NUM_ROWS_ROTATIONS = 3
@@ -110,8 +99,8 @@ class WorkspaceLayout:
     rows_max_bytes: int = 0
 
     def __post_init__(self) -> None:
-        if not 2 <= self.world_size <= MAX_WORLD_SIZE:
-            raise ValueError(f"a workspace serves 2 to {MAX_WORLD_SIZE} ranks, got world_size {self.world_size}")
+        if self.world_size < 2:
+            raise ValueError(f"a workspace needs world_size >= 2, got {self.world_size}")
         if self.max_bytes < ALIGN:
             raise ValueError(f"max_bytes must be at least {ALIGN}, got {self.max_bytes}")
         if self.max_blocks < 1:
@@ -127,11 +116,6 @@ class WorkspaceLayout:
     @property
     def ctrl_bytes(self) -> int:
         return ALIGN
-
-    @property
-    def calls_offset(self) -> int:
-        """Start of the call words (both parities), inside the ctrl region."""
-        return CALLS_OFFSET
 
     @property
     def flag_region_bytes(self) -> int:

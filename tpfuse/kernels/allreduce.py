@@ -41,10 +41,9 @@ import triton.language as tl
 
 from tpfuse.kernels.common import EXACT_FP, round_to, to_f32
 from tpfuse.kernels.ll import lamport_pack, lamport_word, ll_flag, ll_pack, ll_reduce
-from tpfuse.kernels.peer import (PeerContext, begin_collective, describe_call, flag_row, poison, push_to_peers,
-                                 sum_in_tree_order, typed_ptr)
-from tpfuse.kernels.sync import (OP_CALL_CHECK, announce_call, begin_call, check_call, end_call, look_calls, signal,
-                                 wait)
+from tpfuse.kernels.peer import (PeerContext, begin_collective, flag_row, push_to_peers, sum_in_tree_order,
+                                 typed_ptr)
+from tpfuse.kernels.sync import end_call, signal, wait
 
 # Operation codes of the status record (``sync.wait``), named for error messages.
 OP_ONESHOT = tl.constexpr(1)
@@ -56,25 +55,23 @@ OP_NAMES = {1: "one-shot all_reduce", 2: "two-shot all_reduce (reduce-scatter ph
             5: "fused all_reduce + rms_norm (reduce-scatter phase)",
             6: "fused all_reduce + rms_norm (all-gather phase)",
             10: "quantized all_reduce (reduce-scatter phase)",  # codes of quant_allreduce.py
-            11: "quantized all_reduce (all-gather phase)",
-            12: "the check of the peers' call words", 13: "the check of the peers' call words before NCCL"}  # sync.py's
+            11: "quantized all_reduce (all-gather phase)"}
 
 
-@triton.jit(do_not_specialize=["call_desc"])
-def oneshot_all_reduce_kernel(x_ptr, out_ptr, numel, table_ptr, local, status_addr, rank, timeout_ns, call_desc,
-                              flags_offset, data_offset, data_bytes, slot_elems, W: tl.constexpr, PEERS: tl.constexpr,
+@triton.jit
+def oneshot_all_reduce_kernel(x_ptr, out_ptr, numel, table_ptr, local, status_addr, rank, timeout_ns, flags_offset,
+                              data_offset, data_bytes, slot_elems, W: tl.constexpr, PEERS: tl.constexpr,
                               BLOCK: tl.constexpr):
     ELEM: tl.constexpr = x_ptr.dtype.element_ty
-    pid, grid, ctrl, status, epoch, data, n_tiles, calls = begin_collective(
-        table_ptr, local, status_addr, rank, call_desc, data_offset, data_bytes, numel, BLOCK, W)
+    pid, grid, ctrl, status, epoch, data, n_tiles = begin_collective(
+        local, status_addr, data_offset, data_bytes, numel, BLOCK)
     for tile in range(pid, n_tiles, grid):
         offs = tile * BLOCK + tl.arange(0, BLOCK)
         mask = offs < numel
         vals = tl.load(x_ptr + offs, mask=mask)
         push_to_peers(table_ptr, data, vals, rank * slot_elems + offs, mask, rank, W, False)
     signal(table_ptr, flags_offset + (pid * W + rank) * 8, epoch, W, PEERS)
-    ready = wait(flag_row(local, flags_offset, W), ctrl, status, epoch, rank, timeout_ns, OP_ONESHOT, W, PEERS)
-    if check_call(local, epoch, call_desc, calls, ready, ctrl, status, rank, timeout_ns, OP_ONESHOT, W):
+    if wait(flag_row(local, flags_offset, W), ctrl, status, epoch, rank, timeout_ns, OP_ONESHOT, W, PEERS):
         slot0 = typed_ptr(local, data, ELEM)
         for tile in range(pid, n_tiles, grid):
             offs = tile * BLOCK + tl.arange(0, BLOCK)
@@ -82,14 +79,12 @@ def oneshot_all_reduce_kernel(x_ptr, out_ptr, numel, table_ptr, local, status_ad
             own = to_f32(tl.load(x_ptr + offs, mask=mask))
             acc = sum_in_tree_order(slot0, slot_elems, offs, mask, W, own, rank)
             tl.store(out_ptr + offs, round_to(acc, ELEM), mask=mask)
-    else:
-        poison(out_ptr, 0, numel, BLOCK)
     end_call(ctrl, epoch)
 
 
-@triton.jit(do_not_specialize=["call_desc"])
+@triton.jit
 def ll_oneshot_all_reduce_kernel(x_ptr, out_ptr, numel, n_words, table_ptr, local, status_addr, rank, timeout_ns,
-                                 call_desc, ll_offset, ll_bytes, slot_words, W: tl.constexpr, BLOCK: tl.constexpr,
+                                 ll_offset, ll_bytes, slot_words, W: tl.constexpr, BLOCK: tl.constexpr,
                                  LAMPORT: tl.constexpr):
     """One-shot over LL words or, with LAMPORT, over Lamport words (``tpfuse.kernels.ll``);
     BLOCK elements per tile. n_words, the message's words, is an argument so that Triton
@@ -98,8 +93,8 @@ def ll_oneshot_all_reduce_kernel(x_ptr, out_ptr, numel, n_words, table_ptr, loca
     ELEM: tl.constexpr = x_ptr.dtype.element_ty
     WORDS: tl.constexpr = BLOCK if LAMPORT else BLOCK * ELEM.primitive_bitwidth // 32
     WORD: tl.constexpr = lamport_word(ELEM) if LAMPORT else tl.uint64
-    pid, grid, ctrl, status, epoch, region, n_tiles, calls = begin_collective(
-        table_ptr, local, status_addr, rank, call_desc, ll_offset, ll_bytes, numel, BLOCK, W)
+    pid, grid, ctrl, status, epoch, region, n_tiles = begin_collective(
+        local, status_addr, ll_offset, ll_bytes, numel, BLOCK)
     flag = ll_flag(epoch)
     for tile in range(pid, n_tiles, grid):
         offs = tile * BLOCK + tl.arange(0, BLOCK)
@@ -111,7 +106,6 @@ def ll_oneshot_all_reduce_kernel(x_ptr, out_ptr, numel, n_words, table_ptr, loca
             words = ll_pack(vals, flag)
         push_to_peers(table_ptr, region, words, rank * slot_words + woffs, woffs < n_words, rank, W, False)
     slot0 = typed_ptr(local, region, WORD)
-    calls = look_calls(local, epoch, rank, W)  # in flight while the words are waited for
     for tile in range(pid, n_tiles, grid):
         offs = tile * BLOCK + tl.arange(0, BLOCK)
         woffs = tile * WORDS + tl.arange(0, WORDS)
@@ -119,21 +113,16 @@ def ll_oneshot_all_reduce_kernel(x_ptr, out_ptr, numel, n_words, table_ptr, loca
         acc = ll_reduce(slot0, slot_words, woffs, woffs < n_words, flag, ctrl, status, epoch, rank, timeout_ns,
                         OP_ONESHOT, W, ELEM, LAMPORT, own, SPIN=LAMPORT)
         tl.store(out_ptr + offs, round_to(acc, ELEM), mask=offs < numel)
-    # The words arrived, so the peers' call words most likely had too: checked once, after,
-    # and what was stored is overwritten with NaN if the call cannot stand.
-    if not check_call(local, epoch, call_desc, calls, tl.load(ctrl + 2, volatile=True) == 0, ctrl, status, rank,
-                      timeout_ns, OP_ONESHOT, W):
-        poison(out_ptr, 0, numel, BLOCK)
     end_call(ctrl, epoch)
 
 
-@triton.jit(do_not_specialize=["call_desc"])
+@triton.jit
 def twoshot_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, status_addr, rank, timeout_ns,
-                              call_desc, flags_offset, flags_bytes, data_offset, data_bytes, gather_offset, slot_elems,
+                              flags_offset, flags_bytes, data_offset, data_bytes, gather_offset, slot_elems,
                               W: tl.constexpr, PEERS: tl.constexpr, BLOCK: tl.constexpr, GATHER_PULL: tl.constexpr):
     ELEM: tl.constexpr = x_ptr.dtype.element_ty
-    pid, grid, ctrl, status, epoch, data, n_tiles, calls = begin_collective(
-        table_ptr, local, status_addr, rank, call_desc, data_offset, data_bytes, chunk, BLOCK, W)
+    pid, grid, ctrl, status, epoch, data, n_tiles = begin_collective(
+        local, status_addr, data_offset, data_bytes, chunk, BLOCK)
     # Reduce-scatter, part 1: chunk c of my input into scatter slot `rank` of rank c, from
     # c = rank + 1 on, so that ranks working in step write to different peers at any moment.
     # My own chunk stays in x, which part 2 reads in place of my own scatter slot.
@@ -148,10 +137,7 @@ def twoshot_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, st
     signal(table_ptr, flags_offset + (pid * W + rank) * 8, epoch, W, PEERS)
     # Part 2: sum my chunk's W contributions, round once, store the result into my output
     # and (push) into gather slot `rank` of every peer, or (pull) into my own gather slot.
-    ready = wait(flag_row(local, flags_offset, W), ctrl, status, epoch, rank, timeout_ns, OP_TWOSHOT_SCATTER, W,
-                 PEERS)
-    ok = check_call(local, epoch, call_desc, calls, ready, ctrl, status, rank, timeout_ns, OP_TWOSHOT_SCATTER, W)
-    if ok:
+    if wait(flag_row(local, flags_offset, W), ctrl, status, epoch, rank, timeout_ns, OP_TWOSHOT_SCATTER, W, PEERS):
         slot0 = typed_ptr(local, data, ELEM)
         for tile in range(pid, n_tiles, grid):
             offs = tile * BLOCK + tl.arange(0, BLOCK)
@@ -168,7 +154,7 @@ def twoshot_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, st
     # in call k + 2 only after every peer has signalled call k + 2's scatter (parity rotation).
     signal(table_ptr, flags_offset + flags_bytes + (pid * W + rank) * 8, epoch, W, PEERS)
     gather_flags = flag_row(local, flags_offset + flags_bytes, W)
-    if wait(gather_flags, ctrl, status, epoch, rank, timeout_ns, OP_TWOSHOT_GATHER, W, PEERS) and ok:
+    if wait(gather_flags, ctrl, status, epoch, rank, timeout_ns, OP_TWOSHOT_GATHER, W, PEERS):
         for tile in range(pid, n_tiles, grid):
             offs = tile * BLOCK + tl.arange(0, BLOCK)
             for c in tl.static_range(W):
@@ -180,28 +166,7 @@ def twoshot_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, st
                         src = typed_ptr(local, data + gather_offset, ELEM) + c * slot_elems
                     vals = tl.load(src + offs, mask=mask, cache_modifier=".cg")
                     tl.store(out_ptr + c * chunk + offs, vals, mask=mask)
-    else:
-        poison(out_ptr, 0, numel, BLOCK)
     end_call(ctrl, epoch)
-
-
-@triton.jit(do_not_specialize=["call_desc"])
-def call_check_kernel(table_ptr, local, status_addr, rank, timeout_ns, call_desc, W: tl.constexpr):
-    """Nothing but the call words: what a rank runs before a collective of the group's backend,
-    which it could not leave, once inside, if its peers made another call."""
-    ctrl = local.to(tl.pointer_type(tl.int64))
-    epoch = begin_call(ctrl)
-    announce_call(table_ptr, epoch, call_desc, rank, W)
-    check_call(local, epoch, call_desc, look_calls(local, epoch, rank, W), tl.full([], 1, tl.int1), ctrl,
-               status_addr.to(tl.pointer_type(tl.int64)), rank, timeout_ns, OP_CALL_CHECK, W)
-    end_call(ctrl, epoch)
-
-
-def check_call_into(peers: PeerContext, dtype: torch.dtype, numel: int) -> None:
-    """Launch ``call_check_kernel`` for an all-reduce of ``numel`` elements of ``dtype`` over the
-    group's backend; its verdict is in the status record, as any call's."""
-    call_check_kernel[(1,)](**peers.kernel_args(describe_call("all_reduce over NCCL", dtype, numel, "nccl")),
-                            W=peers.layout.world_size, num_warps=1)
 
 
 def all_reduce_into(x: torch.Tensor, out: torch.Tensor, plan, peers: PeerContext) -> None:
@@ -215,7 +180,6 @@ def all_reduce_into(x: torch.Tensor, out: torch.Tensor, plan, peers: PeerContext
     """
     algo, grid, block, num_warps, protocol = plan.algo, plan.grid, plan.block, plan.num_warps, plan.protocol
     layout = peers.layout
-    call = peers.kernel_args(describe_call("all_reduce", x.dtype, x.numel(), f"{algo}/{protocol}"))
     world = layout.world_size
     nbytes = x.numel() * x.element_size()
     if algo == "oneshot" and protocol in ("ll", "lamport"):
@@ -226,13 +190,13 @@ def all_reduce_into(x: torch.Tensor, out: torch.Tensor, plan, peers: PeerContext
         word_bytes = x.element_size() if lamport else 8
         ll_oneshot_all_reduce_kernel[(grid,)](
             x_ptr=x, out_ptr=out, numel=x.numel(), n_words=x.numel() if lamport else -(-nbytes // 4),
-            **call, ll_offset=layout.ll_offset(0), ll_bytes=layout.ll_bytes,
+            **peers.kernel_args(), ll_offset=layout.ll_offset(0), ll_bytes=layout.ll_bytes,
             slot_words=layout.ll_slot_bytes // word_bytes, W=world, BLOCK=block, LAMPORT=lamport, num_warps=num_warps,
             **EXACT_FP)
         return
     if protocol != "flags":
         raise ValueError(f"protocol must be 'flags', 'll' or 'lamport' (one-shot only), got {protocol!r} for {algo!r}")
-    common = dict(x_ptr=x, out_ptr=out, numel=x.numel(), **call, flags_offset=layout.flag_offset(0),
+    common = dict(x_ptr=x, out_ptr=out, numel=x.numel(), **peers.kernel_args(), flags_offset=layout.flag_offset(0),
                   data_offset=layout.data_offset(0), data_bytes=layout.data_bytes, W=world,
                   PEERS=triton.next_power_of_2(world), BLOCK=block, num_warps=num_warps, **EXACT_FP)
     if algo == "oneshot":

@@ -49,12 +49,12 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.peer import (PeerContext, begin_collective, describe_call, flag_row, poison, push_to_peers,
-                                 sum_in_tree_order, typed_ptr)
+from tpfuse.kernels.peer import (PeerContext, begin_collective, flag_row, push_to_peers, sum_in_tree_order,
+                                 typed_ptr)
 from tpfuse.kernels.common import EXACT_FP, prefetch_l2, round_to, to_f32
 from tpfuse.kernels.ll import lamport_pack, lamport_word, ll_flag, ll_pack, ll_reduce, ll_wait
 from tpfuse.kernels.norm import NormConfig, store_normed, norm_tile, row_inv_rms
-from tpfuse.kernels.sync import announce_call, begin_call, check_call, end_call, look_calls, signal, wait
+from tpfuse.kernels.sync import begin_call, end_call, signal, wait
 
 # Operation codes of the status record; their names are in allreduce.OP_NAMES.
 OP_FUSED_ONESHOT = tl.constexpr(4)
@@ -63,7 +63,7 @@ OP_FUSED_GATHER = tl.constexpr(6)
 
 # Counts and flags are not specialised, so every batch size and both residual modes run one
 # compiled kernel per (N, dtype, world size), like the norm kernel.
-_UNSPECIALISED = ["n_rows", "rows_per_group", "has_residual", "rank", "timeout_ns", "call_desc"]
+_UNSPECIALISED = ["n_rows", "rows_per_group", "has_residual", "rank", "timeout_ns"]
 
 
 @triton.jit
@@ -92,13 +92,13 @@ def _prefetch_norm_operands(RES, W, first, n_elems, N, ELEMS: tl.constexpr, HAS_
 @triton.jit(do_not_specialize=_UNSPECIALISED)
 def oneshot_all_reduce_norm_kernel(
     X, RES, W, Y, RES_OUT, n_rows, N, eps, weight_offset, has_residual,
-    table_ptr, local, status_addr, rank, timeout_ns, call_desc, flags_offset, data_offset, data_bytes, slot_elems,
+    table_ptr, local, status_addr, rank, timeout_ns, flags_offset, data_offset, data_bytes, slot_elems,
     BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, WORLD: tl.constexpr, PEERS: tl.constexpr,
 ):
     ELEM: tl.constexpr = X.dtype.element_ty
-    pid, grid, ctrl, status, epoch, data, n_tiles, calls = begin_collective(
-        table_ptr, local, status_addr, rank, call_desc, data_offset, data_bytes, n_rows, ROWS, WORLD)
+    pid, grid, ctrl, status, epoch, data, n_tiles = begin_collective(
+        local, status_addr, data_offset, data_bytes, n_rows, ROWS)
     for tile in range(pid, n_tiles, grid):
         rows = tile * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK_N)[None, :]
@@ -114,25 +114,14 @@ def oneshot_all_reduce_norm_kernel(
     # tile of a CTA made one-shot calls of 1024+ tokens up to 49% slower (benchmarks/NOTES.md).
     if NUM_CHUNKS == 1:
         _prefetch_norm_operands(RES, W, pid * ROWS * N, n_rows * N, N, ROWS * BLOCK_N, HAS_WEIGHT)
-    ready = wait(flag_row(local, flags_offset, WORLD), ctrl, status, epoch, rank, timeout_ns, OP_FUSED_ONESHOT,
-                 WORLD, PEERS)
-    if check_call(local, epoch, call_desc, calls, ready, ctrl, status, rank, timeout_ns, OP_FUSED_ONESHOT,
-                  WORLD):
+    if wait(flag_row(local, flags_offset, WORLD), ctrl, status, epoch, rank, timeout_ns, OP_FUSED_ONESHOT, WORLD,
+            PEERS):
         slot0 = typed_ptr(local, data, ELEM)
         for tile in range(pid, n_tiles, grid):
             rows = tile * ROWS + tl.arange(0, ROWS)
             norm_tile(slot0, rows.to(tl.int64) * N, slot_elems, RES, W, Y, RES_OUT, rows, rows < n_rows, N, eps,
                       weight_offset, has_residual, True, BLOCK_N, TAIL_N, NUM_CHUNKS, HAS_WEIGHT, WORLD)
-    else:
-        _poison_outputs(Y, RES_OUT, n_rows * N)
     end_call(ctrl, epoch)
-
-
-@triton.jit
-def _poison_outputs(Y, RES_OUT, numel):
-    """NaN into this block's share of y and residual_out (``peer.poison``)."""
-    poison(Y, 0, numel, 1024)
-    poison(RES_OUT, 0, numel, 1024)
 
 
 @triton.jit
@@ -157,8 +146,7 @@ def _count_piece(counter):
 @triton.jit(do_not_specialize=_UNSPECIALISED)
 def ll_oneshot_all_reduce_norm_kernel(
     X, RES, W, Y, RES_OUT, n_rows, N, eps, weight_offset, has_residual,
-    table_ptr, local, status_addr, rank, timeout_ns, call_desc, ll_offset, ll_bytes, slot_words, reduced_offset,
-    handoff_offset,
+    table_ptr, local, status_addr, rank, timeout_ns, ll_offset, ll_bytes, slot_words, reduced_offset, handoff_offset,
     BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, WORLD: tl.constexpr, PIECE_WORDS: tl.constexpr, PIECES: tl.constexpr,
     LAMPORT: tl.constexpr,
@@ -182,8 +170,8 @@ def ll_oneshot_all_reduce_norm_kernel(
     ELEM: tl.constexpr = X.dtype.element_ty
     PACK: tl.constexpr = 1 if LAMPORT else 32 // ELEM.primitive_bitwidth  # elements per word
     WORD: tl.constexpr = lamport_word(ELEM) if LAMPORT else tl.uint64
-    pid, grid, ctrl, status, epoch, region, n_tiles, calls = begin_collective(
-        table_ptr, local, status_addr, rank, call_desc, ll_offset, ll_bytes, n_rows, ROWS, WORLD)
+    pid, grid, ctrl, status, epoch, region, n_tiles = begin_collective(
+        local, status_addr, ll_offset, ll_bytes, n_rows, ROWS)
     flag = ll_flag(epoch)
     tile_words = ROWS * N // PACK
     n_words = tl.multiple_of(n_rows * N // PACK, 8)
@@ -199,42 +187,37 @@ def ll_oneshot_all_reduce_norm_kernel(
     slot0 = typed_ptr(local, region, WORD)
     reduced = typed_ptr(local, reduced_offset, ELEM)
     arrived = (local + handoff_offset).to(tl.pointer_type(tl.int64))
-    # Checked before any piece is summed: another CTA may normalise this CTA's pieces.
-    if check_call(local, epoch, call_desc, calls, tl.full([], 1, tl.int1), ctrl, status, rank, timeout_ns,
-                  OP_FUSED_ONESHOT, WORLD):
-        for piece in range(pid, n_tiles * PIECES, grid):
-            woffs, wmask = _piece_words(piece, tile_words, n_words, PIECE_WORDS, PIECES)
-            if LAMPORT:  # a word per element
-                own = to_f32(tl.load(X + woffs, mask=wmask))
-            else:
-                own = to_f32(tl.reshape(tl.load(X + woffs[:, None] * PACK + packs, mask=wmask[:, None]),
-                                        [PIECE_WORDS * PACK]))
-            acc = ll_reduce(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns,
-                            OP_FUSED_ONESHOT, WORLD, ELEM, LAMPORT, own, SPIN=LAMPORT)
-            if LAMPORT:
-                tl.store(reduced + woffs, round_to(acc, ELEM), mask=wmask)
-            else:
-                tl.store(reduced + woffs[:, None] * PACK + packs, tl.reshape(round_to(acc, ELEM), [PIECE_WORDS, PACK]),
-                         mask=wmask[:, None])
-            tl.debug_barrier()  # every thread's stores of the piece precede the count (release)
-            tile = piece // PIECES
-            rows = tile * ROWS + tl.arange(0, ROWS)
-            if PIECES == 1:  # whole tiles: the CTA that summed the tile normalises it, nothing to count
-                norm_tile(reduced, rows.to(tl.int64) * N, 0, RES, W, Y, RES_OUT, rows, rows < n_rows, N, eps,
-                          weight_offset, has_residual, True, BLOCK_N, TAIL_N, NUM_CHUNKS, HAS_WEIGHT, 0)
-            elif _count_piece(arrived + tile) == PIECES - 1:
-                tl.store(arrived + tile, 0)  # the next call counts after this kernel has ended
-                norm_tile(reduced, rows.to(tl.int64) * N, 0, RES, W, Y, RES_OUT, rows, rows < n_rows, N, eps,
-                          weight_offset, has_residual, True, BLOCK_N, TAIL_N, NUM_CHUNKS, HAS_WEIGHT, 0)
-    else:
-        _poison_outputs(Y, RES_OUT, n_rows * N)
+    for piece in range(pid, n_tiles * PIECES, grid):
+        woffs, wmask = _piece_words(piece, tile_words, n_words, PIECE_WORDS, PIECES)
+        if LAMPORT:  # a word per element
+            own = to_f32(tl.load(X + woffs, mask=wmask))
+        else:
+            own = to_f32(tl.reshape(tl.load(X + woffs[:, None] * PACK + packs, mask=wmask[:, None]),
+                                    [PIECE_WORDS * PACK]))
+        acc = ll_reduce(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns,
+                        OP_FUSED_ONESHOT, WORLD, ELEM, LAMPORT, own, SPIN=LAMPORT)
+        if LAMPORT:
+            tl.store(reduced + woffs, round_to(acc, ELEM), mask=wmask)
+        else:
+            tl.store(reduced + woffs[:, None] * PACK + packs, tl.reshape(round_to(acc, ELEM), [PIECE_WORDS, PACK]),
+                     mask=wmask[:, None])
+        tl.debug_barrier()  # every thread's stores of the piece precede the count (release)
+        tile = piece // PIECES
+        rows = tile * ROWS + tl.arange(0, ROWS)
+        if PIECES == 1:  # whole tiles: the CTA that summed the tile normalises it, nothing to count
+            norm_tile(reduced, rows.to(tl.int64) * N, 0, RES, W, Y, RES_OUT, rows, rows < n_rows, N, eps,
+                      weight_offset, has_residual, True, BLOCK_N, TAIL_N, NUM_CHUNKS, HAS_WEIGHT, 0)
+        elif _count_piece(arrived + tile) == PIECES - 1:
+            tl.store(arrived + tile, 0)  # the next call counts after this kernel has ended
+            norm_tile(reduced, rows.to(tl.int64) * N, 0, RES, W, Y, RES_OUT, rows, rows < n_rows, N, eps,
+                      weight_offset, has_residual, True, BLOCK_N, TAIL_N, NUM_CHUNKS, HAS_WEIGHT, 0)
     end_call(ctrl, epoch)
 
 
 @triton.jit(do_not_specialize=_UNSPECIALISED)
 def rows_oneshot_all_reduce_norm_kernel(
     X, RES, W, Y, RES_OUT, n_rows, N, eps, weight_offset, has_residual,
-    table_ptr, local, status_addr, rank, timeout_ns, call_desc, rows_offset, rows_bytes, slot_words,
+    table_ptr, local, status_addr, rank, timeout_ns, rows_offset, rows_bytes, slot_words,
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_WEIGHT: tl.constexpr, WORLD: tl.constexpr,
     PIECE: tl.constexpr, PIECES: tl.constexpr,
 ):
@@ -261,7 +244,6 @@ def rows_oneshot_all_reduce_norm_kernel(
     ctrl = local.to(tl.pointer_type(tl.int64))
     status = status_addr.to(tl.pointer_type(tl.int64))
     epoch = begin_call(ctrl)
-    announce_call(table_ptr, epoch, call_desc, rank, WORLD)
     calls = tl.load(ctrl + 3, volatile=True)  # row-wise calls finished: this call's rotation
     stale_bytes = tl.load(ctrl + 4, volatile=True)  # the last one's bytes per slot
     n_words = n_rows * N
@@ -291,12 +273,8 @@ def rows_oneshot_all_reduce_norm_kernel(
         zoffs = start + tl.arange(0, PIECE)
         for s in tl.static_range(WORLD):
             tl.store(stale + s * slot_words + zoffs, tl.zeros([PIECE], WORD), mask=zoffs < stale_words)
-    peer_calls = look_calls(local, epoch, rank, WORLD)  # in flight while the words are waited for
     acc = ll_wait(typed_ptr(local, region, WORD), slot_words, row_offs + cols, mask, 0, ctrl, status, epoch, rank,
                   timeout_ns, OP_FUSED_ONESHOT, WORLD, ELEM, True)
-    ok = check_call(local, epoch, call_desc, peer_calls, tl.load(ctrl + 2, volatile=True) == 0, ctrl, status, rank,
-                    timeout_ns, OP_FUSED_ONESHOT, WORLD)
-    acc = tl.where(ok, acc, float("nan"))
     x = round_to(tl.where(mask, acc, 0.0), ELEM)  # padding lanes as norm_tile's: 0, not an absent word's NaN
     if has_residual:
         x = round_to(to_f32(x) + to_f32(res), ELEM)
@@ -310,14 +288,14 @@ def rows_oneshot_all_reduce_norm_kernel(
 @triton.jit(do_not_specialize=_UNSPECIALISED)
 def twoshot_all_reduce_norm_kernel(
     X, RES, W, Y, RES_OUT, n_rows, rows_per_group, N, eps, weight_offset, has_residual,
-    table_ptr, local, status_addr, rank, timeout_ns, call_desc, flags_offset, flags_bytes, data_offset, data_bytes,
+    table_ptr, local, status_addr, rank, timeout_ns, flags_offset, flags_bytes, data_offset, data_bytes,
     gather_offset, slot_elems,
     BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, WORLD: tl.constexpr, PEERS: tl.constexpr,
 ):
     ELEM: tl.constexpr = X.dtype.element_ty
-    pid, grid, ctrl, status, epoch, data, n_tiles, calls = begin_collective(
-        table_ptr, local, status_addr, rank, call_desc, data_offset, data_bytes, rows_per_group, ROWS, WORLD)
+    pid, grid, ctrl, status, epoch, data, n_tiles = begin_collective(local, status_addr, data_offset, data_bytes,
+                                                           rows_per_group, ROWS)
     cols = tl.arange(0, BLOCK_N)[None, :]
     # Reduce-scatter, part 1: group g of my rows into scatter slot `rank` of rank g.
     for tile in range(pid, n_tiles, grid):
@@ -330,10 +308,8 @@ def twoshot_all_reduce_norm_kernel(
     signal(table_ptr, flags_offset + (pid * WORLD + rank) * 8, epoch, WORLD, PEERS)
     # Part 2: sum my group's W contributions in tree order, round once, and store the
     # reduced rows into gather slot `rank` of every rank (this one included).
-    ready = wait(flag_row(local, flags_offset, WORLD), ctrl, status, epoch, rank, timeout_ns, OP_FUSED_SCATTER,
-                 WORLD, PEERS)
-    ok = check_call(local, epoch, call_desc, calls, ready, ctrl, status, rank, timeout_ns, OP_FUSED_SCATTER, WORLD)
-    if ok:
+    if wait(flag_row(local, flags_offset, WORLD), ctrl, status, epoch, rank, timeout_ns, OP_FUSED_SCATTER, WORLD,
+            PEERS):
         slot0 = typed_ptr(local, data, ELEM)
         for tile in range(pid, n_tiles, grid):
             local_rows = tile * ROWS + tl.arange(0, ROWS)
@@ -347,7 +323,7 @@ def twoshot_all_reduce_norm_kernel(
     # All-gather; after a failed first wait the abort word makes this one return at once.
     signal(table_ptr, flags_offset + flags_bytes + (pid * WORLD + rank) * 8, epoch, WORLD, PEERS)
     if wait(flag_row(local, flags_offset + flags_bytes, WORLD), ctrl, status, epoch, rank, timeout_ns,
-            OP_FUSED_GATHER, WORLD, PEERS) and ok:
+            OP_FUSED_GATHER, WORLD, PEERS):
         gather0 = typed_ptr(local, data + gather_offset, ELEM)
         for tile in range(pid, n_tiles, grid):
             local_rows = tile * ROWS + tl.arange(0, ROWS)
@@ -356,8 +332,6 @@ def twoshot_all_reduce_norm_kernel(
                 norm_tile(gather0 + g * slot_elems, local_rows.to(tl.int64) * N, 0, RES, W, Y, RES_OUT, rows,
                           (local_rows < rows_per_group) & (rows < n_rows), N, eps, weight_offset, has_residual, True,
                           BLOCK_N, TAIL_N, NUM_CHUNKS, HAS_WEIGHT, 1)
-    else:
-        _poison_outputs(Y, RES_OUT, n_rows * N)
     end_call(ctrl, epoch)
 
 
@@ -426,8 +400,7 @@ def all_reduce_norm_into(x: torch.Tensor, weight: torch.Tensor | None, residual:
     common = dict(
         X=x, RES=residual if residual is not None else x, W=weight if weight is not None else x, Y=y,
         RES_OUT=residual_out, n_rows=n_rows, N=n, eps=eps, weight_offset=weight_offset,
-        has_residual=int(residual is not None),
-        **peers.kernel_args(describe_call("all_reduce_add_rms_norm", x.dtype, x.numel(), f"{algo}/{protocol}")),
+        has_residual=int(residual is not None), **peers.kernel_args(),
         BLOCK_N=cfg.block_n, TAIL_N=cfg.tail_n, NUM_CHUNKS=cfg.num_chunks, ROWS=cfg.rows,
         HAS_WEIGHT=weight is not None, WORLD=world,
         num_warps=cfg.num_warps, **EXACT_FP)

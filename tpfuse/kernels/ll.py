@@ -54,7 +54,7 @@ import triton.language as tl
 
 from tpfuse._runtime import INTERPRETER
 from tpfuse.kernels.common import to_f32
-from tpfuse.kernels.peer import tree_add, tree_total
+from tpfuse.kernels.peer import tree_sum
 from tpfuse.kernels.sync import GUARD_POLLS, _record_error, backoff, give_up, now_ns
 
 SPIN_LOOKS = tl.constexpr(1 << 16)
@@ -141,7 +141,7 @@ def poll_slots(slot0, slot_words, woffs, wmask, flag, W: tl.constexpr, ELEM: tl.
     whether any word there has not arrived yet. The W loads are independent, so they are in
     flight together. With ``own`` (this rank's elements widened to fp32, in element order),
     slot ``rank`` is not read: own stands in for it."""
-    partials = ()
+    parts = ()
     for s in tl.static_range(W):
         if own is None:
             words = tl.load(slot0 + s * slot_words + woffs, mask=wmask, other=0, volatile=True)
@@ -152,12 +152,12 @@ def poll_slots(slot0, slot_words, woffs, wmask, flag, W: tl.constexpr, ELEM: tl.
             arrived, vals = _arrived_f32(words, flag, ELEM, LAMPORT)
             arrived = arrived | mine
             vals = tl.where(mine, own, vals)
-        partials = tree_add(partials, vals, s)
+        parts = parts + (vals,)
         if s == 0:
             late = ~arrived
         else:
             late = late | ~arrived
-    return tree_total(partials), _any(late & wmask)
+    return tree_sum(parts), _any(late & wmask)
 
 
 @triton.jit
@@ -247,7 +247,7 @@ def _spin(slot0, slot_words, woffs, wmask, W: tl.constexpr, ELEM: tl.constexpr, 
     first, last = _vector_ends(wmask.to(tl.int32), VEC)
     live = first & last
     late = tl.zeros([n], tl.int1)  # per vector, in the spin's layout
-    partials = ()
+    parts = ()
     for s in tl.static_range(W):
         mine = s == rank  # a uniform scalar: the own slot is neither read nor waited for
         r0, r1, r2, r3, least = _spin_vectors(slot0 + s * slot_words + voffs, tl.where(mine, 0, live), BITS)
@@ -257,8 +257,8 @@ def _spin(slot0, slot_words, woffs, wmask, W: tl.constexpr, ELEM: tl.constexpr, 
             words = tl.reshape(tl.join((regs & 0xFFFF).to(tl.uint16), (regs >> 16).to(tl.uint16)), [n * VEC])
         else:
             words = regs
-        partials = tree_add(partials, tl.where(mine, own, _arrived_f32(words, 0, ELEM, True)[1]), s)
-    return tree_total(partials), _any(late)
+        parts = parts + (tl.where(mine, own, _arrived_f32(words, 0, ELEM, True)[1]),)
+    return tree_sum(parts), _any(late)
 
 
 @triton.jit

@@ -29,26 +29,26 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.peer import PeerContext, begin_collective, describe_call, flag_row, poison, tree_sum
+from tpfuse.kernels.peer import PeerContext, begin_collective, flag_row, tree_sum
 from tpfuse.kernels.codecs import (CODEC_IDS, decode_groups, encode_groups, hardware_e4m3, load_groups, load_packed,
                                    store_packed)
 from tpfuse.kernels.common import EXACT_FP, round_to
-from tpfuse.kernels.sync import check_call, end_call, signal, wait
+from tpfuse.kernels.sync import end_call, signal, wait
 
 # Operation codes of the status record (names in allreduce.OP_NAMES).
 OP_QUANT_SCATTER = tl.constexpr(10)
 OP_QUANT_GATHER = tl.constexpr(11)
 
 
-@triton.jit(do_not_specialize=["call_desc"])
-def quant_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, status_addr, rank, timeout_ns, call_desc,
+@triton.jit
+def quant_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, status_addr, rank, timeout_ns,
                             flags_offset, flags_bytes, data_offset, data_bytes, gather_offset, slot_bytes,
                             p0, p1, psc, W: tl.constexpr, PEERS: tl.constexpr, BLOCK: tl.constexpr,
                             CODEC: tl.constexpr, HW_E4M3: tl.constexpr):
     ELEM: tl.constexpr = out_ptr.dtype.element_ty
     GB: tl.constexpr = BLOCK // 32
-    pid, grid, ctrl, status, epoch, data, n_tiles, calls = begin_collective(
-        table_ptr, local, status_addr, rank, call_desc, data_offset, data_bytes, chunk, BLOCK, W)
+    pid, grid, ctrl, status, epoch, data, n_tiles = begin_collective(
+        local, status_addr, data_offset, data_bytes, chunk, BLOCK)
     # 1. Encode chunk c of my input into scatter slot `rank` of rank c, from c = rank on, so
     # that ranks working in step write to different peers at any moment.
     for tile in range(pid, n_tiles, grid):
@@ -61,9 +61,7 @@ def quant_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, stat
                          CODEC)
     signal(table_ptr, flags_offset + (pid * W + rank) * 8, epoch, W, PEERS)
     # 2. Decode my chunk's W contributions, sum in tree order, encode the sum, push it.
-    ready = wait(flag_row(local, flags_offset, W), ctrl, status, epoch, rank, timeout_ns, OP_QUANT_SCATTER, W, PEERS)
-    ok = check_call(local, epoch, call_desc, calls, ready, ctrl, status, rank, timeout_ns, OP_QUANT_SCATTER, W)
-    if ok:
+    if wait(flag_row(local, flags_offset, W), ctrl, status, epoch, rank, timeout_ns, OP_QUANT_SCATTER, W, PEERS):
         limit = tl.minimum(chunk, numel - rank * chunk)
         for tile in range(pid, n_tiles, grid):
             gidx = tile * GB + tl.arange(0, GB)
@@ -84,7 +82,7 @@ def quant_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, stat
     # makes this wait return at once.
     signal(table_ptr, flags_offset + flags_bytes + (pid * W + rank) * 8, epoch, W, PEERS)
     gather_flags = flag_row(local, flags_offset + flags_bytes, W)
-    if wait(gather_flags, ctrl, status, epoch, rank, timeout_ns, OP_QUANT_GATHER, W, PEERS) and ok:
+    if wait(gather_flags, ctrl, status, epoch, rank, timeout_ns, OP_QUANT_GATHER, W, PEERS):
         for tile in range(pid, n_tiles, grid):
             gidx = tile * GB + tl.arange(0, GB)
             offs = gidx[:, None] * 32 + tl.arange(0, 32)[None, :]
@@ -95,8 +93,6 @@ def quant_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, stat
                                                gidx * 32 < limit, CODEC)
                     y = decode_groups(codes, scale, CODEC, HW_E4M3)
                     tl.store(out_ptr + c * chunk + offs, round_to(y, ELEM), mask=offs < limit)
-    else:
-        poison(out_ptr, 0, numel, BLOCK)
     end_call(ctrl, epoch)
 
 
@@ -114,9 +110,7 @@ def quant_all_reduce_into(x: torch.Tensor, out: torch.Tensor, plan, segment, pee
     if chunk % 32 or world * chunk < x.numel():
         raise ValueError(f"chunk={chunk} must be a multiple of 32 covering {x.numel()} elements over {world} ranks")
     quant_all_reduce_kernel[(segment.grid,)](
-        x_ptr=x, out_ptr=out, numel=x.numel(), chunk=chunk,
-        **peers.kernel_args(describe_call("quantized all_reduce", x.dtype, x.numel(), "twoshot/flags", plan.codec)),
-        flags_offset=layout.flag_offset(0),
+        x_ptr=x, out_ptr=out, numel=x.numel(), chunk=chunk, **peers.kernel_args(), flags_offset=layout.flag_offset(0),
         flags_bytes=layout.flag_region_bytes, data_offset=layout.data_offset(0), data_bytes=layout.data_bytes,
         gather_offset=layout.gather_offset, slot_bytes=layout.twoshot_slot_bytes, p0=plan.planes[0],
         p1=plan.planes[-1], psc=plan.scale_offset, W=world, PEERS=triton.next_power_of_2(world), BLOCK=segment.block,

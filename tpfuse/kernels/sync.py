@@ -47,30 +47,15 @@ import triton.language as tl
 from tpfuse._runtime import INTERPRETER
 
 STATUS_WORDS = 8
-"""Length of the int64 status record: [valid, op, rank, peer, epoch, this rank's call word,
-the peer's call word, unused] (``_record_error`` writes it, ``decode_status`` reads it; the
-call words only for OP_CALL_MISMATCH)."""
-
-OP_CALL_MISMATCH = tl.constexpr(12)
-"""The status record's op when a peer's call word differs from this rank's (``check_call``)."""
-OP_CALL_CHECK = tl.constexpr(13)
-"""The op of ``allreduce.call_check_kernel``, the check alone before a backend's collective."""
-
-CALL_EPOCH_BITS = 24
-CALL_DESC_BITS = 40
-"""A call word is ``(epoch mod 2**24) << 40 | description`` (``tpfuse.kernels.peer.describe_call``
-packs the description): the epoch field says which call the word belongs to, so the word needs
-no flag of its own, and the parity of the epoch picks its slot."""
-_EPOCH_MASK = tl.constexpr((1 << CALL_EPOCH_BITS) - 1)
-_DESC_BITS = tl.constexpr(CALL_DESC_BITS)
+"""Length of the int64 status record: [valid, op, rank, peer, epoch, unused...]
+(``_record_error`` writes it, ``decode_status`` reads it)."""
 
 
-def decode_status(words) -> tuple[int, int, int, int, int, int] | None:
-    """(op, rank, peer, epoch, this rank's call word, the peer's call word) of a recorded error,
-    or None while the record is not valid."""
+def decode_status(words) -> tuple[int, int, int, int] | None:
+    """(op, rank, peer, epoch) of a recorded error, or None while the record is not valid."""
     if int(words[0]) == 0:
         return None
-    return tuple(int(w) for w in words[1:7])
+    return int(words[1]), int(words[2]), int(words[3]), int(words[4])
 
 
 GUARD_POLLS = tl.constexpr(64 if not INTERPRETER else 1)
@@ -247,91 +232,8 @@ def wait(flags_ptr, ctrl_ptr, status_ptr, epoch, rank, timeout_ns, OP: tl.conste
     return ready
 
 
-CALL_LANES = tl.constexpr(8)
-"""Lanes of the call words' loads and stores: the most ranks a workspace serves."""
-CALLS_OFFSET = tl.constexpr(128)
-"""``tpfuse.comm.workspace.CALLS_OFFSET``: where the call words start in the ctrl region."""
-
-
 @triton.jit
-def call_word(epoch, desc):
-    """The int64 call word of call ``epoch`` described by ``desc``."""
-    return ((epoch.to(tl.int64) & _EPOCH_MASK) << _DESC_BITS) | desc
-
-
-@triton.jit
-def announce_call(table_ptr, epoch, desc, rank, W: tl.constexpr):
-    """Block 0 stores this call's word into slot (epoch's parity, rank) of every peer's call
-    words, plain 8-byte stores: the word carries its epoch, so it needs no release. Its slot
-    is free: a peer reads it during call ``epoch``, and this rank writes it next in call
-    ``epoch + 2``, which starts only after every peer has finished call ``epoch`` (2.3)."""
-    if tl.program_id(0) == 0:
-        peers = tl.arange(0, CALL_LANES)
-        live = (peers < W) & (peers != rank)
-        bases = tl.load(table_ptr + peers, mask=live, other=0)
-        slots = (bases + CALLS_OFFSET + ((epoch % 2) * W + rank) * 8).to(tl.pointer_type(tl.int64))
-        tl.store(slots, tl.full([CALL_LANES], 0, tl.int64) + call_word(epoch, desc), mask=live)
-
-
-@triton.jit
-def look_calls(local, epoch, rank, W: tl.constexpr):
-    """One look at the peers' call words of ``epoch`` in this rank's workspace (this rank's own
-    lane and lanes past W read as 0). Taken early, at a kernel's start, it often finds them
-    there already, and ``check_call`` then needs no load of its own."""
-    peers = tl.arange(0, CALL_LANES)
-    live = (peers < W) & (peers != rank)
-    slots = (local + CALLS_OFFSET + ((epoch % 2) * W + peers) * 8).to(tl.pointer_type(tl.int64))
-    return tl.load(slots, mask=live, other=0, volatile=True)
-
-
-@triton.jit
-def _calls_arrived(words, want, rank, W: tl.constexpr):
-    """Per lane: the word belongs to call ``want``'s epoch (always, for lanes not read)."""
-    peers = tl.arange(0, CALL_LANES)
-    return ((words >> _DESC_BITS) == (want >> _DESC_BITS)) | (peers >= W) | (peers == rank)
-
-
-@triton.jit
-def check_call(local, epoch, desc, early, ready, ctrl_ptr, status_ptr, rank, timeout_ns, OP: tl.constexpr,
-               W: tl.constexpr):
-    """Whether this call may use what its peers sent: ``ready`` (the block's wait succeeded)
-    and every peer's call word for ``epoch`` equals this rank's. ``early`` is a ``look_calls``
-    from before; words not there yet are waited for (bounded, as ``wait``). A word that
-    differs records ``(OP_CALL_MISMATCH, rank, peer, epoch, this rank's word, the peer's)``
-    and sets the abort word; the caller then writes NaN, never a plausible result. A word that
-    never comes is a timeout of the caller's operation ``OP``. The same value in every thread
-    of the CTA."""
-    peers = tl.arange(0, CALL_LANES)
-    want = call_word(epoch, desc)
-    words = early
-    arrived = tl.min(_calls_arrived(words, want, rank, W).to(tl.int32), 0) != 0
-    if ready and not arrived:
-        words = look_calls(local, epoch, rank, W)
-        arrived = tl.min(_calls_arrived(words, want, rank, W).to(tl.int32), 0) != 0
-        if not arrived:
-            start = now_ns()
-            stop = give_up(ctrl_ptr, start, start, timeout_ns)
-            polls = 0
-            while not arrived and not stop:
-                backoff()
-                words = look_calls(local, epoch, rank, W)
-                arrived = tl.min(_calls_arrived(words, want, rank, W).to(tl.int32), 0) != 0
-                polls += 1
-                if polls % GUARD_POLLS == 0:
-                    stop = give_up(ctrl_ptr, start, now_ns(), timeout_ns)
-    here = _calls_arrived(words, want, rank, W)
-    odd = tl.min(tl.where(here & (peers < W) & (peers != rank) & (words != want), peers, CALL_LANES), 0)
-    if ready and odd < CALL_LANES:
-        theirs = tl.max(tl.where(peers == odd, words, 0), 0)
-        _record_error(ctrl_ptr, status_ptr, OP_CALL_MISMATCH, rank, odd, epoch, want, theirs)
-    elif ready and not arrived:
-        _record_error(ctrl_ptr, status_ptr, OP, rank, tl.min(tl.where(here, CALL_LANES, peers), 0), epoch)
-    tl.debug_barrier()
-    return ready and arrived and odd == CALL_LANES
-
-
-@triton.jit
-def _record_error(ctrl_ptr, status_ptr, op, rank, peer, epoch, mine=0, theirs=0):
+def _record_error(ctrl_ptr, status_ptr, op, rank, peer, epoch):
     """Set the local abort word; the block that sets it first fills the status record.
 
     The record is in host memory, written with plain stores (atomics on host memory would
@@ -343,7 +245,5 @@ def _record_error(ctrl_ptr, status_ptr, op, rank, peer, epoch, mine=0, theirs=0)
         tl.store(status_ptr + 2, rank)
         tl.store(status_ptr + 3, peer)
         tl.store(status_ptr + 4, epoch)
-        tl.store(status_ptr + 5, mine)
-        tl.store(status_ptr + 6, theirs)
         system_fence()
         tl.store(status_ptr + 0, 1)
