@@ -111,6 +111,47 @@ def _split_fused_compiled_repeat(seed, steps, repeat_steps):
     return failures, _digest(*split)
 
 
+def _invariant_logits(seed, steps):
+    """bf16, invariant: prefill logits, greedy tokens and their logits (as digests), and a
+    sequence alone against the same sequence in the batch."""
+    hf = _hf_model("llama", seed, torch.bfloat16)
+    ids = torch.randint(0, TINY["vocab_size"], (3, 6), generator=torch.Generator().manual_seed(seed))
+    with Communicator(max_bytes=1 << 18) as comm:
+        model = TPModel.from_hf(hf, comm, boundary="fused", invariant=True)
+        prefill = model(ids)
+        tokens, logits = model.generate(ids, steps, return_logits=True)
+        alone = model(ids[1:2])
+        plain = TPModel.from_hf(hf, comm, boundary="fused")(ids)  # the same model, not invariant
+    failures = [] if torch.equal(alone.view(torch.uint8), prefill[1:2].view(torch.uint8)) else [
+        "a sequence alone has other logits than in its batch"]
+    return failures, (_digest(prefill, tokens, logits), _digest(plain))
+
+
+def test_invariant_model_gives_the_same_logits_at_every_tp_size():
+    """TP = 1, 2 and 4 (emulated ranks): the same prefill logits, greedy tokens and decode
+    logits, bit for bit (the projections' chunk trees and the all-reduce's tree, docs/design.md
+    1.1-1.2); the non-invariant model differs between TP sizes in bf16."""
+    digests, plain = {}, {}
+    for world in (1, 2, 4):
+        results = run_ranks(world, _invariant_logits, 3, 3, timeout_s=600)
+        _assert_ranks_agree(results)
+        digests[world], plain[world] = results[0][1]
+    assert len(set(digests.values())) == 1, digests
+    assert len(set(plain.values())) > 1, "the check cannot tell: the plain model's logits agree across TP sizes too"
+
+
+def test_invariant_model_refuses_what_it_cannot_keep():
+    from tpfuse.models.llama import _check_invariant
+
+    config = ModelConfig.from_hf(transformers.LlamaConfig(**TINY))
+    with pytest.raises(ValueError, match="boundary 'split' or 'fused'"):
+        _check_invariant(config, 2, "torch", torch.bfloat16)
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        _check_invariant(config, 2, "fused", torch.float32)
+    with pytest.raises(ValueError, match="do not split over 16 ranks"):
+        _check_invariant(config, 16, "fused", torch.bfloat16)
+
+
 def _assert_ranks_agree(results):
     failures = [f"rank {r}: {f}" for r, (fs, _) in enumerate(results) for f in fs]
     assert not failures, "\n".join(failures)

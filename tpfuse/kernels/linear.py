@@ -58,6 +58,19 @@ def row_blocks_per_cta(m: int) -> int:
     return min(4, triton.next_power_of_2(triton.cdiv(m, BLOCK_M)))
 
 
+def layer_chunks(k: int) -> int:
+    """G, the chunks of a layer whose whole reduction is K long: the most of 8, 4, 2 and 1 that
+    ``check_chunks`` serves (8 for every Llama-3 layer). A TP=t shard of a row-parallel layer
+    passes G / t."""
+    for chunks in (8, 4, 2):
+        try:
+            check_chunks(k, chunks)
+            return chunks
+        except ValueError:
+            pass
+    return 1
+
+
 def check_chunks(k: int, chunks: int) -> int:
     """The chunk length of ``chunks`` chunks of K, or ValueError where the split is not served."""
     if chunks not in (1, 2, 4, 8):

@@ -144,6 +144,10 @@ class Boundary:
 
     def __call__(self, partial: Tensor, residual: Tensor, weight: Tensor, eps: float,
                  offset: float) -> tuple[Tensor, Tensor]:
+        if partial.dtype != residual.dtype and self.tpfuse_norm:
+            # An invariant model's fp32 partial sums: all-reduced in fp32 over the ranks' tree,
+            # rounded once, then the residual add and norm (split: the fused kernel takes one dtype).
+            return add_rms_norm(self.all_reduce(partial).to(residual.dtype), residual, weight, eps, weight_offset=offset)
         if self.name == "fused" and self.world_size > 1:
             return self.comm.all_reduce_add_rms_norm(partial, residual, weight, eps, weight_offset=offset)
         reduced = self.all_reduce(partial)

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tpfuse.kernels.linear import invariant_matmul, layer_chunks
 from tpfuse.models.boundary import Boundary
 from tpfuse.models.config import ModelConfig
 
@@ -88,18 +89,30 @@ class TPModel(nn.Module):
             fused all-reduce + residual + RMSNorm; "split": the same bits unfused; "torch",
             "symm_mem": the torch stacks, for comparison).
         dtype, device: of the weights and activations (device: the communicator's, or CPU).
+        invariant: every projection through ``tpfuse.invariant_matmul`` (docs/design.md 1.2),
+            the row-parallel ones (o_proj, down_proj) as fp32 partial sums of G / W of their
+            layer's G chunks, all-reduced in fp32 over the ranks' tree and rounded once before
+            the residual add (the "split" composition, whatever ``boundary`` says: the fused
+            kernel takes one dtype). The projections then give the same bits at every TP size
+            and batch; on CPU the logits do (tests/test_models.py). On GPUs attention is still
+            torch's SDPA, whose kernels are chosen by shape (issue 39's attention is next).
+            ``boundary`` must be "split" or "fused". bf16 or fp16 weights.
 
     Weights are uninitialised: use ``from_hf`` or ``random``. Every rank must run the same
     calls in the same order (each forward is a sequence of collectives). Raises ValueError
-    when heads, kv heads or the MLP width do not split over the world size.
+    when heads, kv heads or the MLP width do not split over the world size, or (invariant)
+    when a row-parallel layer's chunks do not split over it.
     """
 
     def __init__(self, config: ModelConfig, comm=None, *, boundary: str = "fused", dtype=torch.bfloat16,
-                 device=None):
+                 device=None, invariant: bool = False):
         super().__init__()
         world, rank = (1, 0) if comm is None else (comm.world_size, comm.rank)
         self.config, self.comm = config, comm
         self.shard = s = Shard.of(config, world, rank)
+        self.invariant = invariant
+        if invariant:
+            _check_invariant(config, world, boundary, dtype)
         device = torch.device(device) if device is not None else (comm.device if comm is not None else
                                                                    torch.device("cpu"))
         self.dtype, self.device = dtype, device
@@ -133,7 +146,8 @@ class TPModel(nn.Module):
         gc.collect()
 
     @classmethod
-    def from_hf(cls, hf_model, comm=None, *, boundary: str = "fused", dtype=None, device=None) -> "TPModel":
+    def from_hf(cls, hf_model, comm=None, *, boundary: str = "fused", dtype=None, device=None,
+                invariant: bool = False) -> "TPModel":
         """Shard a Hugging Face ``transformers`` causal LM (Llama, Mistral, Qwen2, Qwen3, Gemma).
 
         Every rank passes a model with the same weights; weights are taken by name from its
@@ -146,7 +160,7 @@ class TPModel(nn.Module):
         first = next(iter(sd.values()))
         dtype = dtype or first.dtype
         device = device if device is not None or comm is not None else first.device
-        model = cls(config, comm, boundary=boundary, dtype=dtype, device=device)
+        model = cls(config, comm, boundary=boundary, dtype=dtype, device=device, invariant=invariant)
         rotary = hf_model.model.rotary_emb
         if getattr(rotary, "rope_type", "default") in ("dynamic", "longrope"):
             raise NotImplementedError(f"rope type {rotary.rope_type!r} changes with the sequence length: not supported")
@@ -162,11 +176,11 @@ class TPModel(nn.Module):
 
     @classmethod
     def random(cls, config: ModelConfig, comm=None, *, seed: int = 0, boundary: str = "fused",
-               dtype=torch.bfloat16, device=None) -> "TPModel":
+               dtype=torch.bfloat16, device=None, invariant: bool = False) -> "TPModel":
         """Seeded random weights (N(0, 1/fan_in) projections, norms near 1), made shard by
         shard on the device: every rank gets the same replicated weights, and the sharded
         ones depend on (seed, rank), so a model is reproducible for a given world size."""
-        model = cls(config, comm, boundary=boundary, dtype=dtype, device=device)
+        model = cls(config, comm, boundary=boundary, dtype=dtype, device=device, invariant=invariant)
         g = torch.Generator(device=model.device)
         for i, (name, p) in enumerate(model.named_parameters()):
             sharded = name.endswith(("_proj", "lm_head", "qkv_bias"))
@@ -241,7 +255,7 @@ class TPModel(nn.Module):
         c, s = self.config, self.shard
         b, t, _ = h.shape
         d = c.head_dim
-        qkv = F.linear(h, layer.qkv_proj, layer.qkv_bias).view(b, t, s.heads + 2 * s.kv_heads, d)
+        qkv = self._column(h, layer.qkv_proj, layer.qkv_bias).view(b, t, s.heads + 2 * s.kv_heads, d)
         qk, v = qkv[:, :, :s.heads + s.kv_heads], qkv[:, :, s.heads + s.kv_heads:]
         if layer.q_norm is not None:
             qk = torch.cat([self.boundary.rms_norm(qk[:, :, :s.heads], layer.q_norm, c.rms_norm_eps, 0.0),
@@ -265,12 +279,26 @@ class TPModel(nn.Module):
             o = F.scaled_dot_product_attention(q.reshape(b, s.kv_heads, group, d), cache[0], cache[1],
                                                attn_mask=mask, scale=scale)
         o = o.reshape(b, s.heads, t, d).transpose(1, 2).reshape(b, t, s.heads * d)
-        return F.linear(o, layer.o_proj)
+        return self._row(o, layer.o_proj)
 
     def _mlp(self, layer: DecoderLayer, h: Tensor) -> Tensor:
-        gate, up = F.linear(h, layer.gate_up_proj).chunk(2, dim=-1)
+        gate, up = self._column(h, layer.gate_up_proj).chunk(2, dim=-1)
         act = F.silu(gate) if self.config.hidden_act == "silu" else F.gelu(gate, approximate="tanh")
-        return F.linear(act * up, layer.down_proj)
+        return self._row(act * up, layer.down_proj)
+
+    def _column(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        """A column-parallel projection (its whole reduction on this rank), in x's dtype."""
+        if not self.invariant:
+            return F.linear(x, weight, bias)
+        y = invariant_matmul(x, weight, layer_chunks(weight.shape[1]))
+        return y if bias is None else y + bias
+
+    def _row(self, x: Tensor, weight: Tensor) -> Tensor:
+        """A row-parallel projection: this rank's partial sum (invariant: fp32, G / W chunks)."""
+        if not self.invariant:
+            return F.linear(x, weight)
+        world = self.shard.world_size
+        return invariant_matmul(x, weight, layer_chunks(weight.shape[1] * world) // world, torch.float32)
 
     def _hidden(self, ids: Tensor, cos: Tensor, sin: Tensor, caches, pos) -> Tensor:
         """The final-normed hidden states [B, T, hidden] of ``ids`` [B, T]."""
@@ -291,7 +319,7 @@ class TPModel(nn.Module):
 
     def _logits(self, h: Tensor) -> Tensor:
         """Full logits [..., vocab] on every rank from the vocab-parallel LM head."""
-        return self.boundary.gather_last_dim(F.linear(h, self.lm_head))[..., :self.config.vocab_size]
+        return self.boundary.gather_last_dim(self._column(h, self.lm_head))[..., :self.config.vocab_size]
 
     @torch.no_grad()
     def forward(self, input_ids: Tensor) -> Tensor:
@@ -352,6 +380,19 @@ class TPModel(nn.Module):
             tokens.append(logits[-1].argmax(-1, keepdim=True))
         out = torch.cat(tokens, dim=1)
         return (out, torch.stack(logits, dim=1)) if return_logits else out
+
+
+def _check_invariant(config: ModelConfig, world: int, boundary: str, dtype: torch.dtype) -> None:
+    """ValueError unless an invariant model of ``config`` serves ``world`` ranks."""
+    if boundary not in ("split", "fused"):
+        raise ValueError(f"an invariant model sums over tpfuse's tree: boundary 'split' or 'fused', got {boundary!r}")
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"an invariant model runs in bf16 or fp16, got {dtype}")
+    for name, k in (("o_proj", config.num_heads * config.head_dim), ("down_proj", config.intermediate_size)):
+        chunks = layer_chunks(k)
+        if chunks % world:
+            raise ValueError(f"invariant: {name}'s K={k} is summed in {chunks} chunks, which do not split over "
+                             f"{world} ranks (TP sizes dividing {chunks} keep the bits)")
 
 
 def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
