@@ -24,7 +24,7 @@ rank, world = dist.get_rank(), dist.get_world_size()
 
 with tpfuse.Communicator() as comm:  # collective: every rank constructs it
     x = torch.full((4, 1024), float(rank + 1), dtype=torch.bfloat16, device=device)
-    out = comm.all_reduce(x)  # the fp32 sum over ranks in rank order, rounded once
+    out = comm.all_reduce(x)  # the fp32 sum over ranks (a pairwise tree), rounded once
     assert torch.all(out == world * (world + 1) / 2)
 
     # At a row-parallel layer's output: all-reduce + residual add + RMSNorm in one kernel,

@@ -39,8 +39,9 @@ def measure(batches: list[int]) -> list[dict]:
             ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(sets)]
             for m in batches:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                inv_us = graph_time_us(lambda i: tpfuse.invariant_matmul(x, ws[i % sets], chunks, out_dtype))  # noqa: B023
-                torch_us = graph_time_us(lambda i: F.linear(x, ws[i % sets]))  # noqa: B023
+                inv_us = graph_time_us(lambda i, x=x, ws=ws, c=chunks, o=out_dtype: tpfuse.invariant_matmul(
+                    x, ws[i % len(ws)], c, o))
+                torch_us = graph_time_us(lambda i, x=x, ws=ws: F.linear(x, ws[i % len(ws)]))
                 alone = tpfuse.invariant_matmul(x[:1], ws[0], chunks, out_dtype)
                 torch_alone = F.linear(x[:1], ws[0])
                 records.append(dict(
@@ -50,7 +51,6 @@ def measure(batches: list[int]) -> list[dict]:
                                                           alone)),
                     torch_row0_alone=bool(torch.equal(F.linear(x, ws[0])[:1], torch_alone))))
                 print(records[-1], flush=True)
-            del ws
     return records
 
 

@@ -24,8 +24,8 @@ from tpfuse.comm import Communicator, Launch, default_knobs
 from tpfuse.comm.plan import AllReducePlan
 from tpfuse.comm.workspace import ALIGN, WorkspaceLayout
 from tpfuse.kernels.peer import tree_sum
-import triton  # noqa: E402  (after tpfuse, which sets up Triton's interpreter on CPU)
-import triton.language as tl  # noqa: E402
+import triton  # after tpfuse, which sets up Triton's interpreter on CPU
+import triton.language as tl
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 ALGOS = ["oneshot", "twoshot", "auto"]

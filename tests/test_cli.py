@@ -24,7 +24,7 @@ def _run(capsys, *argv):
 
 
 @pytest.mark.smoke
-@pytest.mark.parametrize("argv", [["--help"], ["-h"], ["bench", "--help"], ["tune", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["-h"], ["bench", "--help"], ["tune", "--help"], ["verify", "--help"]])
 def test_help_exits_zero(capsys, argv):
     code, out = _run(capsys, *argv)
     assert code == 0 and out.startswith("usage: tpfuse")
@@ -91,3 +91,17 @@ def test_each_collective_benchmark_passes_its_cpu_check(argv, checked):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert checked in proc.stdout and "all checks passed" in proc.stdout
     assert "leaked" not in proc.stderr, proc.stderr[-2000:]
+
+
+@cpu_only
+def test_verify_shows_the_invariant_model_equal_across_tp_sizes():
+    """``tpfuse verify`` as a user runs it: its table and verdict (the plain model's prefill
+    at TP=2 differs, which the table says too)."""
+    proc = subprocess.run([sys.executable, "-m", "tpfuse.cli", "verify", "--tp", "1", "2", "--batch", "2", "--prompt",
+                           "4", "--steps", "1"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in proc.stdout.splitlines() if line.startswith("| 2 |")]
+    assert len(rows) == 1, proc.stdout
+    cells = rows[0]  # TP, prefill, = TP=1, decode, = TP=1, alone = in batch, plain prefill, = TP=1
+    assert cells[2] == cells[4] == cells[5] == "equal" and cells[7] == "NOT equal", proc.stdout
+    assert "the same at every TP size" in proc.stdout

@@ -13,7 +13,9 @@ from tpfuse import reference
 # (K, N, chunks): tiny ones for the interpreter; Llama-3-8B's layers at TP=2 on GPUs.
 SHAPES = [(256, 96, 8), (2048, 64, 8), (512, 40, 4)] + (
     [(4096, 3072, 8), (4096, 7168, 8), (7168, 4096, 4), (2048, 4096, 4)] if ON_GPU else [])
-BATCHES = [1, 5, 16, 64] + ([256] if ON_GPU else [])
+BATCHES = [1, 5, 16, 24, 64, 100] + ([256] if ON_GPU else [])
+"""1 to 4 row blocks per CTA (``row_blocks_per_cta``), and more than one row group."""
+ROWS = (0, 3, 17, 70, 99)
 
 
 def _operands(k, n, m, seed):
@@ -26,12 +28,14 @@ def _operands(k, n, m, seed):
 @pytest.mark.parametrize("k, n, chunks", SHAPES)
 def test_a_row_has_the_same_bits_alone_and_in_any_batch(k, n, chunks):
     x, w = _operands(k, n, max(BATCHES), k + n)
-    alone = [tpfuse.invariant_matmul(x[i:i + 1], w, chunks, torch.float32) for i in (0, 3, 17 % len(x))]
+    alone = [tpfuse.invariant_matmul(x[i:i + 1], w, chunks, torch.float32) for i in ROWS]
     for m in BATCHES:
         batch = tpfuse.invariant_matmul(x[:m], w, chunks, torch.float32)
-        for i, row in zip((0, 3, 17 % len(x)), alone):
+        for i, row in zip(ROWS, alone):
             if i < m:
                 assert torch.equal(batch[i], row[0]), (m, i)
+        last = tpfuse.invariant_matmul(x[m - 1:m], w, chunks, torch.float32)
+        assert torch.equal(batch[m - 1], last[0]), (m, "last row")
 
 
 @pytest.mark.parametrize("k, n, chunks", SHAPES)
@@ -61,6 +65,26 @@ def test_error_against_float64(k, n, chunks):
     assert torch.equal(out, tpfuse.invariant_matmul(x, w, chunks, torch.float32).bfloat16())  # one rounding
 
 
+def test_rows_in_slices_keep_their_bits(monkeypatch):
+    """Rows whose fp32 partials would pass PARTIAL_BYTES go through in slices: the same bits."""
+    from tpfuse.kernels import linear
+
+    x, w = _operands(256, 96, 40, 4)
+    whole = tpfuse.invariant_matmul(x, w, 8, torch.float32)
+    monkeypatch.setattr(linear, "PARTIAL_BYTES", 8 * 96 * 4 * 16)  # 16 rows a launch
+    assert torch.equal(tpfuse.invariant_matmul(x, w, 8, torch.float32), whole)
+
+
+def test_layer_chunks_are_served():
+    from tpfuse.kernels.linear import check_chunks, layer_chunks
+
+    assert [layer_chunks(k) for k in (4096, 14336, 2048, 128, 64, 384, 640, 2880)] == [8, 8, 8, 8, 4, 1, 1, 1]
+    for k in (4096, 14336, 2048, 128, 64, 384, 640):
+        check_chunks(k, layer_chunks(k))
+    with pytest.raises(ValueError, match="does not split"):
+        check_chunks(2880, 1)  # 2880 = 22.5 x 128
+
+
 def test_leading_dimensions_and_empty_batches():
     x, w = _operands(256, 48, 6, 2)
     out = tpfuse.invariant_matmul(x.view(2, 3, 256), w, 8)
@@ -78,3 +102,7 @@ def test_argument_errors():
         tpfuse.invariant_matmul(x.float(), w.float(), 8)
     with pytest.raises(ValueError, match="do not match"):
         tpfuse.invariant_matmul(x, w.t().contiguous(), 8)
+    with pytest.raises(ValueError, match="does not split"):
+        tpfuse.invariant_matmul(x[:, :192].contiguous(), w[:, :192].contiguous(), 4)  # chunks of 48
+    with pytest.raises(TypeError, match="out_dtype"):
+        tpfuse.invariant_matmul(x, w, 8, torch.float16)

@@ -116,7 +116,9 @@ def _invariant_logits(seed, steps):
     sequence alone against the same sequence in the batch."""
     hf = _hf_model("llama", seed, torch.bfloat16)
     ids = torch.randint(0, TINY["vocab_size"], (3, 6), generator=torch.Generator().manual_seed(seed))
-    with Communicator(max_bytes=1 << 18) as comm:
+    # A workspace of 16 fp32 rows: the prefill's 18 rows of partial sums are all-reduced in two
+    # slices (never by the backend, whose order is not the tree).
+    with Communicator(max_bytes=16 * TINY["hidden_size"] * 4) as comm:
         model = TPModel.from_hf(hf, comm, boundary="fused", invariant=True)
         prefill = model(ids)
         tokens, logits = model.generate(ids, steps, return_logits=True)
@@ -124,6 +126,11 @@ def _invariant_logits(seed, steps):
         plain = TPModel.from_hf(hf, comm, boundary="fused")(ids)  # the same model, not invariant
     failures = [] if torch.equal(alone.view(torch.uint8), prefill[1:2].view(torch.uint8)) else [
         "a sequence alone has other logits than in its batch"]
+    # As close to fp32 Hugging Face as the plain bf16 model (not merely the same at every TP size).
+    want = _hf_model("llama", seed)(ids).logits.detach()
+    err, plain_err = reference.rel_err(prefill, want), reference.rel_err(plain, want)
+    if not err < 1.5 * plain_err + 1e-3:
+        failures.append(f"invariant logits off fp32 Hugging Face's by {err:.2e}, the plain model's by {plain_err:.2e}")
     return failures, (_digest(prefill, tokens, logits), _digest(plain))
 
 
@@ -150,6 +157,9 @@ def test_invariant_model_refuses_what_it_cannot_keep():
         _check_invariant(config, 2, "fused", torch.float32)
     with pytest.raises(ValueError, match="do not split over 16 ranks"):
         _check_invariant(config, 16, "fused", torch.bfloat16)
+    wide = ModelConfig.from_hf(transformers.LlamaConfig(**{**TINY, "hidden_size": 2880}))
+    with pytest.raises(ValueError, match="column-parallel projections cannot be summed"):
+        _check_invariant(wide, 1, "fused", torch.bfloat16)
 
 
 def _assert_ranks_agree(results):

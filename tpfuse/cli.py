@@ -1,4 +1,5 @@
-"""The ``tpfuse`` command: ``tpfuse bench [NAME] [options]``, ``tpfuse tune [options]``."""
+"""The ``tpfuse`` command: ``tpfuse bench [NAME] [options]``, ``tpfuse tune [options]``,
+``tpfuse verify [options]``."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ BENCHES = {
     "decode": ("tpfuse.bench.decode", "decode steps of a tensor-parallel model, per layer boundary"),
 }
 TUNE = "tpfuse.bench.tune"
+VERIFY = "tpfuse.verify"
 
 DESCRIPTION = """\
 Exact, fast kernels for the tensor-parallel layer boundary. On a machine without a GPU
@@ -50,6 +52,9 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
                           "(`tpfuse tune --help`)")
     tune.add_argument("-h", "--help", action="store_true")
     tune.add_argument("--version", action="version", version=f"tpfuse {_version()}")
+    verify = sub.add_parser("verify", add_help=False, help="the invariant model's logits across TP sizes and "
+                            "batches, as a table of hashes (`tpfuse verify --help`)")
+    verify.add_argument("-h", "--help", action="store_true")
     return p, bench
 
 
@@ -93,8 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser, bench = _parsers()
     args, rest = parser.parse_known_args(argv)
-    if args.command == "tune":
-        return importlib.import_module(TUNE).main(rest + (["--help"] if args.help else []))
+    if args.command in ("tune", "verify"):
+        module = TUNE if args.command == "tune" else VERIFY
+        return importlib.import_module(module).main(rest + (["--help"] if args.help else []))
     options = rest + (["--out", args.out] if args.out else [])
     if args.help:  # the bench's own options after its name, else the list of benchmarks
         if args.name:

@@ -1,7 +1,9 @@
 """A matmul whose bits depend on K alone: batch- and TP-invariant linear layers (docs/design.md 1.2).
 
 ``invariant_matmul(x, weight, chunks)`` computes ``x @ weight.T`` so that each output
-element's reduction order is fixed by K and ``chunks`` only, never by M, N or the GPU:
+element's reduction order is fixed by K and ``chunks`` only, never by M or N (for a given GPU
+architecture and Triton version: a tensor core's sum inside one instruction is its own, and
+the interpreter's differs from a GPU's):
 
 - one launch configuration for every shape (``LinearConfig``, from the chunk's length
   alone): 16-row blocks, so that a row is summed by the same tensor-core instruction whether
@@ -36,6 +38,9 @@ from tpfuse.kernels.peer import tree_sum
 BLOCK_M = 16
 """Rows per tile: one mma.m16n8k16 row block on sm_80+, for every M (never a wgmma tile)."""
 MAX_CHUNKS = 8
+PARTIAL_BYTES = 256 << 20
+"""The most bytes of fp32 chunk partials one launch writes (a prefill of thousands of rows
+would otherwise take GBs for an LM head); more rows go through in slices."""
 
 
 @dataclass(frozen=True)
@@ -75,12 +80,10 @@ def check_chunks(k: int, chunks: int) -> int:
     """The chunk length of ``chunks`` chunks of K, or ValueError where the split is not served."""
     if chunks not in (1, 2, 4, 8):
         raise ValueError(f"chunks must be 1, 2, 4 or 8 (a power of two of at most {MAX_CHUNKS}), got {chunks}")
-    if k % chunks or (k // chunks) % 16:
-        raise ValueError(f"K={k} does not split into {chunks} chunks of a multiple of 16")
     chunk_k = k // chunks
-    if chunk_k % LinearConfig.for_chunk(chunk_k).block_k:
-        raise ValueError(f"K={k}: a chunk of {chunk_k} is not a multiple of 128 (chunks of more than 128 are summed in "
-                         "steps of 128)")
+    if k % chunks or not (chunk_k in (16, 32, 64) or chunk_k % 128 == 0):
+        raise ValueError(f"K={k} does not split into {chunks} chunks of 16, 32, 64 or a multiple of 128 elements "
+                         "(each chunk is summed in steps of 128, or in one power-of-two step)")
     return chunk_k
 
 
@@ -96,13 +99,14 @@ def _chunk_partials(X, Wt, rows0, cols, M, N, K, k0, CHUNK_K: tl.constexpr, BLOC
         accs = accs + (tl.zeros([BLOCK_M, cols.shape[0]], tl.float32),)
     ks = tl.arange(0, BLOCK_K)
     for k in range(0, CHUNK_K, BLOCK_K):
-        b = tl.load(Wt + cols[None, :] * K + (k0 + k + ks)[:, None], mask=(cols < N)[None, :], other=0.0)
+        b = tl.load(Wt + cols.to(tl.int64)[None, :] * K + (k0 + k + ks)[:, None], mask=(cols < N)[None, :], other=0.0)
         if _INTERPRETER:  # numpy has no bf16 matmul: widen exactly, sum in fp32
             b = to_f32(b)
         new = ()
         for rb in tl.static_range(ROW_BLOCKS):
             rows = rows0 + rb * BLOCK_M
-            a = tl.load(X + rows[:, None] * K + (k0 + k + ks)[None, :], mask=(rows < M)[:, None], other=0.0)
+            a = tl.load(X + rows.to(tl.int64)[:, None] * K + (k0 + k + ks)[None, :], mask=(rows < M)[:, None],
+                        other=0.0)
             if _INTERPRETER:
                 new = new + (tl.dot(to_f32(a), b, accs[rb], input_precision="ieee"),)
             else:
@@ -111,7 +115,7 @@ def _chunk_partials(X, Wt, rows0, cols, M, N, K, k0, CHUNK_K: tl.constexpr, BLOC
     return accs
 
 
-@triton.jit(do_not_specialize=["M", "N"])  # one compiled kernel for every M and N
+@triton.jit(do_not_specialize=["M"])  # M == 1 compiles as any other M
 def invariant_matmul_kernel(X, Wt, OUT, PARTIAL, COUNTS, M, N, K,
                             CHUNKS: tl.constexpr, CHUNK_K: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCKS: tl.constexpr):
@@ -146,6 +150,18 @@ def invariant_matmul_kernel(X, Wt, OUT, PARTIAL, COUNTS, M, N, K,
                 tl.store(OUT + offs, round_to(tree_sum(parts), OUT.dtype.element_ty), mask=mask)
 
 
+def _launch(x2: torch.Tensor, w: torch.Tensor, out: torch.Tensor, chunks: int, chunk_k: int, cfg: LinearConfig) -> None:
+    """One launch over the rows of x2 [m, K] into out [m, N] (contiguous row slices)."""
+    (m, k), n = x2.shape, w.shape[0]
+    row_blocks = row_blocks_per_cta(m)
+    grid = (triton.cdiv(m, BLOCK_M * row_blocks), triton.cdiv(n, cfg.block_n), chunks)
+    partial = torch.empty((chunks, m, n) if chunks > 1 else (1,), dtype=torch.float32, device=x2.device)
+    counts = torch.zeros(grid[0] * grid[1] if chunks > 1 else 1, dtype=torch.int32, device=x2.device)
+    invariant_matmul_kernel[grid](X=x2, Wt=w, OUT=out, PARTIAL=partial, COUNTS=counts, M=m, N=n, K=k, CHUNKS=chunks,
+                                  CHUNK_K=chunk_k, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                                  ROW_BLOCKS=row_blocks, num_warps=cfg.num_warps, **EXACT_FP)
+
+
 def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, chunks: int, out_dtype: torch.dtype | None = None
                      ) -> torch.Tensor:
     """``x @ weight.T`` with a reduction order fixed by K and ``chunks`` alone.
@@ -153,14 +169,16 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, chunks: int, out_dty
     Args:
         x: [..., K] bf16 or fp16, contiguous in its last dimension.
         weight: [N, K], x's dtype, contiguous (``nn.Linear``'s layout).
-        chunks: 1, 2, 4 or 8 equal chunks of K, each a multiple of 128 (or of 16 up to 128),
-            summed over the pairwise tree; a TP=t shard of a layer of G chunks passes G / t.
-        out_dtype: the result's dtype (default x's); fp32 keeps a row-parallel layer's
-            partial sum unrounded for the all-reduce.
+        chunks: 1, 2, 4 or 8 equal chunks of K, each of 16, 32, 64 or a multiple of 128
+            elements, summed over the pairwise tree; a TP=t shard of a layer of G chunks
+            passes G / t (``layer_chunks`` gives G).
+        out_dtype: x's dtype (the default) or torch.float32, which keeps a row-parallel
+            layer's partial sum unrounded for the all-reduce.
 
     Returns a new [..., N] tensor. Row i's bits do not depend on the other rows or their
-    number, nor on N; they are not torch.matmul's (``tpfuse.reference.invariant_matmul``
-    holds them to a relative error budget).
+    number, nor on N; they are not torch.matmul's (``tpfuse.reference.matmul`` holds them to
+    a relative error budget). Rows go through in slices whose fp32 partials take at most
+    PARTIAL_BYTES (a row's bits do not depend on its slice).
     """
     if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
         raise TypeError(f"invariant_matmul takes bf16 or fp16 x and weight of the same dtype, got {x.dtype} and "
@@ -169,6 +187,8 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, chunks: int, out_dty
         raise ValueError(f"x [..., K] and weight [N, K] do not match: {tuple(x.shape)} and {tuple(weight.shape)}")
     if x.device != weight.device:
         raise ValueError(f"x and weight are on different devices: {x.device} and {weight.device}")
+    if out_dtype not in (None, x.dtype, torch.float32):
+        raise TypeError(f"out_dtype must be x's dtype or torch.float32, got {out_dtype}")
     n, k = weight.shape
     chunk_k = check_chunks(k, chunks)
     x2 = x.reshape(-1, k).contiguous()
@@ -178,12 +198,8 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, chunks: int, out_dty
     if m == 0:
         return out.view(*x.shape[:-1], n)
     cfg = LinearConfig.for_chunk(chunk_k)
-    row_blocks = row_blocks_per_cta(m)
-    grid = (triton.cdiv(m, BLOCK_M * row_blocks), triton.cdiv(n, cfg.block_n), chunks)
-    partial = torch.empty((chunks, m, n) if chunks > 1 else (1,), dtype=torch.float32, device=x.device)
-    counts = torch.zeros(grid[0] * grid[1] if chunks > 1 else 1, dtype=torch.int32, device=x.device)
-    invariant_matmul_kernel[grid](X=x2, Wt=w, OUT=out, PARTIAL=partial, COUNTS=counts, M=m, N=n, K=k, CHUNKS=chunks,
-                                  CHUNK_K=chunk_k,
-                                  BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROW_BLOCKS=row_blocks,
-                                  num_warps=cfg.num_warps, **EXACT_FP)
+    rows = max(BLOCK_M, PARTIAL_BYTES // (4 * chunks * n) // BLOCK_M * BLOCK_M) if chunks > 1 else m
+    for start in range(0, m, rows):
+        part = slice(start, min(m, start + rows))
+        _launch(x2[part], w, out[part], chunks, chunk_k, cfg)
     return out.view(*x.shape[:-1], n)

@@ -1,7 +1,7 @@
 """What every collective kernel shares: the host-side ``PeerContext`` its launcher takes, and
 the device functions of the peer protocol (typed workspace pointers, the push of a tile to
 the peers, a block's flag row, the collective prologue (epoch and data region) and the
-rank-order sum over the slots).
+pairwise-tree sum over the slots).
 
 The synchronisation itself (epochs, flags, bounded waits) is ``tpfuse.kernels.sync``'s; the
 LL and Lamport words are ``tpfuse.kernels.ll``'s.
@@ -57,7 +57,7 @@ def tree_sum(parts):
     """The sum of the tuple ``parts`` (one block per rank, in rank order) over the pairwise
     tree of ``reference.tree_sum``: neighbours are added level by level, an odd one out is
     carried up to the next level. W <= 8 ranks: three levels."""
-    for level in tl.static_range(3):
+    for _ in tl.static_range(3):
         if len(parts) > 1:
             pairs = ()
             for i in tl.static_range(len(parts) // 2):

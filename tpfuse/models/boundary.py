@@ -147,7 +147,8 @@ class Boundary:
         if partial.dtype != residual.dtype and self.tpfuse_norm:
             # An invariant model's fp32 partial sums: all-reduced in fp32 over the ranks' tree,
             # rounded once, then the residual add and norm (split: the fused kernel takes one dtype).
-            return add_rms_norm(self.all_reduce(partial).to(residual.dtype), residual, weight, eps, weight_offset=offset)
+            reduced = self._all_reduce_in_workspace(partial).to(residual.dtype)
+            return add_rms_norm(reduced, residual, weight, eps, weight_offset=offset)
         if self.name == "fused" and self.world_size > 1:
             return self.comm.all_reduce_add_rms_norm(partial, residual, weight, eps, weight_offset=offset)
         reduced = self.all_reduce(partial)
@@ -155,6 +156,16 @@ class Boundary:
             return add_rms_norm(reduced, residual, weight, eps, weight_offset=offset)
         residual = reduced + residual
         return self.rms_norm(residual, weight, eps, offset), residual
+
+    def _all_reduce_in_workspace(self, x: Tensor) -> Tensor:
+        """tpfuse's all-reduce of [..., n] x in slices of rows that fit its workspace (rows are
+        summed alone, so their bits do not depend on the slice): never the backend's, whose
+        order is not the tree."""
+        if self.world_size == 1:
+            return x
+        rows = x.reshape(-1, x.shape[-1])
+        per_call = max(1, self.comm.max_bytes // (rows.shape[1] * rows.element_size()))
+        return torch.cat([self.comm.all_reduce(part) for part in rows.split(per_call)]).view(x.shape)
 
     def gather_last_dim(self, x: Tensor) -> Tensor:
         """Every rank's [..., n] side by side: [..., world * n] (x itself at one rank)."""

@@ -26,13 +26,14 @@ from __future__ import annotations
 import gc
 import logging
 import math
+import zlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpfuse.kernels.linear import invariant_matmul, layer_chunks
+from tpfuse.kernels.linear import check_chunks, invariant_matmul, layer_chunks
 from tpfuse.models.boundary import Boundary
 from tpfuse.models.config import ModelConfig
 
@@ -132,6 +133,8 @@ class TPModel(nn.Module):
 
     def set_boundary(self, name: str) -> None:
         """Switch the layer boundary (drops captured decode graphs; collective on the group)."""
+        if self.invariant:
+            _check_invariant(self.config, self.shard.world_size, name, self.dtype)
         self.boundary = Boundary(name, self.comm)
         self._drop_session()
 
@@ -177,19 +180,23 @@ class TPModel(nn.Module):
     @classmethod
     def random(cls, config: ModelConfig, comm=None, *, seed: int = 0, boundary: str = "fused",
                dtype=torch.bfloat16, device=None, invariant: bool = False) -> "TPModel":
-        """Seeded random weights (N(0, 1/fan_in) projections, norms near 1), made shard by
-        shard on the device: every rank gets the same replicated weights, and the sharded
-        ones depend on (seed, rank), so a model is reproducible for a given world size."""
+        """Seeded random weights (N(0, 1/fan_in) projections, norms near 1): each full weight
+        from (seed, its Hugging Face name) alone, then sharded as ``from_hf`` does, so every
+        world size holds the same model (what ``tpfuse verify`` compares across TP sizes).
+        Each full tensor is made on the device and dropped once its shard is copied."""
         model = cls(config, comm, boundary=boundary, dtype=dtype, device=device, invariant=invariant)
-        g = torch.Generator(device=model.device)
-        for i, (name, p) in enumerate(model.named_parameters()):
-            sharded = name.endswith(("_proj", "lm_head", "qkv_bias"))
-            g.manual_seed(seed * 1_000_003 + i * 1009 + (model.shard.rank if sharded else 0))
-            if p.dim() == 1:  # norms and biases
-                centre = 0.0 if name.endswith("qkv_bias") or config.norm_weight_offset else 1.0
-                p.copy_(centre + 0.1 * torch.randn(p.shape, generator=g, device=model.device))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g, device=model.device) / math.sqrt(p.shape[1]))
+        shapes = _hf_shapes(config)
+
+        def get(name):
+            g = torch.Generator(device=model.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            shape = shapes[name]
+            w = torch.randn(shape, generator=g, device=model.device)
+            if len(shape) == 1:  # norms and biases
+                centre = 0.0 if name.endswith("bias") or config.norm_weight_offset else 1.0
+                return (centre + 0.1 * w).to(dtype)
+            return (w / math.sqrt(shape[1])).to(dtype)
+
+        model.load_full_weights(get, get("lm_head.weight"))
         model.inv_freq.copy_(1.0 / (config.rope_theta ** (
             torch.arange(0, config.head_dim, 2, dtype=torch.float32, device=model.device) / config.head_dim)))
         return model
@@ -290,8 +297,10 @@ class TPModel(nn.Module):
         """A column-parallel projection (its whole reduction on this rank), in x's dtype."""
         if not self.invariant:
             return F.linear(x, weight, bias)
-        y = invariant_matmul(x, weight, layer_chunks(weight.shape[1]))
-        return y if bias is None else y + bias
+        if bias is None:
+            return invariant_matmul(x, weight, layer_chunks(weight.shape[1]))
+        # The bias added in fp32 and the sum rounded once, as F.linear does.
+        return (invariant_matmul(x, weight, layer_chunks(weight.shape[1]), torch.float32) + bias.float()).to(x.dtype)
 
     def _row(self, x: Tensor, weight: Tensor) -> Tensor:
         """A row-parallel projection: this rank's partial sum (invariant: fp32, G / W chunks)."""
@@ -382,14 +391,41 @@ class TPModel(nn.Module):
         return (out, torch.stack(logits, dim=1)) if return_logits else out
 
 
+def _hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The Hugging Face name and shape of every full weight ``load_full_weights`` asks for."""
+    c, d = config, config.head_dim
+    h, q, kv = c.hidden_size, c.num_heads * d, c.num_kv_heads * d
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,),
+              "lm_head.weight": (c.vocab_size, h)}
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                   p + "mlp.gate_proj.weight": (c.intermediate_size, h),
+                   p + "mlp.up_proj.weight": (c.intermediate_size, h),
+                   p + "mlp.down_proj.weight": (h, c.intermediate_size), p + "input_layernorm.weight": (h,),
+                   p + "post_attention_layernorm.weight": (h,)}
+        if c.qkv_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                       p + "self_attn.v_proj.bias": (kv,)}
+        if c.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
+    return shapes
+
+
 def _check_invariant(config: ModelConfig, world: int, boundary: str, dtype: torch.dtype) -> None:
     """ValueError unless an invariant model of ``config`` serves ``world`` ranks."""
     if boundary not in ("split", "fused"):
         raise ValueError(f"an invariant model sums over tpfuse's tree: boundary 'split' or 'fused', got {boundary!r}")
     if dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"an invariant model runs in bf16 or fp16, got {dtype}")
-    for name, k in (("o_proj", config.num_heads * config.head_dim), ("down_proj", config.intermediate_size)):
+    for name, k in (("o_proj", config.num_heads * config.head_dim), ("down_proj", config.intermediate_size),
+                    ("the column-parallel projections", config.hidden_size)):
         chunks = layer_chunks(k)
+        try:
+            check_chunks(k, chunks)
+        except ValueError as e:
+            raise ValueError(f"invariant: {name} cannot be summed by tpfuse.invariant_matmul: {e}") from None
         if chunks % world:
             raise ValueError(f"invariant: {name}'s K={k} is summed in {chunks} chunks, which do not split over "
                              f"{world} ranks (TP sizes dividing {chunks} keep the bits)")
