@@ -92,6 +92,13 @@ def test_leading_dimensions_and_empty_batches():
     assert tpfuse.invariant_matmul(x[:0], w, 8).shape == (0, 48)
 
 
+def test_custom_op_compiles_and_passes_opcheck():
+    x, w = _operands(256, 48, 5, 5)
+    f = torch.compile(lambda a: tpfuse.invariant_matmul(a, w, 8, torch.float32), fullgraph=True)
+    assert torch.equal(f(x), tpfuse.invariant_matmul(x, w, 8, torch.float32))
+    torch.library.opcheck(torch.ops.tpfuse.invariant_matmul, (x, w, 8, torch.float32))
+
+
 def test_argument_errors():
     x, w = _operands(256, 48, 2, 3)
     with pytest.raises(ValueError, match="chunks must be"):

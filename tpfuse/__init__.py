@@ -25,7 +25,7 @@ from tpfuse import reference
 from tpfuse.comm import CommError, CommTimeoutError, Communicator
 from tpfuse.fp8_ops import quant_fp8
 from tpfuse.kernels.codecs import dequantize, quantize
-from tpfuse.kernels.linear import invariant_matmul
+from tpfuse.linear_ops import invariant_matmul
 from tpfuse.nn import RMSNorm
 from tpfuse.norm_ops import add_rms_norm, rms_norm
 

@@ -95,7 +95,7 @@ def _chunk_partials(X, Wt, rows0, cols, M, N, K, k0, CHUNK_K: tl.constexpr, BLOC
     block is loaded once per step and used by every row block, each its own 16-row dot."""
     BLOCK_M: tl.constexpr = rows0.shape[0]
     accs = ()
-    for rb in tl.static_range(ROW_BLOCKS):
+    for _ in tl.static_range(ROW_BLOCKS):
         accs = accs + (tl.zeros([BLOCK_M, cols.shape[0]], tl.float32),)
     ks = tl.arange(0, BLOCK_K)
     for k in range(0, CHUNK_K, BLOCK_K):
@@ -162,44 +162,14 @@ def _launch(x2: torch.Tensor, w: torch.Tensor, out: torch.Tensor, chunks: int, c
                                   ROW_BLOCKS=row_blocks, num_warps=cfg.num_warps, **EXACT_FP)
 
 
-def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, chunks: int, out_dtype: torch.dtype | None = None
-                     ) -> torch.Tensor:
-    """``x @ weight.T`` with a reduction order fixed by K and ``chunks`` alone.
-
-    Args:
-        x: [..., K] bf16 or fp16, contiguous in its last dimension.
-        weight: [N, K], x's dtype, contiguous (``nn.Linear``'s layout).
-        chunks: 1, 2, 4 or 8 equal chunks of K, each of 16, 32, 64 or a multiple of 128
-            elements, summed over the pairwise tree; a TP=t shard of a layer of G chunks
-            passes G / t (``layer_chunks`` gives G).
-        out_dtype: x's dtype (the default) or torch.float32, which keeps a row-parallel
-            layer's partial sum unrounded for the all-reduce.
-
-    Returns a new [..., N] tensor. Row i's bits do not depend on the other rows or their
-    number, nor on N; they are not torch.matmul's (``tpfuse.reference.matmul`` holds them to
-    a relative error budget). Rows go through in slices whose fp32 partials take at most
-    PARTIAL_BYTES (a row's bits do not depend on its slice).
-    """
-    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
-        raise TypeError(f"invariant_matmul takes bf16 or fp16 x and weight of the same dtype, got {x.dtype} and "
-                        f"{weight.dtype}")
-    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"x [..., K] and weight [N, K] do not match: {tuple(x.shape)} and {tuple(weight.shape)}")
-    if x.device != weight.device:
-        raise ValueError(f"x and weight are on different devices: {x.device} and {weight.device}")
-    if out_dtype not in (None, x.dtype, torch.float32):
-        raise TypeError(f"out_dtype must be x's dtype or torch.float32, got {out_dtype}")
-    n, k = weight.shape
+def invariant_matmul_into(x2: torch.Tensor, w: torch.Tensor, out: torch.Tensor, chunks: int) -> None:
+    """x2 [m, K] @ w.T into out [m, N] (all contiguous; arguments checked by the caller,
+    ``tpfuse.linear_ops``), rows in slices whose fp32 partials take at most PARTIAL_BYTES (a
+    row's bits do not depend on its slice)."""
+    (m, k), n = x2.shape, w.shape[0]
     chunk_k = check_chunks(k, chunks)
-    x2 = x.reshape(-1, k).contiguous()
-    w = weight.contiguous()
-    m = x2.shape[0]
-    out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
-    if m == 0:
-        return out.view(*x.shape[:-1], n)
     cfg = LinearConfig.for_chunk(chunk_k)
-    rows = max(BLOCK_M, PARTIAL_BYTES // (4 * chunks * n) // BLOCK_M * BLOCK_M) if chunks > 1 else m
+    rows = max(BLOCK_M, PARTIAL_BYTES // (4 * chunks * n) // BLOCK_M * BLOCK_M) if chunks > 1 else max(m, 1)
     for start in range(0, m, rows):
         part = slice(start, min(m, start + rows))
         _launch(x2[part], w, out[part], chunks, chunk_k, cfg)
-    return out.view(*x.shape[:-1], n)

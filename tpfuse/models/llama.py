@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpfuse.kernels.linear import check_chunks, invariant_matmul, layer_chunks
+from tpfuse.kernels.linear import check_chunks, layer_chunks
+from tpfuse.linear_ops import invariant_matmul
 from tpfuse.models.boundary import Boundary
 from tpfuse.models.config import ModelConfig
 

@@ -1,0 +1,71 @@
+"""``tpfuse.invariant_matmul``: a matmul whose bits depend on K alone, as a custom op.
+
+Kernel and launcher: ``tpfuse.kernels.linear``; contract: ``tpfuse.reference.matmul`` (closeness)
+and docs/design.md 1.2 (the invariances, tested kernel against kernel).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from tpfuse.kernels.linear import check_chunks, invariant_matmul_into
+
+Tensor = torch.Tensor
+
+
+def _check_args(x: Tensor, weight: Tensor, chunks: int, out_dtype: Optional[torch.dtype]) -> None:
+    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
+        raise TypeError(f"invariant_matmul takes bf16 or fp16 x and weight of the same dtype, got {x.dtype} and "
+                        f"{weight.dtype}")
+    if weight.dim() != 2 or x.dim() == 0 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"x [..., K] and weight [N, K] do not match: {tuple(x.shape)} and {tuple(weight.shape)}")
+    if x.device != weight.device:
+        raise ValueError(f"x and weight are on different devices: {x.device} and {weight.device}")
+    if out_dtype not in (None, x.dtype, torch.float32):
+        raise TypeError(f"out_dtype must be x's dtype or torch.float32, got {out_dtype}")
+    check_chunks(weight.shape[1], chunks)
+
+
+def _empty_out(x: Tensor, weight: Tensor, out_dtype: Optional[torch.dtype]) -> Tensor:
+    return torch.empty(*x.shape[:-1], weight.shape[0], dtype=out_dtype or x.dtype, device=x.device)
+
+
+@torch.library.custom_op("tpfuse::invariant_matmul", mutates_args=())
+def _invariant_matmul_op(x: Tensor, weight: Tensor, chunks: int, out_dtype: Optional[torch.dtype]) -> Tensor:
+    _check_args(x, weight, chunks, out_dtype)  # for callers of torch.ops.tpfuse.invariant_matmul too
+    out = _empty_out(x, weight, out_dtype)
+    if out.numel():
+        k = weight.shape[1]
+        invariant_matmul_into(x.reshape(-1, k).contiguous(), weight.contiguous(), out.view(-1, weight.shape[0]),
+                              chunks)
+    return out
+
+
+@_invariant_matmul_op.register_fake
+def _(x, weight, chunks, out_dtype):
+    _check_args(x, weight, chunks, out_dtype)
+    return _empty_out(x, weight, out_dtype)
+
+
+def invariant_matmul(x: Tensor, weight: Tensor, chunks: int, out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    """``x @ weight.T`` with a reduction order fixed by K and ``chunks`` alone.
+
+    Args:
+        x: [..., K] bf16 or fp16 (any layout: a non-contiguous x is copied).
+        weight: [N, K], x's dtype (``nn.Linear``'s layout).
+        chunks: 1, 2, 4 or 8 equal chunks of K, each of 16, 32, 64 or a multiple of 128
+            elements, summed over the pairwise tree; a TP=t shard of a layer of G chunks
+            passes G / t (``tpfuse.kernels.linear.layer_chunks`` gives G).
+        out_dtype: x's dtype (the default) or torch.float32, which keeps a row-parallel
+            layer's partial sum unrounded for the all-reduce.
+
+    Returns a new [..., N] tensor. Row i's bits do not depend on the other rows or their
+    number, nor on N (on one GPU architecture and Triton version); they are not
+    torch.matmul's (``tpfuse.reference.matmul`` holds them to a relative error budget). A
+    custom op (``torch.ops.tpfuse.invariant_matmul``) with a fake: ``torch.compile`` traces
+    it and CUDA graphs capture it.
+    """
+    _check_args(x, weight, chunks, out_dtype)
+    return torch.ops.tpfuse.invariant_matmul(x, weight, chunks, out_dtype)
