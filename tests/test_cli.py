@@ -98,7 +98,7 @@ def test_verify_shows_the_invariant_model_equal_across_tp_sizes():
     """``tpfuse verify`` as a user runs it: its table and verdict (the plain model's prefill
     at TP=2 differs, which the table says too)."""
     proc = subprocess.run([sys.executable, "-m", "tpfuse.cli", "verify", "--tp", "1", "2", "--batch", "2", "--prompt",
-                           "4", "--steps", "1"], capture_output=True, text=True, timeout=600)
+                           "3", "--steps", "1"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in proc.stdout.splitlines() if line.startswith("| 2 |")]
     assert len(rows) == 1, proc.stdout
