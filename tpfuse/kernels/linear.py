@@ -63,28 +63,27 @@ def row_blocks_per_cta(m: int) -> int:
     return min(4, triton.next_power_of_2(triton.cdiv(m, BLOCK_M)))
 
 
+def _served(k: int, chunks: int) -> bool:
+    """Whether K cuts into ``chunks`` chunks of 16, 32, 64 or a multiple of 128 elements."""
+    chunk_k = k // chunks
+    return k % chunks == 0 and (chunk_k in (16, 32, 64) or chunk_k % 128 == 0)
+
+
 def layer_chunks(k: int) -> int:
-    """G, the chunks of a layer whose whole reduction is K long: the most of 8, 4, 2 and 1 that
-    ``check_chunks`` serves (8 for every Llama-3 layer). A TP=t shard of a row-parallel layer
-    passes G / t."""
-    for chunks in (8, 4, 2):
-        try:
-            check_chunks(k, chunks)
-            return chunks
-        except ValueError:
-            pass
-    return 1
+    """G, the chunks of a layer whose whole reduction is K long: the most of 8, 4 and 2 that
+    ``check_chunks`` serves (8 for every Llama-3 layer), else 1. A TP=t shard of a
+    row-parallel layer passes G / t."""
+    return next((chunks for chunks in (8, 4, 2) if _served(k, chunks)), 1)
 
 
 def check_chunks(k: int, chunks: int) -> int:
     """The chunk length of ``chunks`` chunks of K, or ValueError where the split is not served."""
     if chunks not in (1, 2, 4, 8):
         raise ValueError(f"chunks must be 1, 2, 4 or 8 (a power of two of at most {MAX_CHUNKS}), got {chunks}")
-    chunk_k = k // chunks
-    if k % chunks or not (chunk_k in (16, 32, 64) or chunk_k % 128 == 0):
+    if not _served(k, chunks):
         raise ValueError(f"K={k} does not split into {chunks} chunks of 16, 32, 64 or a multiple of 128 elements "
                          "(each chunk is summed in steps of 128, or in one power-of-two step)")
-    return chunk_k
+    return k // chunks
 
 
 @triton.jit
@@ -115,6 +114,12 @@ def _chunk_partials(X, Wt, rows0, cols, M, N, K, k0, CHUNK_K: tl.constexpr, BLOC
     return accs
 
 
+@triton.jit
+def _tile(rows, cols, M, N):
+    """Offsets and mask of the rows x cols tile of an [M, N] row-major output."""
+    return rows.to(tl.int64)[:, None] * N + cols[None, :], (rows < M)[:, None] & (cols < N)[None, :]
+
+
 @triton.jit(do_not_specialize=["M"])  # M == 1 compiles as any other M
 def invariant_matmul_kernel(X, Wt, OUT, PARTIAL, COUNTS, M, N, K,
                             CHUNKS: tl.constexpr, CHUNK_K: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -129,9 +134,7 @@ def invariant_matmul_kernel(X, Wt, OUT, PARTIAL, COUNTS, M, N, K,
     size = M.to(tl.int64) * N
     accs = _chunk_partials(X, Wt, rows0, cols, M, N, K, chunk * CHUNK_K, CHUNK_K, BLOCK_K, ROW_BLOCKS)
     for rb in tl.static_range(ROW_BLOCKS):
-        rows = rows0 + rb * BLOCK_M
-        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-        mask = (rows < M)[:, None] & (cols < N)[None, :]
+        offs, mask = _tile(rows0 + rb * BLOCK_M, cols, M, N)
         if CHUNKS == 1:
             tl.store(OUT + offs, round_to(accs[rb], OUT.dtype.element_ty), mask=mask)
         else:
@@ -141,9 +144,7 @@ def invariant_matmul_kernel(X, Wt, OUT, PARTIAL, COUNTS, M, N, K,
         counter = COUNTS + pid_m * tl.num_programs(1) + pid_n
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == CHUNKS - 1:
             for rb in tl.static_range(ROW_BLOCKS):
-                rows = rows0 + rb * BLOCK_M
-                offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-                mask = (rows < M)[:, None] & (cols < N)[None, :]
+                offs, mask = _tile(rows0 + rb * BLOCK_M, cols, M, N)
                 parts = ()
                 for c in tl.static_range(CHUNKS):
                     parts = parts + (tl.load(PARTIAL + c * size + offs, mask=mask, other=0.0, cache_modifier=".cg"),)
