@@ -1,6 +1,6 @@
 """Run a test function on W ranks: one process per rank, a process group over 127.0.0.1; and
 what the rank functions of the suites share (``table_knobs``, ``missing_peer``,
-``capture_graph``, ``no_failures``).
+``mismatched_calls``, ``capture_graph``, ``no_failures``).
 
 ``run_ranks(world_size, fn, *args)`` calls ``fn(*args)`` in every rank's process and returns
 the W results (index = rank). A rank that raises makes it raise AssertionError with that
@@ -170,8 +170,9 @@ def _one_call(comm, op: str, numel: int, algo: str):
 def missing_peer(op: str = "all_reduce", numel: int = 1000, algo: str = "auto") -> list[str]:
     """In a rank: the last rank never calls ``op`` (``_one_call``); every other rank must get
     ``CommTimeoutError`` naming itself, the last rank and the operation (under the interpreter
-    from the call, on GPUs from ``check()``) within 10 s of a 2 s timeout, and every later call
-    must raise it too."""
+    from the call, on GPUs from ``check()``), and every later call must raise it too. On GPUs
+    within 1.2x the 2 s timeout (issue 38); under the interpreter, whose ranks share two cores
+    with other tests' in CI, within 10 s. Each rank prints how long it took (``pytest -s``)."""
     import time
 
     import torch.distributed as dist
@@ -180,6 +181,7 @@ def missing_peer(op: str = "all_reduce", numel: int = 1000, algo: str = "auto") 
 
     rank, world, failures = dist.get_rank(), dist.get_world_size(), []
     comm = Communicator(timeout_s=2.0)
+    _one_call(comm, op, numel, algo)  # compiled before the clock starts (Triton took 4 s of 6.5 on a GPU)
     dist.barrier()  # the live ranks enter the call together: the only late one is the last
     if rank != world - 1:
         start = time.monotonic()
@@ -191,8 +193,10 @@ def missing_peer(op: str = "all_reduce", numel: int = 1000, algo: str = "auto") 
             word = "quantized" if op == "quantized" else "all_reduce"
             if (e.rank, e.peer) != (rank, world - 1) or f"rank {world - 1}" not in str(e) or word not in e.op:
                 failures.append(f"unexpected error contents: rank={e.rank} peer={e.peer} op={e.op!r}: {e}")
-        if time.monotonic() - start > 10:
-            failures.append(f"the timeout of 2 s took {time.monotonic() - start:.1f} s")
+        seconds, bound = time.monotonic() - start, 2.4 if dist.get_backend() == "nccl" else 10
+        print(f"rank {rank}: {op} {numel} {algo}: CommTimeoutError after {seconds:.2f} s of a 2 s timeout")
+        if seconds > bound:
+            failures.append(f"the timeout of 2 s took {seconds:.1f} s (more than {bound} s)")
         try:
             _one_call(comm, "all_reduce", 100, "auto")
             failures.append("a failed communicator accepted another call")
@@ -218,3 +222,85 @@ def capture_graph(run):
     with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
         outs = run()
     return graph, outs
+
+
+MISMATCHES = {
+    # name: (rank 0's call, every other rank's call), each (op, numel, dtype name, algo or codec, eps)
+    "bytes alike, dtypes not": (("all_reduce", 512, "float32", "auto"), ("all_reduce", 1024, "bfloat16", "auto")),
+    "counts alike, dtypes not": (("all_reduce", 1000, "float32", "auto"), ("all_reduce", 1000, "bfloat16", "auto")),
+    "1000 against 500": (("all_reduce", 1000, "float32", "auto"), ("all_reduce", 500, "float32", "auto")),
+    "4096 against 4000": (("all_reduce", 4096, "bfloat16", "auto"), ("all_reduce", 4000, "bfloat16", "auto")),
+    "int8 against int4": (("quantized", 1 << 15, "float32", "int8"), ("quantized", 1 << 15, "float32", "int4")),
+    "nccl against a peer kernel": (("all_reduce", 1000, "float32", "nccl"), ("all_reduce", 1000, "float32", "auto")),
+    "one-shot against two-shot": (("all_reduce", 4096, "float32", "oneshot"),
+                                  ("all_reduce", 4096, "float32", "twoshot")),
+    "fused rows differ": (("fused", 64 * 32, "float32", "auto"), ("fused", 128 * 32, "float32", "auto")),
+    "fused eps differs": (("fused", 64 * 32, "float32", "auto", 1e-6), ("fused", 64 * 32, "float32", "auto", 1e-5)),
+}
+
+
+def _described_call(comm, op: str, numel: int, dtype: str, how: str, eps: float = 1e-6):
+    """A call of MISMATCHES: an all-reduce (how: the algo), a quantized one (how: the codec),
+    or a fused one over rows of 32 (how: the algo); its output."""
+    import torch
+
+    x = torch.randn(numel, device=comm.device).to(getattr(torch, dtype))
+    if op == "fused":
+        rows = x.view(-1, 32)
+        return comm.all_reduce_add_rms_norm(rows, torch.ones_like(rows), None, eps, algo=how)[0]
+    if op == "quantized":
+        return comm.all_reduce(x, quant=how, quant_min_bytes=0)
+    return comm.all_reduce(x, algo=how)
+
+
+def mismatched_calls(names: list[str], timeout_s: float = 30.0) -> list[str]:
+    """In a rank: for each case of MISMATCHES, a fresh Communicator and one good call, then rank
+    0 makes one call and the other ranks another. Every rank must raise ``CallMismatchError``
+    (under the interpreter from the call, on GPUs from the call or ``check()``) naming both
+    calls, in well under ``timeout_s`` (the rank that finds the mismatch stops the peers'
+    waiting kernels); an output returned must be all NaN; and the next call must raise too.
+    Then calls that differ only in how they were asked for (algo "auto" on one rank, the
+    algorithm "auto" picks on the other) must agree and sum correctly."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from tpfuse.comm import CallMismatchError, Communicator
+    from tpfuse.comm.plan import AllReducePlan
+
+    rank, world, failures = dist.get_rank(), dist.get_world_size(), []
+    for name in names:
+        call = MISMATCHES[name][0 if rank == 0 else 1]
+        comm = Communicator(timeout_s=timeout_s)
+        comm.all_reduce(torch.ones(8, device=comm.device))
+        dist.barrier()
+        start, out = time.monotonic(), None
+        try:
+            out = _described_call(comm, *call)
+            comm.check()
+            failures.append(f"{name}: no error")
+        except CallMismatchError as e:
+            # rank 0 and one other rank, each with its own description, in the message
+            if (e.rank != rank or 0 not in e.ranks or e.ranks[0] == e.ranks[1] or e.texts[0] == e.texts[1]
+                    or not all(t in str(e) for t in e.texts) or f"call {e.call}" not in str(e)):
+                failures.append(f"{name}: unexpected error contents: {e}")
+        if out is not None and not torch.isnan(out.float()).all():
+            failures.append(f"{name}: the mismatched call returned {int((~torch.isnan(out.float())).sum())} numbers")
+        if time.monotonic() - start > timeout_s / 2:
+            failures.append(f"{name}: the error took {time.monotonic() - start:.1f} s of a {timeout_s} s timeout")
+        try:
+            comm.all_reduce(torch.ones(8, device=comm.device))
+            failures.append(f"{name}: a failed communicator accepted another call")
+        except CallMismatchError:
+            pass
+        comm.close()
+        dist.barrier()
+    with Communicator(timeout_s=timeout_s) as comm:
+        picked = AllReducePlan.from_numel(1000, torch.float32, comm.layout, comm.knobs, "auto").algo
+        out = comm.all_reduce(torch.full((1000,), float(rank + 1), device=comm.device),
+                              algo="auto" if rank == 0 else picked)
+        if not torch.equal(out, torch.full_like(out, world * (world + 1) / 2)):
+            failures.append(f"'auto' against {picked!r}: wrong sum")
+    dist.barrier()
+    return failures

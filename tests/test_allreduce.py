@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from tests.conftest import DEVICE
-from tests.multiproc import missing_peer, no_failures, run_ranks, table_knobs
+from tests.multiproc import MISMATCHES, mismatched_calls, missing_peer, no_failures, run_ranks, table_knobs
 from tests.tally import ll_regions_not_zeroed
 from tpfuse import reference
 from tpfuse.comm import Communicator, Launch, default_knobs
@@ -618,6 +618,10 @@ def test_late_rank_is_waited_for(world):
                                                 (2, "twoshot", 100), (4, "auto", 100)])
 def test_missing_peer_ends_in_timeout_error_not_a_hang(world, algo, numel):
     no_failures(run_ranks(world, missing_peer, "all_reduce", numel, algo, timeout_s=60))
+
+
+def test_ranks_that_disagree_on_a_call_all_raise_and_return_no_numbers():
+    no_failures(run_ranks(2, mismatched_calls, list(MISMATCHES), timeout_s=300))
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.multiproc import capture_graph, missing_peer, no_failures, run_ranks, table_knobs
+from tests.multiproc import (MISMATCHES, capture_graph, mismatched_calls, missing_peer, no_failures, run_ranks,
+                             table_knobs)
 from tests.tally import PoolChecker, ll_regions_not_zeroed
 from tests.test_allreduce import _special_values
 
@@ -238,8 +239,14 @@ def test_gpu_backend_fallback():
     no_failures(run_ranks(NGPU, _fallback, backend="nccl", timeout_s=300))
 
 
-def test_gpu_missing_peer_ends_in_timeout_error():
-    no_failures(run_ranks(NGPU, missing_peer, "all_reduce", 1000, backend="nccl", timeout_s=300))
+@pytest.mark.parametrize("op, numel, algo", [("all_reduce", 1000, "auto"), ("all_reduce", 1 << 20, "oneshot"),
+                                            ("all_reduce", 1 << 20, "twoshot"), ("fused", 1 << 14, "auto")])
+def test_gpu_missing_peer_ends_in_timeout_error(op, numel, algo):
+    no_failures(run_ranks(NGPU, missing_peer, op, numel, algo, backend="nccl", timeout_s=300))
+
+
+def test_gpu_ranks_that_disagree_on_a_call_all_raise_and_return_no_numbers():
+    no_failures(run_ranks(NGPU, mismatched_calls, list(MISMATCHES), backend="nccl", timeout_s=300))
 
 
 def test_gpu_calls_from_several_streams():

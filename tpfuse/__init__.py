@@ -22,13 +22,14 @@ Without CUDA, the kernels run on CPU tensors under Triton's interpreter (set up 
 
 from tpfuse import _runtime  # noqa: F401  (first: selects Triton's interpreter when CUDA is absent)
 from tpfuse import reference
-from tpfuse.comm import CommError, CommTimeoutError, Communicator
+from tpfuse.comm import CallMismatchError, CommError, CommTimeoutError, Communicator
 from tpfuse.fp8_ops import quant_fp8
 from tpfuse.kernels.codecs import dequantize, quantize
 from tpfuse.linear_ops import invariant_matmul
 from tpfuse.nn import RMSNorm
 from tpfuse.norm_ops import add_rms_norm, rms_norm
 
-__all__ = ["rms_norm", "add_rms_norm", "RMSNorm", "Communicator", "CommError", "CommTimeoutError", "reference",
+__all__ = ["rms_norm", "add_rms_norm", "RMSNorm", "Communicator", "CommError", "CommTimeoutError",
+           "CallMismatchError", "reference",
            "quantize", "dequantize", "quant_fp8", "invariant_matmul"]
 __version__ = "0.1.0"

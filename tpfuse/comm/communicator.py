@@ -4,7 +4,9 @@ group's backend as fallback."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
+import functools
 import inspect
 import json
 import logging
@@ -18,10 +20,11 @@ from tpfuse import _runtime
 from tpfuse.comm import collective_ops
 from tpfuse.comm import tables
 from tpfuse.comm.knobs import Knobs
+from tpfuse.comm.ledger import CallLedger, CallMismatch, PeersLate
 from tpfuse.comm.peer_memory import PeerMemory, PeerMemoryUnavailable
 from tpfuse.comm.plan import AllReducePlan, FusedPlan, check_algo, check_fused_algo, workspace_layout
 from tpfuse.comm.quant_plan import QuantPlan, check_quant
-from tpfuse.comm.workspace import WorkspaceLayout
+from tpfuse.comm.workspace import CTRL_ABORT, WorkspaceLayout
 from tpfuse.kernels.allreduce import OP_NAMES, all_reduce_into
 from tpfuse.kernels.fused import all_reduce_norm_into
 from tpfuse.kernels.quant_allreduce import quant_all_reduce_into
@@ -58,6 +61,25 @@ class CommTimeoutError(CommError):
                          "the peer crashed, is stuck, or the ranks' call sequences differ. "
                          "This communicator cannot be used any more")
         self.op, self.rank, self.peer, self.epoch = op, rank, peer, epoch
+
+
+class CallMismatchError(CommError):
+    """Two ranks made different calls at the same point of their call sequences (another
+    dtype, element count, algorithm, codec or norm argument): raised on every rank, the
+    mismatched call returns no numbers (where a rank's kernel was already waiting for it, its
+    output is NaN), and the communicator is unusable afterwards.
+
+    Attributes: rank (this rank), call (the call's number on the host, from 1), ranks (the two
+    ranks whose calls differ), texts (their descriptions).
+    """
+
+    def __init__(self, rank: int, found: CallMismatch):
+        super().__init__(f"the ranks disagree on call {found.call}: rank {found.finder} made it as "
+                         f"{found.finder_text!r}, rank {found.peer} as {found.peer_text!r} (raised on rank {rank}). "
+                         "Every rank must make the same calls in the same order, with the same shapes, dtypes, "
+                         "algorithms and arguments. This communicator cannot be used any more")
+        self.rank, self.call = rank, found.call
+        self.ranks, self.texts = (found.finder, found.peer), (found.finder_text, found.peer_text)
 
 
 class Communicator:
@@ -106,6 +128,17 @@ class Communicator:
     advanced by the kernels. Run each (dtype, algorithm) once eagerly before capturing, so
     that Triton compiles outside the capture.
 
+    Ranks that disagree on a call: before launching a call, each rank writes down what it is
+    (operation, dtype, element count, plan, codec, norm arguments) in a ledger in host memory
+    shared by the group's ranks, and compares it with its peers' (``tpfuse.comm.ledger``; a
+    group spanning nodes has none). A difference raises ``CallMismatchError`` on the rank
+    that finds it, before it launches anything; the other ranks raise it at their next call
+    or ``check()``, and a kernel of theirs already waiting for the missing call stops at once
+    and writes NaN into its output. Before a call of the group's backend (``algo="nccl"``,
+    fallbacks), a rank waits until every peer has posted the same call, at most ``timeout_s``:
+    no rank enters NCCL while another launches a peer kernel. CUDA graph replays run no host
+    code and are not compared; the captures were.
+
     Errors in the kernels: a wait for a peer that does not arrive within ``timeout_s`` ends
     the kernel and records the rank, the peer and the operation. Under the interpreter the
     call raises ``CommTimeoutError`` itself. On GPUs the kernel cannot raise: the record is
@@ -140,6 +173,7 @@ class Communicator:
         self.layout: WorkspaceLayout | None = None
         self._peer: PeerMemory | None = None
         self._failure: Exception | None = None
+        self._ledger: CallLedger | None = None
         self._closed = False
         self._logged: set[str] = set()
         self._on_close: list = []
@@ -170,8 +204,12 @@ class Communicator:
             raise ValueError("every rank must have the same knobs (the same tables in tpfuse/comm/tables, or "
                              f"TPFUSE_TABLE_DIR on every rank alike, or the same knobs=); the ranks': "
                              f"{[k for _, _, k in peers]}")
-        if len({h for h, _, _ in peers}) > 1:
-            self.fallback_reason = f"the group spans nodes {sorted({h for h, _, _ in peers})}"
+        hosts = sorted({h for h, _, _ in peers})
+        if len(hosts) == 1:  # the ledger is host memory of the node
+            self._ledger = CallLedger(self.group, self.rank, self.world_size, self.timeout_s)
+            weakref.finalize(self, self._ledger.close)
+        if len(hosts) > 1:
+            self.fallback_reason = f"the group spans nodes {hosts}"
         elif self.world_size > MAX_WORLD_SIZE:
             self.fallback_reason = f"world size {self.world_size} > {MAX_WORLD_SIZE}"
         else:
@@ -278,9 +316,13 @@ class Communicator:
 
     def _reduce(self, x: torch.Tensor, algo: str) -> torch.Tensor:
         """The all-reduce of checked arguments."""
-        if x.numel() == 0 or self.world_size == 1:
+        if self.world_size == 1:
+            return x.clone(memory_format=torch.contiguous_format)
+        if x.numel() == 0:
+            self._post(f"all_reduce of 0 {_name(x.dtype)}")
             return x.clone(memory_format=torch.contiguous_format)
         plan = AllReducePlan.from_numel(x.numel(), x.dtype, self.layout, self.knobs, algo)
+        self._post(f"all_reduce of {x.numel()} {_name(x.dtype)}: {_plan_text(plan)}", agree=plan.algo == "nccl")
         if plan.algo == "nccl":
             # A silent loss of the bitwise contract would surprise: warn unless it was asked for.
             level = logging.INFO if algo == "nccl" else logging.WARNING
@@ -301,7 +343,10 @@ class Communicator:
         quant_min_bytes=min_bytes)``."""
         self._check_input(x)
         check_quant(codec, min_bytes)
-        if x.numel() == 0 or self.world_size == 1:
+        if self.world_size == 1:
+            return x.clone(memory_format=torch.contiguous_format)
+        self._post(f"quantized all_reduce of {x.numel()} {_name(x.dtype)}: codec {codec}, min_bytes {min_bytes}")
+        if x.numel() == 0:
             return x.clone(memory_format=torch.contiguous_format)
         out = self._quantized_segments(x, codec, min_bytes)
         return self._reduce(x, "auto") if out is None else out
@@ -391,6 +436,11 @@ class Communicator:
         n = x.shape[-1]
         plan = (FusedPlan("split", reason="one rank") if self.world_size == 1 or x.numel() == 0 else
                 FusedPlan.from_shape(x.numel() // n, n, x.dtype, self.layout, self.knobs, algo))
+        if self.world_size > 1:
+            self._post(f"all_reduce{'_add' if residual is not None else ''}_rms_norm of {x.numel() // n} x {n} "
+                       f"{_name(x.dtype)}, weight {None if weight is None else _name(weight.dtype)}, eps {eps!r}, "
+                       f"weight_offset "
+                       f"{weight_offset!r}: {_plan_text(plan)}")
         x2 = _runtime.aligned_contiguous(x.reshape(-1, n))
         res2 = None if residual is None else _runtime.aligned_contiguous(residual.reshape(-1, n))
         w = None if weight is None else _runtime.aligned_contiguous(weight)
@@ -497,6 +547,8 @@ class Communicator:
             except Exception as e:  # the close goes on; the first error is raised at its end
                 error = error or e
         collective_ops.unregister(self.group_name)
+        if self._ledger is not None:
+            self._ledger.close()
         if self._peer is not None:
             self._release()
             self._peer = None
@@ -518,8 +570,38 @@ class Communicator:
         if self._closed:
             raise RuntimeError("this Communicator is closed")
 
+    def _post(self, text: str, agree: bool = False) -> None:
+        """Write this rank's next call, described by ``text``, into the call ledger and compare
+        it with the peers' (``tpfuse.comm.ledger``); with ``agree``, wait for every peer to have
+        posted it (before a collective of the group's backend). A mismatch fails the
+        communicator here and raises ``CallMismatchError``; peers that do not post within
+        ``timeout_s`` raise ``CommTimeoutError``."""
+        if self._ledger is None:
+            return
+        try:
+            if agree:
+                self._ledger.agree(text)
+            else:
+                self._ledger.post(text)
+        except CallMismatch as found:
+            self._fail(CallMismatchError(self.rank, found))
+        except PeersLate as late:
+            self._fail(CommTimeoutError(f"{text} (the ledger's wait before the call)", self.rank, late.late[0],
+                                        late.call, self.timeout_s))
+
+    def _fail(self, error: CommError) -> None:
+        """Make ``error`` this communicator's failure, stop every rank's kernels that still wait
+        (the abort word of every workspace: their waits give up at their next look, and write
+        NaN), and raise it."""
+        self._failure = error
+        if self._peer is not None:
+            self._peer.store_word_everywhere(self.layout.ctrl_offset + 8 * CTRL_ABORT, 1)
+        raise error
+
     def _check_usable(self) -> None:
         self._check_open()
+        if self._failure is None and self._ledger is not None and (found := self._ledger.failure()) is not None:
+            self._fail(CallMismatchError(self.rank, found))
         if self._failure is None and self._peer is not None:
             record = decode_status(self._status_view)
             if record is not None:
@@ -568,6 +650,19 @@ def _release_peer(peer: PeerMemory, device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     peer.close()
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan_text(plan) -> str:
+    """A plan's fields that differ from their defaults, for the call ledger (the reason a
+    plan was chosen, and the norm layout derived from the row length, left out). Cached: the
+    text took 6 us a call, a hash of the frozen plan 0.4."""
+    return " ".join(f"{f.name}={getattr(plan, f.name)}" for f in dataclasses.fields(plan)
+                    if f.name not in ("reason", "norm") and getattr(plan, f.name) != f.default)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _check_no_grad(*tensors) -> None:

@@ -123,6 +123,19 @@ class PeerMemory:
         """This rank's buffer as a uint8 tensor."""
         return self._tensors[0] if self._handle is not None else self._tensors[self.rank]
 
+    def store_word_everywhere(self, offset: int, value: int) -> None:
+        """Store the int64 ``value`` at byte ``offset`` of every rank's buffer, this one's
+        included. On CPU at once, into the mapped files; on CUDA by a fill on a stream of its
+        own, not waited for: this rank's own stream may hold a kernel that waits for exactly
+        this store. Not during a CUDA graph capture (nothing runs then; the store is skipped)."""
+        if self._handle is None:
+            for t in self._tensors:
+                t[offset:offset + 8].view(torch.int64).fill_(value)
+        elif not torch.cuda.is_current_stream_capturing():
+            with torch.cuda.stream(torch.cuda.Stream(self.device)):
+                for r in range(self.world_size):
+                    self._handle.get_buffer(r, (1,), torch.int64, offset // 8).fill_(value)
+
     def close(self) -> None:
         self._tensors = []
         self._handle = None

@@ -41,8 +41,8 @@ import triton.language as tl
 
 from tpfuse.kernels.common import EXACT_FP, round_to, to_f32
 from tpfuse.kernels.ll import lamport_pack, lamport_word, ll_flag, ll_pack, ll_reduce
-from tpfuse.kernels.peer import (PeerContext, begin_collective, flag_row, push_to_peers, sum_in_tree_order,
-                                 typed_ptr)
+from tpfuse.kernels.peer import (PeerContext, begin_collective, flag_row, poison, push_to_peers,
+                                 sum_in_tree_order, typed_ptr)
 from tpfuse.kernels.sync import end_call, signal, wait
 
 # Operation codes of the status record (``sync.wait``), named for error messages.
@@ -79,6 +79,8 @@ def oneshot_all_reduce_kernel(x_ptr, out_ptr, numel, table_ptr, local, status_ad
             own = to_f32(tl.load(x_ptr + offs, mask=mask))
             acc = sum_in_tree_order(slot0, slot_elems, offs, mask, W, own, rank)
             tl.store(out_ptr + offs, round_to(acc, ELEM), mask=mask)
+    else:
+        poison(out_ptr, numel)
     end_call(ctrl, epoch)
 
 
@@ -166,6 +168,8 @@ def twoshot_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, st
                         src = typed_ptr(local, data + gather_offset, ELEM) + c * slot_elems
                     vals = tl.load(src + offs, mask=mask, cache_modifier=".cg")
                     tl.store(out_ptr + c * chunk + offs, vals, mask=mask)
+    else:  # either wait failed (the first one's failure fails this one: the abort word)
+        poison(out_ptr, numel)
     end_call(ctrl, epoch)
 
 

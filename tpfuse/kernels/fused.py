@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.peer import (PeerContext, begin_collective, flag_row, push_to_peers, sum_in_tree_order,
+from tpfuse.kernels.peer import (PeerContext, begin_collective, flag_row, poison, push_to_peers, sum_in_tree_order,
                                  typed_ptr)
 from tpfuse.kernels.common import EXACT_FP, prefetch_l2, round_to, to_f32
 from tpfuse.kernels.ll import lamport_pack, lamport_word, ll_flag, ll_pack, ll_reduce, ll_wait
@@ -121,6 +121,9 @@ def oneshot_all_reduce_norm_kernel(
             rows = tile * ROWS + tl.arange(0, ROWS)
             norm_tile(slot0, rows.to(tl.int64) * N, slot_elems, RES, W, Y, RES_OUT, rows, rows < n_rows, N, eps,
                       weight_offset, has_residual, True, BLOCK_N, TAIL_N, NUM_CHUNKS, HAS_WEIGHT, WORLD)
+    else:
+        poison(Y, n_rows * N)
+        poison(RES_OUT, n_rows * N)
     end_call(ctrl, epoch)
 
 
@@ -332,6 +335,9 @@ def twoshot_all_reduce_norm_kernel(
                 norm_tile(gather0 + g * slot_elems, local_rows.to(tl.int64) * N, 0, RES, W, Y, RES_OUT, rows,
                           (local_rows < rows_per_group) & (rows < n_rows), N, eps, weight_offset, has_residual, True,
                           BLOCK_N, TAIL_N, NUM_CHUNKS, HAS_WEIGHT, 1)
+    else:  # either wait failed (the first one's failure fails this one: the abort word)
+        poison(Y, n_rows * N)
+        poison(RES_OUT, n_rows * N)
     end_call(ctrl, epoch)
 
 

@@ -296,7 +296,7 @@ def ll_wait(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, ti
     Gives up, as ``sync.wait`` does, after ``timeout_ns`` or when the abort word is set (both
     looked at, through ``sync.give_up``, when the first poll finds a word missing and every
     ``sync.GUARD_POLLS`` polls after it): it
-    then records ``(OP, rank, first late peer, epoch)`` and returns whatever it saw."""
+    then records ``(OP, rank, first late peer, epoch)`` and returns NaN."""
     if SPIN:
         tl.static_assert(LAMPORT and len(woffs.shape) == 1, "SPIN waits on Lamport words at 1-D offsets")
         acc, late = _spin(slot0, slot_words, woffs, wmask, W, ELEM, own, rank)
@@ -316,6 +316,7 @@ def ll_wait(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, ti
             skipped = W if own is None else rank
             _record_error(ctrl, status, OP, rank,
                           _first_late(slot0, slot_words, woffs, wmask, flag, skipped, W, ELEM, LAMPORT), epoch)
+            acc = tl.full(acc.shape, float("nan"), tl.float32)  # no numbers from a failed wait (peer.poison)
     return acc
 
 

@@ -100,6 +100,19 @@ def push_to_peers(table_ptr, byte_offset, vals, offs, mask, rank, W: tl.constexp
 
 
 @triton.jit
+def poison(out_ptr, numel):
+    """NaN over all ``numel`` elements of ``out_ptr``: what a block whose wait failed (a
+    timeout, or an abort: a peer's timeout or a call the ranks disagree on) stores instead of
+    its results, so that a failed call returns no numbers (docs/design.md 2.6). The whole
+    output, not a share: the other blocks' tiles may be fine, this block's are not, and
+    covering them all needs no tiling. A failure path: written for brevity, not speed."""
+    BLOCK: tl.constexpr = 1024
+    for start in range(0, numel, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        tl.store(out_ptr + offs, tl.full([BLOCK], float("nan"), out_ptr.dtype.element_ty), mask=offs < numel)
+
+
+@triton.jit
 def flag_row(local, flags_offset, W: tl.constexpr):
     """This block's W local flag words (one per source rank) in a phase's flag region."""
     return (local + flags_offset + tl.program_id(0) * W * 8).to(tl.pointer_type(tl.int64))

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.peer import PeerContext, begin_collective, flag_row, tree_sum
+from tpfuse.kernels.peer import PeerContext, begin_collective, flag_row, poison, tree_sum
 from tpfuse.kernels.codecs import (CODEC_IDS, decode_groups, encode_groups, hardware_e4m3, load_groups, load_packed,
                                    store_packed)
 from tpfuse.kernels.common import EXACT_FP, round_to
@@ -93,6 +93,8 @@ def quant_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, stat
                                                gidx * 32 < limit, CODEC)
                     y = decode_groups(codes, scale, CODEC, HW_E4M3)
                     tl.store(out_ptr + c * chunk + offs, round_to(y, ELEM), mask=offs < limit)
+    else:  # either wait failed (the first one's failure fails this one: the abort word)
+        poison(out_ptr, numel)
     end_call(ctrl, epoch)
 
 
