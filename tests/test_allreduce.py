@@ -20,7 +20,7 @@ from tests.conftest import DEVICE
 from tests.multiproc import MISMATCHES, mismatched_calls, missing_peer, no_failures, run_ranks, table_knobs
 from tests.tally import ll_regions_not_zeroed
 from tpfuse import reference
-from tpfuse.comm import Communicator, Launch, default_knobs
+from tpfuse.comm import CommTimeoutError, Communicator, Launch, default_knobs
 from tpfuse.comm.plan import AllReducePlan
 from tpfuse.comm.workspace import ALIGN, WorkspaceLayout
 from tpfuse.kernels.peer import tree_sum
@@ -428,6 +428,72 @@ def _late_rank(late):
             xs = _inputs(7_000 + call, 3000 + 500 * call, torch.bfloat16, world)
             _check(comm, xs, f"call {call}", failures, digests, ALGOS[call % 3])
     return failures, digests
+
+
+def _late_to_the_backend():
+    """Rank 1 comes to an algo="nccl" call 3 s late, with a 1.5 s timeout: rank 0 gives up
+    in the hosts' wait before the backend (never inside it), and rank 1, arriving, raises
+    from rank 0's record instead of entering the backend alone."""
+    failures = []
+    comm = Communicator(timeout_s=1.5)
+    dist.barrier()
+    if dist.get_rank() == 1:
+        time.sleep(3)
+    start = time.monotonic()
+    try:
+        comm.all_reduce(torch.ones(100), algo="nccl")
+        failures.append("the call returned")
+    except CommTimeoutError as e:
+        if e.rank != 0 or e.peer != 1 or "ledger" not in e.op:
+            failures.append(f"unexpected error contents: rank={e.rank} peer={e.peer} op={e.op!r}")
+    if time.monotonic() - start > 2 * 1.5:
+        failures.append(f"the error took {time.monotonic() - start:.1f} s")
+    comm.close()
+    dist.barrier()
+    return failures
+
+
+def _without_a_ledger_file():
+    """Rank 0 cannot allocate the ledger's file: every rank logs that it has no ledger, and the
+    communicator still sums correctly; no file is left in /dev/shm."""
+    import logging
+    import os
+
+    from tpfuse.comm import ledger
+
+    failures, seen = [], []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("tpfuse.comm").addHandler(handler)
+    real = ledger.os.posix_fallocate
+
+    def refuse(*args):
+        raise OSError(28, "No space left on device")
+
+    ledger.os.posix_fallocate = refuse if dist.get_rank() == 0 else real
+    before = set(os.listdir("/dev/shm"))
+    try:
+        with Communicator(timeout_s=20) as comm:
+            out = comm.all_reduce(torch.full((64,), float(dist.get_rank() + 1)))
+            if comm._ledger is not None or not torch.equal(out, torch.full_like(out, 3.0)):
+                failures.append("a ledger exists, or the sum is wrong")
+    finally:
+        ledger.os.posix_fallocate = real
+        logging.getLogger("tpfuse.comm").removeHandler(handler)
+    if not any("no call ledger" in m and "No space left" in m for m in seen):
+        failures.append(f"not logged: {seen}")
+    dist.barrier()
+    if {f for f in set(os.listdir("/dev/shm")) - before if f.startswith("tpfuse-ledger")}:
+        failures.append("a ledger file is left in /dev/shm")
+    return failures
+
+
+def test_without_a_ledger_file_the_communicator_works_and_says_so():
+    no_failures(run_ranks(2, _without_a_ledger_file, timeout_s=60))
+
+
+def test_a_rank_late_to_the_backend_ends_every_rank_in_timeout_error():
+    no_failures(run_ranks(2, _late_to_the_backend, timeout_s=60))
 
 
 def _layouts_and_edges():

@@ -20,7 +20,7 @@ from tpfuse import _runtime
 from tpfuse.comm import collective_ops
 from tpfuse.comm import tables
 from tpfuse.comm.knobs import Knobs
-from tpfuse.comm.ledger import CallLedger, CallMismatch, PeersLate
+from tpfuse.comm.ledger import MISMATCH, CallLedger, LedgerUnavailable, PeersLate, RecordedFailure
 from tpfuse.comm.peer_memory import PeerMemory, PeerMemoryUnavailable
 from tpfuse.comm.plan import AllReducePlan, FusedPlan, check_algo, check_fused_algo, workspace_layout
 from tpfuse.comm.quant_plan import QuantPlan, check_quant
@@ -69,17 +69,18 @@ class CallMismatchError(CommError):
     mismatched call returns no numbers (where a rank's kernel was already waiting for it, its
     output is NaN), and the communicator is unusable afterwards.
 
-    Attributes: rank (this rank), call (the call's number on the host, from 1), ranks (the two
-    ranks whose calls differ), texts (their descriptions).
+    Attributes: rank (this rank), call (the number of the call on the host, from 1: every
+    call, eager or captured into a CUDA graph, counts one), ranks (the two ranks whose calls
+    differ), texts (their descriptions).
     """
 
-    def __init__(self, rank: int, found: CallMismatch):
-        super().__init__(f"the ranks disagree on call {found.call}: rank {found.finder} made it as "
-                         f"{found.finder_text!r}, rank {found.peer} as {found.peer_text!r} (raised on rank {rank}). "
+    def __init__(self, rank: int, found: RecordedFailure):
+        super().__init__(f"the ranks disagree on call {found.call}: rank {found.rank} made it as "
+                         f"{found.rank_text!r}, rank {found.peer} as {found.peer_text!r} (raised on rank {rank}). "
                          "Every rank must make the same calls in the same order, with the same shapes, dtypes, "
                          "algorithms and arguments. This communicator cannot be used any more")
         self.rank, self.call = rank, found.call
-        self.ranks, self.texts = (found.finder, found.peer), (found.finder_text, found.peer_text)
+        self.ranks, self.texts = (found.rank, found.peer), (found.rank_text, found.peer_text)
 
 
 class Communicator:
@@ -206,8 +207,12 @@ class Communicator:
                              f"{[k for _, _, k in peers]}")
         hosts = sorted({h for h, _, _ in peers})
         if len(hosts) == 1:  # the ledger is host memory of the node
-            self._ledger = CallLedger(self.group, self.rank, self.world_size, self.timeout_s)
-            weakref.finalize(self, self._ledger.close)
+            try:
+                self._ledger = CallLedger(self.group, self.rank, self.world_size, self.timeout_s)
+                weakref.finalize(self, self._ledger.close)
+            except LedgerUnavailable as e:  # raised on every rank alike
+                self._log_once(logging.WARNING, f"tpfuse Communicator: no call ledger, so ranks that disagree on a "
+                                                f"call go undetected: {e}")
         if len(hosts) > 1:
             self.fallback_reason = f"the group spans nodes {hosts}"
         elif self.world_size > MAX_WORLD_SIZE:
@@ -314,15 +319,17 @@ class Communicator:
         check_algo(algo)
         return self._reduce(x, algo)
 
-    def _reduce(self, x: torch.Tensor, algo: str) -> torch.Tensor:
-        """The all-reduce of checked arguments."""
+    def _reduce(self, x: torch.Tensor, algo: str, posted: bool = False) -> torch.Tensor:
+        """The all-reduce of checked arguments (posted: the calling operation has written
+        the call into the ledger already, as its own)."""
         if self.world_size == 1:
             return x.clone(memory_format=torch.contiguous_format)
         if x.numel() == 0:
-            self._post(f"all_reduce of 0 {_name(x.dtype)}")
+            self._post(None if posted else f"all_reduce of 0 {_name(x.dtype)}")
             return x.clone(memory_format=torch.contiguous_format)
         plan = AllReducePlan.from_numel(x.numel(), x.dtype, self.layout, self.knobs, algo)
-        self._post(f"all_reduce of {x.numel()} {_name(x.dtype)}: {_plan_text(plan)}", agree=plan.algo == "nccl")
+        self._post(None if posted else f"all_reduce of {x.numel()} {_name(x.dtype)}: {_plan_text(plan)}",
+                   before_backend=plan.algo == "nccl")
         if plan.algo == "nccl":
             # A silent loss of the bitwise contract would surprise: warn unless it was asked for.
             level = logging.INFO if algo == "nccl" else logging.WARNING
@@ -345,11 +352,12 @@ class Communicator:
         check_quant(codec, min_bytes)
         if self.world_size == 1:
             return x.clone(memory_format=torch.contiguous_format)
-        self._post(f"quantized all_reduce of {x.numel()} {_name(x.dtype)}: codec {codec}, min_bytes {min_bytes}")
+        threshold = self.knobs.quant_min(codec) if min_bytes is None else min_bytes
+        self._post(f"quantized all_reduce of {x.numel()} {_name(x.dtype)}: codec {codec}, min_bytes {threshold}")
         if x.numel() == 0:
             return x.clone(memory_format=torch.contiguous_format)
         out = self._quantized_segments(x, codec, min_bytes)
-        return self._reduce(x, "auto") if out is None else out
+        return self._reduce(x, "auto", posted=True) if out is None else out
 
     def _quantized_segments(self, x: torch.Tensor, codec: str, min_bytes: int | None) -> torch.Tensor | None:
         """The quantized all-reduce of x, or None when the exact path serves this call."""
@@ -437,9 +445,9 @@ class Communicator:
         plan = (FusedPlan("split", reason="one rank") if self.world_size == 1 or x.numel() == 0 else
                 FusedPlan.from_shape(x.numel() // n, n, x.dtype, self.layout, self.knobs, algo))
         if self.world_size > 1:
-            self._post(f"all_reduce{'_add' if residual is not None else ''}_rms_norm of {x.numel() // n} x {n} "
-                       f"{_name(x.dtype)}, weight {None if weight is None else _name(weight.dtype)}, eps {eps!r}, "
-                       f"weight_offset "
+            op = "all_reduce_add_rms_norm" if residual is not None else "all_reduce_rms_norm"
+            self._post(f"{op} of {x.numel() // max(n, 1)} x {n} {_name(x.dtype)}, weight "
+                       f"{None if weight is None else _name(weight.dtype)}, eps {eps!r}, weight_offset "
                        f"{weight_offset!r}: {_plan_text(plan)}")
         x2 = _runtime.aligned_contiguous(x.reshape(-1, n))
         res2 = None if residual is None else _runtime.aligned_contiguous(residual.reshape(-1, n))
@@ -451,7 +459,7 @@ class Communicator:
         else:
             res_out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
         if plan.algo == "split":  # the unfused composition, on the same kernels as tpfuse.add_rms_norm
-            reduced = self._reduce(x2, "auto")
+            reduced = self._reduce(x2, "auto", posted=self.world_size > 1)
             if x.numel():
                 rms_norm_fwd(reduced, w, y.view(-1, n), float(eps), float(weight_offset),
                              *(() if res2 is None else (res2, res_out)))
@@ -570,43 +578,56 @@ class Communicator:
         if self._closed:
             raise RuntimeError("this Communicator is closed")
 
-    def _post(self, text: str, agree: bool = False) -> None:
-        """Write this rank's next call, described by ``text``, into the call ledger and compare
-        it with the peers' (``tpfuse.comm.ledger``); with ``agree``, wait for every peer to have
-        posted it (before a collective of the group's backend). A mismatch fails the
-        communicator here and raises ``CallMismatchError``; peers that do not post within
-        ``timeout_s`` raise ``CommTimeoutError``."""
+    def _post(self, text: str | None, before_backend: bool = False) -> None:
+        """Write this rank's next call, described by ``text`` (None: the calling operation has
+        posted it), into the call ledger and compare it with the peers' (``tpfuse.comm.ledger``);
+        before a collective of the group's backend, also wait for every peer to have posted it.
+        A mismatch, or a failure another rank recorded, fails the communicator here; peers that
+        do not post within ``timeout_s`` raise ``CommTimeoutError``."""
         if self._ledger is None:
             return
         try:
-            if agree:
-                self._ledger.agree(text)
-            else:
+            if text is not None:
                 self._ledger.post(text)
-        except CallMismatch as found:
-            self._fail(CallMismatchError(self.rank, found))
+            if before_backend:
+                self._ledger.wait_for_peers("before the group's backend")
+        except RecordedFailure as found:
+            self._fail(self._recorded_error(found), record=False)
         except PeersLate as late:
-            self._fail(CommTimeoutError(f"{text} (the ledger's wait before the call)", self.rank, late.late[0],
+            self._fail(CommTimeoutError("the hosts' call check (tpfuse.comm.ledger)", self.rank, late.late[0],
                                         late.call, self.timeout_s))
 
-    def _fail(self, error: CommError) -> None:
-        """Make ``error`` this communicator's failure, stop every rank's kernels that still wait
-        (the abort word of every workspace: their waits give up at their next look, and write
-        NaN), and raise it."""
+    def _recorded_error(self, found: RecordedFailure) -> CommError:
+        if found.kind == MISMATCH:
+            return CallMismatchError(self.rank, found)
+        return CommTimeoutError(found.rank_text, found.rank, found.peer, found.call, self.timeout_s)
+
+    def _fail(self, error: CommError, record: bool = True) -> None:
+        """Make ``error`` this communicator's failure and raise it, after stopping every rank's
+        kernels that still wait (the abort word of every workspace: their waits give up at
+        their next look, and write NaN) and, with ``record``, recording a timeout in the ledger
+        (every peer raises at its next call too, rather than enter NCCL without this rank)."""
         self._failure = error
         if self._peer is not None:
             self._peer.store_word_everywhere(self.layout.ctrl_offset + 8 * CTRL_ABORT, 1)
+        if record and self._ledger is not None and isinstance(error, CommTimeoutError):
+            self._ledger.record_gave_up(error.peer, error.op, error.epoch)
         raise error
 
     def _check_usable(self) -> None:
+        """Raise this communicator's failure: its own, one another rank recorded in the ledger,
+        or a kernel's timeout in the status record (each found once, then kept)."""
         self._check_open()
-        if self._failure is None and self._ledger is not None and (found := self._ledger.failure()) is not None:
-            self._fail(CallMismatchError(self.rank, found))
-        if self._failure is None and self._peer is not None:
-            record = decode_status(self._status_view)
-            if record is not None:
+        if self._failure is None:
+            found = self._ledger.failure() if self._ledger is not None else None
+            record = decode_status(self._status_view) if self._peer is not None else None
+            if found is not None and found.kind == MISMATCH:  # the cause of any timeout it led to
+                self._fail(self._recorded_error(found), record=False)
+            if record is not None:  # this rank's own timeout, before a peer's
                 op, rank, peer, epoch = record
-                self._failure = CommTimeoutError(OP_NAMES.get(op, f"op {op}"), rank, peer, epoch, self.timeout_s)
+                self._fail(CommTimeoutError(OP_NAMES.get(op, f"op {op}"), rank, peer, epoch, self.timeout_s))
+            if found is not None:
+                self._fail(self._recorded_error(found), record=False)
         if self._failure is not None:
             raise self._failure
 

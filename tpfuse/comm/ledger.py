@@ -14,8 +14,8 @@ CUDA graphs alike; a replay runs no host code and is not counted).
 ``post(text)`` writes the entry, then (after a store-load fence) compares it with every
 peer's entry of the same call number, where the peer has written it. Of two ranks, the one
 that posts second therefore sees the other's entry, and a mismatch is always found, at the
-latest by the last rank to post the call. That rank records it in its record in the file's
-header and raises; the others read the records at their next call or ``check()``
+latest by the last rank to post the call. That rank records it in the file's header and
+raises; the others read the records at their next call or ``check()``
 (``failure``). The finder does not launch the call, and the Communicator sets the abort
 word of every rank's workspace, so a peer's kernel already waiting for the finder's data
 stops at once rather than at its timeout, and writes NaN into its output (docs/design.md
@@ -24,9 +24,11 @@ their devices) cost 15 us a call at W=2 and 35 at W=4 on 2 cores, in sleeps and 
 
 A peer may be behind by any number of calls (its host is slower, or blocked); the ring holds
 ``ENTRIES`` of them: a rank that would overwrite an entry a peer has not compared yet waits
-for that peer first (``timeout_s`` at most). ``agree(text)`` (before a collective of the
-group's backend, which a rank cannot leave once inside) posts, then waits until every peer
-has posted the call too, so that no rank enters NCCL while another launches a peer kernel.
+for that peer first (``timeout_s`` at most). Before a collective of the group's backend,
+which a rank cannot leave once inside, a rank also waits until every peer has posted the call
+(``wait_for_peers``), so that no rank enters NCCL while another launches a peer kernel or
+makes another call. A rank that gives up waiting (there, or in a kernel) records it
+(``record_gave_up``), and its peers raise at their next post instead of going on without it.
 
 Cost: host time only, no device time: 3-5 us a post on the H200 machines
 (scripts/ledger_cost.py).
@@ -35,6 +37,7 @@ Cost: host time only, no device time: 3-5 us a post on the H200 machines
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import mmap
 import os
 import secrets
@@ -49,18 +52,48 @@ ENTRIES = 1024
 held back by the device's launch queue long before this in steady work."""
 ENTRY_BYTES = 256
 TEXT_BYTES = ENTRY_BYTES - 16
-RECORD_BYTES = 2 * ENTRY_BYTES
-_RECORD_TEXTS = (16, ENTRY_BYTES)
-"""A rank's record of the mismatch it found (``_record_at``): int64 call and peer, then its
-own text and the peer's at these offsets; written once, the call last."""
-_ANY_FOUND, _POSTED = 0, 64
-"""Header offsets: a word any finder sets to 1 after writing its record (so ``failure`` is
-one load), and the per-rank int64 counters of the last call each rank has posted and compared."""
+"""A description's bytes in an entry; a longer one keeps its head and a hash of the whole."""
+_RECORD_TEXTS = (32, 32 + TEXT_BYTES)
+RECORD_BYTES = 32 + 2 * TEXT_BYTES
+"""A rank's record of the failure it met (``_record_at``): int64 call, peer and kind, then
+its own text and the peer's at these offsets; written once, the call last."""
+MISMATCH, GAVE_UP = 1, 2
+"""Record kinds: two ranks' entries of a call differ; a rank gave up waiting (its text says
+for what), and its peers must not go on as if it had not."""
+_ANY_RECORD, _POSTED = 0, 64
+"""Header offsets: a word any rank sets to 1 after writing its record (so ``failure`` is one
+load), and the per-rank int64 counters of the last call each rank has posted and compared."""
 _SPIN_LOOKS = 2000
 """Looks at the peers' counters, back to back, before a wait starts to sleep between looks
 (a sleep takes 50-100 us on Linux, far more than a peer host's usual lag)."""
 _WAIT_S = 50e-6
 """The pause between later looks."""
+
+
+class LedgerUnavailable(RuntimeError):
+    """The ranks could not share a ledger file (every rank raises it alike); the message says why."""
+
+
+class RecordedFailure(Exception):
+    """A failure some rank recorded in the ledger: ``call`` (its post count), the ``rank``
+    that recorded it, the ``peer`` it names, its ``kind`` (MISMATCH or GAVE_UP) and the two
+    texts (``rank_text``: its description of the call, or what it waited for; ``peer_text``:
+    the peer's description, for a mismatch)."""
+
+    def __init__(self, call: int, rank: int, peer: int, kind: int, rank_text: str, peer_text: str):
+        what = (f"rank {rank} made it as {rank_text!r}, rank {peer} as {peer_text!r}" if kind == MISMATCH else
+                f"rank {rank} gave up waiting for rank {peer} ({rank_text})")
+        super().__init__(f"call {call}: {what}")
+        self.call, self.rank, self.peer, self.kind, self.rank_text, self.peer_text = \
+            call, rank, peer, kind, rank_text, peer_text
+
+
+class PeersLate(TimeoutError):
+    """Ranks ``late`` had not posted call ``call`` within ``timeout_s``."""
+
+    def __init__(self, rank: int, late: list[int], call: int, timeout_s: float, what: str):
+        super().__init__(f"rank {rank} waited {timeout_s:g} s for rank(s) {late} to reach call {call} before {what}")
+        self.rank, self.late, self.call = rank, late, call
 
 
 def _store_load_fence(lock=threading.Lock()) -> None:
@@ -73,8 +106,9 @@ def _store_load_fence(lock=threading.Lock()) -> None:
 
 class CallLedger:
     """The ranks' call entries in one shared file (module docstring). Collective to create:
-    every rank of ``group`` (on one node) constructs it. A failed construction leaves no file
-    in /dev/shm; the file is unlinked once every rank has mapped it."""
+    every rank of ``group`` (on one node) constructs it, and every rank raises
+    ``LedgerUnavailable`` alike where any rank cannot create, size, open or map the file. No
+    file is left in /dev/shm: it is unlinked once every rank has opened it (or failed to)."""
 
     def __init__(self, group: dist.ProcessGroup, rank: int, world_size: int, timeout_s: float):
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
@@ -88,37 +122,39 @@ class CallLedger:
         self._fd, error = -1, ""
         try:
             if rank == 0:
-                self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-                os.ftruncate(self._fd, nbytes)  # a new file reads as zeros
-        except OSError as e:
-            error = f"rank 0 cannot create {path}: {e}"
-        try:
-            errors = [None] * world_size
-            dist.all_gather_object(errors, error, group=group)  # the file exists (or the reason why not)
-            if rank != 0 and not any(errors):
+                try:
+                    self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                    os.posix_fallocate(self._fd, 0, nbytes)  # zeros, and ENOSPC now rather than SIGBUS later
+                except OSError as e:
+                    error = f"rank 0 cannot create {path} of {nbytes} bytes: {e}"
+            _agree(group, world_size, error)  # the file exists
+            if rank != 0:
                 try:
                     self._fd = os.open(path, os.O_RDWR)
                 except OSError as e:
                     error = f"rank {rank} cannot open {path}: {e}"
-            if not any(errors):
-                dist.all_gather_object(errors, error, group=group)  # every rank has it open
-            if any(errors):
-                raise RuntimeError("; ".join(e for e in errors if e))
-            self._map = mmap.mmap(self._fd, nbytes)
+            _agree(group, world_size, error)  # every rank has it open
         except BaseException:
-            if self._fd >= 0:
-                os.close(self._fd)
-            self._fd = -1
+            self.close()
             raise
         finally:  # every rank has opened it, or the construction failed: no name is needed any more
             if rank == 0:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
+        try:
+            self._map = mmap.mmap(self._fd, nbytes)
+        except OSError as e:
+            error = f"rank {rank} cannot map {path}: {e}"
+        try:
+            _agree(group, world_size, error)
+        except BaseException:
+            self.close()
+            raise
 
     def post(self, text: str) -> None:
         """Write down this rank's next call, described by ``text``, and compare it with the
-        peers' entries of that call. Raises ``CallMismatch`` (after recording it) if a peer's
-        entry differs, or if any rank has recorded a mismatch before.
+        peers' entries of that call. Raises ``RecordedFailure`` if a peer's entry differs
+        (after recording the mismatch) or any rank has recorded a failure before.
 
         The order makes the last of two ranks to post a call see the other's entry: write the
         entry, a store-load fence, read the peers' entries, and only then publish the call as
@@ -127,8 +163,8 @@ class CallLedger:
         n = self.calls + 1
         if n > ENTRIES:  # entry n overwrites entry n - ENTRIES, which every peer must have compared
             self._wait_for_peers(n - ENTRIES, f"call {n}")
-        self._raise_found()
-        entry = text.encode()[:TEXT_BYTES]
+        self._raise_recorded()
+        entry = _entry_bytes(text)
         at = self._entry_at(self.rank, n)
         self._map[at + 16:at + 16 + len(entry)] = entry
         _store_word(self._map, at + 8, len(entry))
@@ -138,42 +174,61 @@ class CallLedger:
         for peer in range(self.world_size):
             theirs = None if peer == self.rank else self._entry(peer, n)
             if theirs is not None and theirs != entry:
-                record = self._record_at(self.rank)
-                for offset, part in zip(_RECORD_TEXTS, (entry, theirs)):
-                    self._map[record + offset:record + offset + len(part)] = part
-                _store_word(self._map, record + 8, peer)
-                _store_word(self._map, record, n)
-                _store_word(self._map, _ANY_FOUND, 1)
-                self._raise_found()
+                self._record(n, peer, MISMATCH, entry, theirs)
+                self._raise_recorded()
         _store_word(self._map, _POSTED + 8 * self.rank, n)
 
-    def agree(self, text: str) -> None:
-        """``post(text)``, then wait (``timeout_s`` at most) until every peer has posted and
-        compared this call too: on return, every rank has made it, and made it alike."""
-        self.post(text)
-        self._wait_for_peers(self.calls, f"call {self.calls} ({text})")
+    def wait_for_peers(self, what: str) -> None:
+        """Wait (``timeout_s`` at most) until every peer has posted and compared this rank's
+        last call: on return, every rank has made it, and made it alike. Raises
+        ``RecordedFailure`` for a failure recorded meanwhile, ``PeersLate`` at the timeout."""
+        self._wait_for_peers(self.calls, f"call {self.calls} ({what})")
+        self._raise_recorded()
 
-    def failure(self) -> "CallMismatch | None":
-        """The mismatch of the lowest call any rank has recorded (None while there is none)."""
-        if _load_word(self._map, _ANY_FOUND) == 0:
+    def record_gave_up(self, peer: int, what: str, call: int) -> None:
+        """Record that this rank gave up waiting for ``peer`` in ``what`` (call ``call``, the
+        number its error names), so that every peer raises at its next post or ``failure``
+        rather than go on (into NCCL, say) without it. A peer that has already passed its own
+        wait for this call when the record lands is not stopped: the record narrows that
+        window to microseconds, it cannot close it."""
+        self._record(max(call, 1), peer, GAVE_UP, _entry_bytes(what), b"")
+
+    def failure(self) -> "RecordedFailure | None":
+        """The failure of the lowest call any rank has recorded (None while there is none)."""
+        if _load_word(self._map, _ANY_RECORD) == 0:
             return None
         found = []
-        for finder in range(self.world_size):
-            record = self._record_at(finder)
-            call, peer = _load_word(self._map, record), _load_word(self._map, record + 8)
+        for rank in range(self.world_size):
+            record = self._record_at(rank)
+            call = _load_word(self._map, record)
             if call:
                 texts = [bytes(self._map[record + offset:record + offset + TEXT_BYTES]).rstrip(b"\0")
                          .decode(errors="replace") for offset in _RECORD_TEXTS]
-                found.append(CallMismatch(call, finder, peer, *texts))
-        return min(found, key=lambda f: (f.call, f.finder), default=None)
+                found.append(RecordedFailure(call, rank, _load_word(self._map, record + 8),
+                                             _load_word(self._map, record + 16), *texts))
+        return min(found, key=lambda f: (f.call, f.rank), default=None)
 
     def close(self) -> None:
-        if self._fd >= 0:
+        if getattr(self, "_map", None) is not None:
             self._map.close()
+            self._map = None
+        if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
 
-    def _raise_found(self) -> None:
+    def _record(self, n: int, peer: int, kind: int, text: bytes, peer_text: bytes) -> None:
+        """This rank's record (once: a second failure is a consequence of the first)."""
+        record = self._record_at(self.rank)
+        if _load_word(self._map, record):
+            return
+        for offset, part in zip(_RECORD_TEXTS, (text, peer_text)):
+            self._map[record + offset:record + offset + len(part)] = part
+        _store_word(self._map, record + 8, peer)
+        _store_word(self._map, record + 16, kind)
+        _store_word(self._map, record, n)
+        _store_word(self._map, _ANY_RECORD, 1)
+
+    def _raise_recorded(self) -> None:
         found = self.failure()
         if found is not None:
             raise found
@@ -192,18 +247,35 @@ class CallLedger:
         return bytes(self._map[at + 16:at + 16 + _load_word(self._map, at + 8)])
 
     def _wait_for_peers(self, n: int, what: str) -> None:
-        """Wait until every rank has posted call n (a mismatch recorded meanwhile raises)."""
+        """Wait until every rank has posted call n (a failure recorded meanwhile raises)."""
         deadline, looks = time.monotonic() + self.timeout_s, 0
         while True:
             late = [r for r in range(self.world_size) if _load_word(self._map, _POSTED + 8 * r) < n]
             if not late:
                 return
-            self._raise_found()
+            self._raise_recorded()
             looks += 1
             if looks > _SPIN_LOOKS:
                 if time.monotonic() > deadline:
                     raise PeersLate(self.rank, late, n, self.timeout_s, what)
                 time.sleep(_WAIT_S)
+
+
+def _agree(group: dist.ProcessGroup, world_size: int, error: str) -> None:
+    """Collective: ``LedgerUnavailable`` on every rank if any rank reports an error."""
+    errors = [None] * world_size
+    dist.all_gather_object(errors, error, group=group)
+    if any(errors):
+        raise LedgerUnavailable("; ".join(e for e in errors if e))
+
+
+def _entry_bytes(text: str) -> bytes:
+    """``text`` as an entry holds it: its UTF-8 bytes, or, past TEXT_BYTES, their head and a
+    hash of the whole (two long descriptions that differ only at their ends still differ)."""
+    data = text.encode()
+    if len(data) <= TEXT_BYTES:
+        return data
+    return data[:TEXT_BYTES - 17] + b"#" + hashlib.blake2b(data, digest_size=8).hexdigest().encode()
 
 
 def _store_word(buf, offset: int, value: int) -> None:
@@ -218,21 +290,3 @@ def _load_word(buf, offset: int) -> int:
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
-
-
-class PeersLate(TimeoutError):
-    """Ranks ``late`` had not posted call ``call`` within ``timeout_s``."""
-
-    def __init__(self, rank: int, late: list[int], call: int, timeout_s: float, what: str):
-        super().__init__(f"rank {rank} waited {timeout_s:g} s for rank(s) {late} to reach call {call} before {what}")
-        self.rank, self.late, self.call = rank, late, call
-
-
-class CallMismatch(Exception):
-    """What ``CallLedger`` raises: call n (the host's count), the rank that found it and its
-    description, and the peer whose entry differed and that one's. The Communicator turns it
-    into ``CallMismatchError`` for this rank."""
-
-    def __init__(self, call: int, finder: int, peer: int, finder_text: str, peer_text: str):
-        super().__init__(f"call {call}: rank {finder} made it as {finder_text}; rank {peer} as {peer_text}")
-        self.call, self.finder, self.peer, self.finder_text, self.peer_text = call, finder, peer, finder_text, peer_text

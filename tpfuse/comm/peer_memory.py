@@ -125,16 +125,16 @@ class PeerMemory:
 
     def store_word_everywhere(self, offset: int, value: int) -> None:
         """Store the int64 ``value`` at byte ``offset`` of every rank's buffer, this one's
-        included. On CPU at once, into the mapped files; on CUDA by a fill on a stream of its
-        own, not waited for: this rank's own stream may hold a kernel that waits for exactly
-        this store. Not during a CUDA graph capture (nothing runs then; the store is skipped)."""
+        included. On CPU at once, into the mapped files; on CUDA by fills queued on the current
+        stream, after this rank's earlier kernels (so it stops the calls from the failed one on,
+        not earlier ones still queued on the peers), not waited for. Not during a CUDA graph
+        capture (nothing runs then; it is skipped)."""
         if self._handle is None:
             for t in self._tensors:
                 t[offset:offset + 8].view(torch.int64).fill_(value)
         elif not torch.cuda.is_current_stream_capturing():
-            with torch.cuda.stream(torch.cuda.Stream(self.device)):
-                for r in range(self.world_size):
-                    self._handle.get_buffer(r, (1,), torch.int64, offset // 8).fill_(value)
+            for r in range(self.world_size):
+                self._handle.get_buffer(r, (1,), torch.int64, offset // 8).fill_(value)
 
     def close(self) -> None:
         self._tensors = []

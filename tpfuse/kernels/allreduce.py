@@ -139,7 +139,9 @@ def twoshot_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, st
     signal(table_ptr, flags_offset + (pid * W + rank) * 8, epoch, W, PEERS)
     # Part 2: sum my chunk's W contributions, round once, store the result into my output
     # and (push) into gather slot `rank` of every peer, or (pull) into my own gather slot.
-    if wait(flag_row(local, flags_offset, W), ctrl, status, epoch, rank, timeout_ns, OP_TWOSHOT_SCATTER, W, PEERS):
+    scattered = wait(flag_row(local, flags_offset, W), ctrl, status, epoch, rank, timeout_ns, OP_TWOSHOT_SCATTER, W,
+                     PEERS)
+    if scattered:
         slot0 = typed_ptr(local, data, ELEM)
         for tile in range(pid, n_tiles, grid):
             offs = tile * BLOCK + tl.arange(0, BLOCK)
@@ -151,12 +153,16 @@ def twoshot_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, st
                 tl.store(typed_ptr(local, data + gather_offset, ELEM) + rank * slot_elems + offs, y, mask=mask)
             else:
                 push_to_peers(table_ptr, data + gather_offset, y, rank * slot_elems + offs, mask, rank, W, False)
-    # All-gather: after a failed first wait the abort word makes this wait return at once.
+    # All-gather. A block whose scatter wait failed pushed no reduced chunk: it signals
+    # nothing, so no peer takes its gather slots for this call's (the peers time out, or stop
+    # at the abort word); its own gather wait returns at once (the abort word), and its
+    # outputs are NaN whichever way that wait went.
     # Pull: a peer reads my gather slot of call k until it has finished call k; I rewrite it
     # in call k + 2 only after every peer has signalled call k + 2's scatter (parity rotation).
-    signal(table_ptr, flags_offset + flags_bytes + (pid * W + rank) * 8, epoch, W, PEERS)
+    if scattered:
+        signal(table_ptr, flags_offset + flags_bytes + (pid * W + rank) * 8, epoch, W, PEERS)
     gather_flags = flag_row(local, flags_offset + flags_bytes, W)
-    if wait(gather_flags, ctrl, status, epoch, rank, timeout_ns, OP_TWOSHOT_GATHER, W, PEERS):
+    if scattered & wait(gather_flags, ctrl, status, epoch, rank, timeout_ns, OP_TWOSHOT_GATHER, W, PEERS):
         for tile in range(pid, n_tiles, grid):
             offs = tile * BLOCK + tl.arange(0, BLOCK)
             for c in tl.static_range(W):
@@ -168,7 +174,7 @@ def twoshot_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, st
                         src = typed_ptr(local, data + gather_offset, ELEM) + c * slot_elems
                     vals = tl.load(src + offs, mask=mask, cache_modifier=".cg")
                     tl.store(out_ptr + c * chunk + offs, vals, mask=mask)
-    else:  # either wait failed (the first one's failure fails this one: the abort word)
+    else:
         poison(out_ptr, numel)
     end_call(ctrl, epoch)
 

@@ -311,8 +311,9 @@ def twoshot_all_reduce_norm_kernel(
     signal(table_ptr, flags_offset + (pid * WORLD + rank) * 8, epoch, WORLD, PEERS)
     # Part 2: sum my group's W contributions in tree order, round once, and store the
     # reduced rows into gather slot `rank` of every rank (this one included).
-    if wait(flag_row(local, flags_offset, WORLD), ctrl, status, epoch, rank, timeout_ns, OP_FUSED_SCATTER, WORLD,
-            PEERS):
+    scattered = wait(flag_row(local, flags_offset, WORLD), ctrl, status, epoch, rank, timeout_ns, OP_FUSED_SCATTER,
+                     WORLD, PEERS)
+    if scattered:
         slot0 = typed_ptr(local, data, ELEM)
         for tile in range(pid, n_tiles, grid):
             local_rows = tile * ROWS + tl.arange(0, ROWS)
@@ -323,10 +324,11 @@ def twoshot_all_reduce_norm_kernel(
                 offs = local_rows.to(tl.int64)[:, None] * N + ccols
                 reduced = round_to(sum_in_tree_order(slot0, slot_elems, offs, mask, WORLD), ELEM)
                 push_to_peers(table_ptr, data + gather_offset, reduced, rank * slot_elems + offs, mask, rank, WORLD, True)
-    # All-gather; after a failed first wait the abort word makes this one return at once.
-    signal(table_ptr, flags_offset + flags_bytes + (pid * WORLD + rank) * 8, epoch, WORLD, PEERS)
-    if wait(flag_row(local, flags_offset + flags_bytes, WORLD), ctrl, status, epoch, rank, timeout_ns,
-            OP_FUSED_GATHER, WORLD, PEERS):
+    # All-gather (as the two-shot all-reduce's: a block whose scatter wait failed signals nothing).
+    if scattered:
+        signal(table_ptr, flags_offset + flags_bytes + (pid * WORLD + rank) * 8, epoch, WORLD, PEERS)
+    if scattered & wait(flag_row(local, flags_offset + flags_bytes, WORLD), ctrl, status, epoch, rank, timeout_ns,
+                        OP_FUSED_GATHER, WORLD, PEERS):
         gather0 = typed_ptr(local, data + gather_offset, ELEM)
         for tile in range(pid, n_tiles, grid):
             local_rows = tile * ROWS + tl.arange(0, ROWS)
@@ -335,7 +337,7 @@ def twoshot_all_reduce_norm_kernel(
                 norm_tile(gather0 + g * slot_elems, local_rows.to(tl.int64) * N, 0, RES, W, Y, RES_OUT, rows,
                           (local_rows < rows_per_group) & (rows < n_rows), N, eps, weight_offset, has_residual, True,
                           BLOCK_N, TAIL_N, NUM_CHUNKS, HAS_WEIGHT, 1)
-    else:  # either wait failed (the first one's failure fails this one: the abort word)
+    else:
         poison(Y, n_rows * N)
         poison(RES_OUT, n_rows * N)
     end_call(ctrl, epoch)

@@ -61,7 +61,9 @@ def quant_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, stat
                          CODEC)
     signal(table_ptr, flags_offset + (pid * W + rank) * 8, epoch, W, PEERS)
     # 2. Decode my chunk's W contributions, sum in tree order, encode the sum, push it.
-    if wait(flag_row(local, flags_offset, W), ctrl, status, epoch, rank, timeout_ns, OP_QUANT_SCATTER, W, PEERS):
+    scattered = wait(flag_row(local, flags_offset, W), ctrl, status, epoch, rank, timeout_ns, OP_QUANT_SCATTER, W,
+                     PEERS)
+    if scattered:
         limit = tl.minimum(chunk, numel - rank * chunk)
         for tile in range(pid, n_tiles, grid):
             gidx = tile * GB + tl.arange(0, GB)
@@ -78,11 +80,12 @@ def quant_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, stat
                              CODEC)
             y = decode_groups(codes, scale, CODEC, HW_E4M3)
             tl.store(out_ptr + rank * chunk + offs, round_to(y, ELEM), mask=offs < limit)
-    # 3. Decode the other ranks' reduced chunks. After a failed first wait the abort word
-    # makes this wait return at once.
-    signal(table_ptr, flags_offset + flags_bytes + (pid * W + rank) * 8, epoch, W, PEERS)
+    # 3. Decode the other ranks' reduced chunks (as the two-shot all-reduce's gather: a block
+    # whose scatter wait failed signals nothing).
+    if scattered:
+        signal(table_ptr, flags_offset + flags_bytes + (pid * W + rank) * 8, epoch, W, PEERS)
     gather_flags = flag_row(local, flags_offset + flags_bytes, W)
-    if wait(gather_flags, ctrl, status, epoch, rank, timeout_ns, OP_QUANT_GATHER, W, PEERS):
+    if scattered & wait(gather_flags, ctrl, status, epoch, rank, timeout_ns, OP_QUANT_GATHER, W, PEERS):
         for tile in range(pid, n_tiles, grid):
             gidx = tile * GB + tl.arange(0, GB)
             offs = gidx[:, None] * 32 + tl.arange(0, 32)[None, :]
@@ -93,7 +96,7 @@ def quant_all_reduce_kernel(x_ptr, out_ptr, numel, chunk, table_ptr, local, stat
                                                gidx * 32 < limit, CODEC)
                     y = decode_groups(codes, scale, CODEC, HW_E4M3)
                     tl.store(out_ptr + c * chunk + offs, round_to(y, ELEM), mask=offs < limit)
-    else:  # either wait failed (the first one's failure fails this one: the abort word)
+    else:
         poison(out_ptr, numel)
     end_call(ctrl, epoch)
 
