@@ -112,8 +112,8 @@ def _split_fused_compiled_repeat(seed, steps, repeat_steps):
 
 
 def _invariant_logits(seed, steps):
-    """bf16, invariant: prefill logits, greedy tokens and their logits (as digests), and a
-    sequence alone against the same sequence in the batch."""
+    """bf16, invariant: prefill logits, greedy tokens and their logits (as digests), a sequence
+    alone against the same sequence in the batch, and a prefill against the decode steps."""
     hf = _hf_model("llama", seed, torch.bfloat16)
     ids = torch.randint(0, TINY["vocab_size"], (3, 6), generator=torch.Generator().manual_seed(seed))
     # A workspace of 16 fp32 rows: the prefill's 18 rows of partial sums are all-reduced in two
@@ -123,9 +123,14 @@ def _invariant_logits(seed, steps):
         prefill = model(ids)
         tokens, logits = model.generate(ids, steps, return_logits=True)
         alone = model(ids[1:2])
+        # One prefill over the prompt and the tokens fed to the decode steps: at the positions
+        # the steps decoded, their logits (the attention's fixed splits, docs/design.md 1.3).
+        refed = model(tokens[:, :-1])[:, ids.shape[1] - 1:]
         plain = TPModel.from_hf(hf, comm, boundary="fused")(ids)  # the same model, not invariant
     failures = [] if torch.equal(alone.view(torch.uint8), prefill[1:2].view(torch.uint8)) else [
         "a sequence alone has other logits than in its batch"]
+    if not torch.equal(refed.view(torch.uint8), logits.view(torch.uint8)):
+        failures.append("a prefill's logits at the decoded positions are not the decode steps'")
     # As close to fp32 Hugging Face as the plain bf16 model (not merely the same at every TP size).
     want = _hf_model("llama", seed)(ids).logits.detach()
     err, plain_err = reference.rel_err(prefill, want), reference.rel_err(plain, want)

@@ -22,6 +22,7 @@ Without CUDA, the kernels run on CPU tensors under Triton's interpreter (set up 
 
 from tpfuse import _runtime  # noqa: F401  (first: selects Triton's interpreter when CUDA is absent)
 from tpfuse import reference
+from tpfuse.attention_ops import invariant_attention
 from tpfuse.comm import CallMismatchError, CommError, CommTimeoutError, Communicator
 from tpfuse.fp8_ops import quant_fp8
 from tpfuse.kernels.codecs import dequantize, quantize
@@ -31,5 +32,5 @@ from tpfuse.norm_ops import add_rms_norm, rms_norm
 
 __all__ = ["rms_norm", "add_rms_norm", "RMSNorm", "Communicator", "CommError", "CommTimeoutError",
            "CallMismatchError", "reference",
-           "quantize", "dequantize", "quant_fp8", "invariant_matmul"]
+           "quantize", "dequantize", "quant_fp8", "invariant_matmul", "invariant_attention"]
 __version__ = "0.1.0"

@@ -345,6 +345,23 @@ def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x.double() @ weight.double().T
 
 
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention in float64: query t of sequence b (q [B, H, T, D]) sits at position
+    start[b] + t and attends to the keys at positions 0 to that one (k, v [B, Hkv, S, D];
+    query head h reads kv head h // (H / Hkv)). What ``tpfuse.invariant_attention``
+    approximates, held to ``rel_err`` against it. Its bits are the kernel's own (fixed splits
+    of key positions, folded in order: docs/design.md 1.3); what the contract fixes, and the
+    tests hold kernel against kernel, is that a query's bits depend on its position, its q
+    and the keys and values up to its position alone: not on the batch, the other queries, a
+    prefill or a decode step, or the heads on other ranks."""
+    group = q.shape[1] // k.shape[1]
+    kd, vd = (t.double().repeat_interleave(group, dim=1) for t in (k, v))
+    scores = q.double() @ kd.transpose(-1, -2) * scale
+    positions = start.to(q.device).view(-1, 1, 1, 1) + torch.arange(q.shape[2], device=q.device).view(1, 1, -1, 1)
+    keys = torch.arange(k.shape[2], device=q.device).view(1, 1, 1, -1)
+    return torch.softmax(scores.masked_fill(keys > positions, float("-inf")), dim=-1) @ vd
+
+
 # ---------------------------------------------------------------- fp8 activations for fp8 GEMMs
 
 FP8_MAX = 448.0

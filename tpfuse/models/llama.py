@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tpfuse.attention_ops import invariant_attention
 from tpfuse.kernels.linear import check_chunks, layer_chunks
 from tpfuse.linear_ops import invariant_matmul
 from tpfuse.models.boundary import Boundary
@@ -95,10 +96,11 @@ class TPModel(nn.Module):
             the row-parallel ones (o_proj, down_proj) as fp32 partial sums of G / W of their
             layer's G chunks, all-reduced in fp32 over the ranks' tree and rounded once before
             the residual add (the "split" composition, whatever ``boundary`` says: the fused
-            kernel takes one dtype). The projections then give the same bits at every TP size
-            and batch; on CPU the logits do (tests/test_models.py). On GPUs attention is still
-            torch's SDPA, whose kernels are chosen by shape (issue 39's attention is next).
-            ``boundary`` must be "split" or "fused". bf16 or fp16 weights.
+            kernel takes one dtype), and attention through ``tpfuse.invariant_attention``
+            (1.3), over the KV cache in prefill as in decode. The logits then have the same bits
+            at every TP size, alone and in a batch, and from a prefill as from the decode steps
+            (tests/test_models.py, on CPU). ``boundary`` must be "split" or "fused". bf16 or
+            fp16 weights.
 
     Weights are uninitialised: use ``from_hf`` or ``random``. Every rank must run the same
     calls in the same order (each forward is a sequence of collectives). Raises ValueError
@@ -276,8 +278,16 @@ class TPModel(nn.Module):
             if cache is not None:
                 cache[0][:, :, :t] = k
                 cache[1][:, :, :t] = v
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                               enable_gqa=s.heads != s.kv_heads)
+            if self.invariant:  # over the cache, as the decode steps: the same bits at each position
+                keys, values = cache if cache is not None else (k, v)
+                o = invariant_attention(q, keys, values, torch.zeros(b, dtype=torch.int32, device=h.device), scale)
+            else:
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                   enable_gqa=s.heads != s.kv_heads)
+        elif self.invariant:
+            cache[0][:, :, pos] = k
+            cache[1][:, :, pos] = v
+            o = invariant_attention(q, cache[0], cache[1], pos.to(torch.int32).expand(b), scale)
         else:
             cache[0][:, :, pos] = k
             cache[1][:, :, pos] = v
