@@ -419,12 +419,14 @@ def _slow_rank(calls, seed):
     first call took 36-65 s on 2 cores. The calls after it race as before.
 
     The niced rank's quantized calls cost it about 1.2 s per 1000 elements on 2 cores, so the
-    test makes few, small ones: they must take every codec, an exact call between quantized
-    ones, both dtypes, grids of 1 and more blocks, and a quantized call right after another
-    (a segment is a launch of its own, so consecutive calls race as a segmented call's
-    segments do); a failure says so if they do not. (With the regions' rotation removed, these
-    calls pass, as the 10 calls of seed 3 they replaced did: the all-reduce slow-rank test is
-    the one that catches that.)"""
+    test makes few, small ones (at most 3000 elements; 1231 quantized in all with seed 24935,
+    where 40,000 took 98 s of CI's 15 minutes): they must take every codec, an exact call
+    between quantized ones, both dtypes, and a quantized call right after another (a segment
+    is a launch of its own, so consecutive calls race as a segmented call's segments do); a
+    failure says so if they do not. Grids of one block only: grids of several under a slow
+    rank are the all-reduce slow-rank test's, whose flags the quantized kernel shares. (With
+    the regions' rotation removed, these calls pass, as the 10 calls of seed 3 they replaced
+    did: the all-reduce slow-rank test is the one that catches that.)"""
     world, failures, digests = dist.get_world_size(), [], []
     rng = random.Random(seed)
     # A niced rank on a loaded 2-core machine can be starved for a minute (a .ci/run at eef8b7f,
@@ -437,7 +439,7 @@ def _slow_rank(calls, seed):
             os.nice(19)
         kinds = []  # per call: (codec or "exact", dtype, grids of its segments)
         for call in range(calls):
-            n, dtype = rng.randint(1, 40_000), rng.choice([torch.float32, torch.bfloat16])
+            n, dtype = rng.randint(1, 3000), rng.choice([torch.float32, torch.bfloat16])
             xs = _inputs(seed * 1000 + call, n, dtype, world)
             exact_fits = n * dtype.itemsize <= comm.max_bytes // 2  # else the exact path is the backend's
             codec, min_bytes = rng.choice(CODECS), rng.choice([0, 0, 1 << 30] if exact_fits else [0])
@@ -450,8 +452,8 @@ def _slow_rank(calls, seed):
     exact_between = any(k == "exact" for k, _, _ in kinds[1:-1])
     quant_twice = any("exact" not in (a[0], b[0]) for a, b in zip(kinds, kinds[1:]))
     if (got != {*CODECS, "exact"} or {d for _, d, _ in kinds} != {torch.float32, torch.bfloat16}
-            or 1 not in grids or max(grids) < 2 or not exact_between or not quant_twice):
-        failures.append(f"the calls miss a codec, an exact call, a dtype or a grid: {kinds}")
+            or 1 not in grids or not exact_between or not quant_twice):
+        failures.append(f"the calls miss a codec, an exact call or a dtype: {kinds}")
     return failures, digests
 
 
@@ -518,8 +520,8 @@ def test_messages_larger_than_the_workspace_run_in_segments(world):
 
 
 def test_quantized_peers_one_call_ahead_never_overwrite_a_slow_ranks_data():
-    # 5 calls of seed 2246 take every kind _slow_rank asks for (10 of seed 3 took 146-236 s)
-    _assert_ok(run_ranks(4, _slow_rank, 5, 2246, timeout_s=300, fresh=True))
+    # 5 calls of seed 24935 take every kind _slow_rank asks for (10 of seed 3 took 146-236 s)
+    _assert_ok(run_ranks(4, _slow_rank, 5, 24935, timeout_s=300, fresh=True))
 
 
 def test_quantized_missing_peer_ends_in_timeout_error():
