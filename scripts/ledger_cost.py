@@ -50,8 +50,8 @@ def main() -> None:
     comm = Communicator()
     ledger = comm._ledger  # detached and put back for the A/B below (a measurement, not an API)
     post = [_per_call_us(lambda: comm._post(TEXT), args.calls, sync) for _ in range(args.rounds)]
-    agree = [_per_call_us(lambda: comm._post("all_reduce of 1000 float32: algo=nccl", agree=True), args.calls, sync)
-             for _ in range(args.rounds)]
+    agree = [_per_call_us(lambda: comm._post("all_reduce of 1000 float32: algo=nccl", before_backend=True),
+                          args.calls, sync) for _ in range(args.rounds)]
     x = torch.randn(2048, device=comm.device).to(torch.bfloat16)
     with_ledger, without = [], []
     for _ in range(args.rounds if cuda else 0):

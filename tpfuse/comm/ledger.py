@@ -47,6 +47,8 @@ import time
 
 import torch.distributed as dist
 
+from tpfuse.comm.peer_memory import agree_on_errors
+
 ENTRIES = 1024
 """Calls a rank's host may run ahead of the slowest peer's host before it waits. A host is
 held back by the device's launch queue long before this in steady work."""
@@ -113,6 +115,8 @@ class CallLedger:
     def __init__(self, group: dist.ProcessGroup, rank: int, world_size: int, timeout_s: float):
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self.calls = 0
+        self._all_posted = 0
+        """The lowest call every rank was last seen to have posted (``_wait_for_peers``)."""
         self._records = _POSTED + 8 * world_size
         self._entries = _round_up(self._records + world_size * RECORD_BYTES, 4096)
         nbytes = self._entries + world_size * ENTRIES * ENTRY_BYTES
@@ -127,13 +131,13 @@ class CallLedger:
                     os.posix_fallocate(self._fd, 0, nbytes)  # zeros, and ENOSPC now rather than SIGBUS later
                 except OSError as e:
                     error = f"rank 0 cannot create {path} of {nbytes} bytes: {e}"
-            _agree(group, world_size, error)  # the file exists
+            agree_on_errors(group, error, LedgerUnavailable)  # the file exists
             if rank != 0:
                 try:
                     self._fd = os.open(path, os.O_RDWR)
                 except OSError as e:
                     error = f"rank {rank} cannot open {path}: {e}"
-            _agree(group, world_size, error)  # every rank has it open
+            agree_on_errors(group, error, LedgerUnavailable)  # every rank has it open
         except BaseException:
             self.close()
             raise
@@ -146,7 +150,7 @@ class CallLedger:
         except OSError as e:
             error = f"rank {rank} cannot map {path}: {e}"
         try:
-            _agree(group, world_size, error)
+            agree_on_errors(group, error, LedgerUnavailable)
         except BaseException:
             self.close()
             raise
@@ -161,8 +165,8 @@ class CallLedger:
         posted (a peer waits for that before overwriting an entry, so no entry is overwritten
         before every rank has compared it)."""
         n = self.calls + 1
-        if n > ENTRIES:  # entry n overwrites entry n - ENTRIES, which every peer must have compared
-            self._wait_for_peers(n - ENTRIES, f"call {n}")
+        if n - ENTRIES > self._all_posted:  # entry n overwrites one a peer may not have compared yet
+            self._all_posted = self._wait_for_peers(n - ENTRIES, f"call {n}")
         self._raise_recorded()
         entry = _entry_bytes(text)
         at = self._entry_at(self.rank, n)
@@ -246,27 +250,21 @@ class CallLedger:
             return None
         return bytes(self._map[at + 16:at + 16 + _load_word(self._map, at + 8)])
 
-    def _wait_for_peers(self, n: int, what: str) -> None:
-        """Wait until every rank has posted call n (a failure recorded meanwhile raises)."""
+    def _wait_for_peers(self, n: int, what: str) -> int:
+        """Wait until every rank has posted call n (a failure recorded meanwhile raises); the
+        lowest call posted then."""
         deadline, looks = time.monotonic() + self.timeout_s, 0
         while True:
-            late = [r for r in range(self.world_size) if _load_word(self._map, _POSTED + 8 * r) < n]
+            posted = [_load_word(self._map, _POSTED + 8 * r) for r in range(self.world_size)]
+            late = [r for r, p in enumerate(posted) if p < n]
             if not late:
-                return
+                return min(posted)
             self._raise_recorded()
             looks += 1
             if looks > _SPIN_LOOKS:
                 if time.monotonic() > deadline:
                     raise PeersLate(self.rank, late, n, self.timeout_s, what)
                 time.sleep(_WAIT_S)
-
-
-def _agree(group: dist.ProcessGroup, world_size: int, error: str) -> None:
-    """Collective: ``LedgerUnavailable`` on every rank if any rank reports an error."""
-    errors = [None] * world_size
-    dist.all_gather_object(errors, error, group=group)
-    if any(errors):
-        raise LedgerUnavailable("; ".join(e for e in errors if e))
 
 
 def _entry_bytes(text: str) -> bytes:

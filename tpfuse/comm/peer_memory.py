@@ -65,7 +65,8 @@ class PeerMemory:
         dist.all_gather_object(devices, self.device.index, group=group)
         no_p2p = [p for p in devices if p != self.device.index
                   and not torch.cuda.can_device_access_peer(self.device.index, p)]
-        _agree(group, f"GPU {self.device.index} cannot access peer GPUs {no_p2p} (no P2P)" if no_p2p else "")
+        agree_on_errors(group, f"GPU {self.device.index} cannot access peer GPUs {no_p2p} (no P2P)" if no_p2p
+                        else "")
         # The allocation can fail on one rank alone (out of memory): every rank learns of it
         # before the rendezvous, in which the others would otherwise wait for it forever.
         error = ""
@@ -76,7 +77,7 @@ class PeerMemory:
         except Exception as e:  # whatever torch or the driver says is the reason to log
             error = f"symmetric-memory allocation of {self.nbytes} bytes failed on GPU {self.device.index}: " \
                     f"{type(e).__name__}: {e}"
-        _agree(group, error)
+        agree_on_errors(group, error)
         try:
             self._handle = symm_mem.rendezvous(buf, group.group_name)
         except Exception as e:
@@ -91,7 +92,7 @@ class PeerMemory:
         try:
             fd = os.open(paths[self.rank], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError as e:
-            _agree(group, f"rank {self.rank} cannot create {paths[self.rank]}: {e}")
+            agree_on_errors(group, f"rank {self.rank} cannot create {paths[self.rank]}: {e}")
         mapped = False
         try:
             error = ""
@@ -101,12 +102,12 @@ class PeerMemory:
                 error = f"rank {self.rank} cannot size {paths[self.rank]} to {self.nbytes} bytes: {e}"
             finally:
                 os.close(fd)
-            _agree(group, error)
+            agree_on_errors(group, error)
             try:
                 self._tensors = [torch.from_file(p, shared=True, size=self.nbytes, dtype=torch.uint8) for p in paths]
             except RuntimeError as e:
                 error = f"rank {self.rank} cannot map the peer files: {e}"
-            _agree(group, error)
+            agree_on_errors(group, error)
             mapped = True
         finally:
             # Unlinked once every rank has mapped every file (or given up): the mappings keep
@@ -142,10 +143,11 @@ class PeerMemory:
         self.buffer_ptrs = []
 
 
-def _agree(group: dist.ProcessGroup, error: str) -> None:
-    """Collective: raise PeerMemoryUnavailable on every rank if any rank reports an error,
-    so that no rank goes on to a collective step that a failed rank skips."""
+def agree_on_errors(group: dist.ProcessGroup, error: str, raises=PeerMemoryUnavailable) -> None:
+    """Collective: raise ``raises`` on every rank if any rank reports an error (a non-empty
+    ``error``), so that no rank goes on to a collective step that a failed rank skips."""
     errors = [None] * dist.get_world_size(group)
     dist.all_gather_object(errors, error, group=group)
     if any(errors):
-        raise PeerMemoryUnavailable("; ".join(e for e in errors if e))
+        raise raises("; ".join(e for e in errors if e))
+

@@ -284,18 +284,17 @@ class TPModel(nn.Module):
             else:
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                                    enable_gqa=s.heads != s.kv_heads)
-        elif self.invariant:
-            cache[0][:, :, pos] = k
-            cache[1][:, :, pos] = v
-            o = invariant_attention(q, cache[0], cache[1], pos.to(torch.int32).expand(b), scale)
         else:
             cache[0][:, :, pos] = k
             cache[1][:, :, pos] = v
-            # One query token: each kv head's query heads become its "query rows", so the
-            # cache is read once per kv head, with no expansion to every query head.
-            group = s.heads // s.kv_heads
-            o = F.scaled_dot_product_attention(q.reshape(b, s.kv_heads, group, d), cache[0], cache[1],
-                                               attn_mask=mask, scale=scale)
+            if self.invariant:
+                o = invariant_attention(q, cache[0], cache[1], pos.to(torch.int32).expand(b), scale)
+            else:
+                # One query token: each kv head's query heads become its "query rows", so the
+                # cache is read once per kv head, with no expansion to every query head.
+                group = s.heads // s.kv_heads
+                o = F.scaled_dot_product_attention(q.reshape(b, s.kv_heads, group, d), cache[0], cache[1],
+                                                   attn_mask=mask, scale=scale)
         o = o.reshape(b, s.heads, t, d).transpose(1, 2).reshape(b, t, s.heads * d)
         return self._row(o, layer.o_proj)
 
