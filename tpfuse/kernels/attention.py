@@ -44,12 +44,12 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def _split_partial(q, K, V, sks, skd, svs, svd, row_pos, j, scale, D, SPLIT_: tl.constexpr,
+def _split_partial(q, K, V, sks, skd, svs, svd, row_pos, j, scale, D, SPLIT: tl.constexpr,
                    BLOCK_D: tl.constexpr):
     """Split j's partial for the rows of q ([BLOCK_M, BLOCK_D], their positions row_pos):
     (m_j, l_j, o_j). Keys past a row's position weigh 0 for that row; keys past every row's
     position are not loaded (0), so the values of unwritten cache positions never enter."""
-    kpos = j * SPLIT_ + tl.arange(0, SPLIT_)
+    kpos = j * SPLIT + tl.arange(0, SPLIT)
     dims = tl.arange(0, BLOCK_D)
     load = (kpos <= tl.max(row_pos, 0))[:, None] & (dims < D)[None, :]
     k = tl.load(K + kpos.to(tl.int64)[:, None] * sks + dims[None, :] * skd, mask=load, other=0.0)
@@ -91,14 +91,14 @@ def _finish(o, l, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _rows(pid_row, START, T, GROUP, HKV, BLOCK_M_: tl.constexpr):
+def _rows(pid_row, START, T, GROUP, HKV, BLOCK_M: tl.constexpr):
     """This CTA's sequence, kv head, rows (within the kv head's T * GROUP), whether each is
     real, and each row's position."""
-    row_blocks = tl.cdiv(T * GROUP, BLOCK_M_)
+    row_blocks = tl.cdiv(T * GROUP, BLOCK_M)
     bh = pid_row // row_blocks
     b = bh // HKV
     kvh = bh % HKV
-    rows = (pid_row % row_blocks) * BLOCK_M_ + tl.arange(0, BLOCK_M_)
+    rows = (pid_row % row_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
     real = rows < T * GROUP
     row_pos = tl.where(real, tl.load(START + b) + rows // GROUP, -1)
     return b, kvh, rows, real, row_pos
@@ -107,7 +107,8 @@ def _rows(pid_row, START, T, GROUP, HKV, BLOCK_M_: tl.constexpr):
 @triton.jit
 def attention_kernel(Q, K, V, OUT, PART, START, T, D, GROUP, HKV, n_splits, splits_per_cta, scale,
                      sqb, sqh, sqt, sqd, skb, skh, sks, skd, svb, svh, svs, svd,
-                     STORE_PARTIAL: tl.constexpr, BLOCK_D: tl.constexpr):
+                     STORE_PARTIAL: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_D: tl.constexpr):
     """One pass (STORE_PARTIAL False: every split, then o / l into OUT [B, H, T, D]) or one
     split of the split-parallel way (STORE_PARTIAL True, splits_per_cta 1: the partial into
     PART [B, H, T, n_splits, BLOCK_D + 2] fp32, the split's o then m and l). Splits past
@@ -140,7 +141,8 @@ def attention_kernel(Q, K, V, OUT, PART, START, T, D, GROUP, HKV, n_splits, spli
 
 
 @triton.jit
-def merge_kernel(PART, OUT, START, T, D, GROUP, HKV, n_splits, BLOCK_D: tl.constexpr):
+def merge_kernel(PART, OUT, START, T, D, GROUP, HKV, n_splits, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
     """The split-parallel way's second step: each row's partials folded in split order (the
     one-pass kernel's ``_fold``, on the same values), then o / l into OUT."""
     b, kvh, rows, real, row_pos = _rows(tl.program_id(0), START, T, GROUP, HKV, BLOCK_M)
@@ -176,13 +178,14 @@ def invariant_attention_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     common = dict(Q=q, K=k, V=v, OUT=out, START=start, T=t, D=d, GROUP=group, HKV=hkv, n_splits=n_splits,
                   scale=scale, sqb=q.stride(0), sqh=q.stride(1), sqt=q.stride(2), sqd=q.stride(3), skb=k.stride(0),
                   skh=k.stride(1), sks=k.stride(2), skd=k.stride(3), svb=v.stride(0), svh=v.stride(1),
-                  svs=v.stride(2), svd=v.stride(3), BLOCK_D=block_d, num_warps=NUM_WARPS, **EXACT_FP)
+                  svs=v.stride(2), svd=v.stride(3), SPLIT=SPLIT, BLOCK_M=BLOCK_M, BLOCK_D=block_d,
+                  num_warps=NUM_WARPS, **EXACT_FP)
     if t == 1:
         part = torch.empty(batch * heads * n_splits * (block_d + 2), dtype=torch.float32, device=q.device)
         attention_kernel[(batch * hkv * row_blocks, n_splits)](PART=part, splits_per_cta=1, STORE_PARTIAL=True,
                                                                **common)
-        merge_kernel[(batch * hkv * row_blocks,)](part, out, start, t, d, group, hkv, n_splits, BLOCK_D=block_d,
-                                                  num_warps=NUM_WARPS, **EXACT_FP)
+        merge_kernel[(batch * hkv * row_blocks,)](part, out, start, t, d, group, hkv, n_splits, SPLIT=SPLIT,
+                                                  BLOCK_M=BLOCK_M, BLOCK_D=block_d, num_warps=NUM_WARPS, **EXACT_FP)
     else:
         attention_kernel[(batch * hkv * row_blocks, 1)](PART=out, splits_per_cta=n_splits, STORE_PARTIAL=False,
                                                         **common)
