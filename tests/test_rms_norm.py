@@ -36,26 +36,13 @@ def _inputs(m, n, dtype, weight_kind, seed):
 
 
 def _rows_for(n):
-    """Under the interpreter, 37 rows only up to N = 1000: at the rows in two pieces (2880,
-    5120) they took four fifths of each case's 25-37 s (CI's budget), and 5 rows there still
-    give every row its own program and dW several partials."""
-    return [m for m in MS if m * n <= (50_000_000 if ON_GPU else 100_000)]
+    return [m for m in MS if m * n <= (50_000_000 if ON_GPU else 1_000_000)]
 
 
 def _reference_cases():
     """(n, dtype, weight_kind) for test_forward_and_backward_match_reference: every dtype with
-    every weight kind at each N. Under the interpreter rows in two pieces (2880, 5120) cost
-    20-35 s a case, so there each of those N takes a Latin square's row of 3 combinations,
-    shifted per N: every dtype and every weight kind still once at each N, and the two Ns
-    together pair each dtype with two weight kinds."""
-    sampled = {} if ON_GPU else {2880: 0, 5120: 1}  # n -> the square's shift
-    cases = []
-    for n in NS:
-        for i, dtype in enumerate(DTYPES):
-            for j, weight_kind in enumerate(WEIGHTS):
-                if n not in sampled or j == (i + sampled[n]) % len(WEIGHTS):
-                    cases.append((n, dtype, weight_kind))
-    return cases
+    every weight kind at each N."""
+    return [(n, dtype, weight_kind) for n in NS for dtype in DTYPES for weight_kind in WEIGHTS]
 
 
 @pytest.mark.parametrize("n, dtype, weight_kind", _reference_cases(),
@@ -102,17 +89,16 @@ def test_add_rms_norm_is_bitwise_rms_norm_of_rounded_sum(n, dtype):
 
 
 def _batch_invariance_cases():
-    """(n, dtype): every dtype at every N on GPUs; under the interpreter, where a case costs
-    5-15 s, one dtype per N in turn (every dtype at one N at least)."""
+    """(n, dtype): every dtype at every N."""
     ns = [64, 1000, 2880] + ([4096, 7168, 20000] if ON_GPU else [20000])
-    return [(n, dtype) for i, n in enumerate(ns) for j, dtype in enumerate(DTYPES) if ON_GPU or j == i % len(DTYPES)]
+    return [(n, dtype) for n in ns for dtype in DTYPES]
 
 
 @pytest.mark.parametrize("n, dtype", _batch_invariance_cases(),
                          ids=lambda v: str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else None)
 def test_batch_invariance(n, dtype):
     """A row alone and inside a batch of many rows, at a random position: the same bits."""
-    m = 1000 if (ON_GPU or n <= 2880) else 40
+    m = 1000 if ON_GPU else 200 if n <= 2880 else 40  # under the interpreter every row runs the same code
     x, w, _ = _inputs(m, n, dtype, "plain", seed=n)
     residual = torch.randn(m, n).to(dtype).to(DEVICE)
     pos = int(torch.randint(m, (1,)))
@@ -132,11 +118,7 @@ def test_batch_invariance(n, dtype):
 
 @pytest.mark.parametrize("n", [64, 1000, 20000])
 def test_backward_is_deterministic(n):
-    # Under the interpreter, N=1000 takes 128 rows (32 partials, two groups of the tree), not
-    # 300 (75 partials over 4 combine programs, 88 s on 2 cores): the combine over several
-    # programs and groups, twice in a row, is test_fused_and_separate_dw_combine_give_the_same_bits's
-    # at 3000 x 300.
-    m = 3000 if ON_GPU else {64: 300, 1000: 128, 20000: 12}[n]
+    m = 3000 if ON_GPU else {64: 300, 1000: 300, 20000: 12}[n]
     x, w, _ = _inputs(m, n, torch.bfloat16, "plain", seed=7)
     dy = torch.randn(m, n).to(torch.bfloat16).to(DEVICE)
     results = []
@@ -150,12 +132,9 @@ def test_backward_is_deterministic(n):
         assert torch.equal(dx, results[0][0]) and torch.equal(dw, results[0][1])
 
 
-# Under the interpreter N=1000 at 300 rows alone took 2 min: it is left out there, as 256 x 300 covers
-# the tree over the partials of 300 rows (19 partials: two groups, the last one short; 3000 x 300
-# the same in 100 partials over 12 combine programs), and N=1000 keeps its 1, 5 and 64 rows.
 @pytest.mark.parametrize("n, m", [
     (n, m) for n in [256, 1000, 3000] + ([4096, 5120, 10240, 16384, 20000] if ON_GPU else [])
-    for m in [1, 5, 64, 300] + ([4096, 32768] if ON_GPU else []) if ON_GPU or (n, m) != (1000, 300)])
+    for m in [1, 5, 64, 300] + ([4096, 32768] if ON_GPU else [])])
 def test_fused_and_separate_dw_combine_give_the_same_bits(m, n):
     """The plan's in-kernel combine (the tree, or column programs: n=3000 with 5 or 32
     partials) against the separate launch, twice in a row: the in-kernel counters must be
