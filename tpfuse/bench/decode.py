@@ -11,7 +11,13 @@ slowest rank), tokens per second, and the share of the step spent at the layer b
 (the 2 x layers boundary calls of one step timed alone, graph-replayed, over the step).
 
 The same run checks the bits: "fused" and compiled "fused" give "split"'s logits at every
-step, and a second "fused" decode (a new capture) repeats the first. Results: a table, JSON,
+step, and a second "fused" decode (a new capture) repeats the first. With ``--invariant`` an
+invariant model of the same weights (``TPModel(invariant=True)``: invariant GEMMs and
+attention, fp32 partials all-reduced over the ranks' tree, then the residual add and norm;
+"split" and "fused" are one path there) runs beside them as "invariant", and the table gives
+its tokens/s against the plain fused model's. The header gives the
+weight-read floor: this rank's weights without the embedding table, read once per step at
+the GPU's nominal bandwidth (H100 3.35 TB/s, H200 4.8 TB/s). Results: a table, JSON,
 markdown and a PNG plot (ms per step vs batch) under ``--out``. On a machine without GPUs:
 a tiny config over two CPU ranks under Triton's interpreter, checking the bits; timings
 need GPUs.
@@ -51,6 +57,8 @@ def _options(argv):
     p.add_argument("--context", type=int, default=1024, help="KV-cache positions (default 1024)")
     p.add_argument("--steps", type=int, default=None, help="timed decode steps (default 32; CPU: 6 steps checked)")
     p.add_argument("--boundaries", default=",".join(BOUNDARIES), help="comma-separated (default: all four)")
+    p.add_argument("--invariant", action="store_true",
+                   help="also an invariant model's split and fused boundaries (GPU runs)")
     p.add_argument("--out", default="bench_out", help="output folder (GPU runs)")
     p.add_argument("--plot", action="store_true", help="also write a PNG plot (needs matplotlib)")
     opts = vars(p.parse_args(argv))
@@ -67,7 +75,7 @@ def _options(argv):
     if opts["prompt"] < 1 or opts["steps"] < 1:
         p.error("--prompt and --steps must be >= 1")
     opts["batch_given"] = opts["batch"] != BATCHES
-    opts["gpu_only"] = gpu_only_flags(p, opts, ["context", "out", "plot"])
+    opts["gpu_only"] = gpu_only_flags(p, opts, ["context", "out", "plot", "invariant"])
     return opts
 
 
@@ -89,12 +97,26 @@ def _decode(model, ids, steps, context, compile):
     return times, torch.stack(out)
 
 
+NOMINAL_TB_S = {"H100": 3.35, "H200": 4.8}
+"""HBM bandwidth by GPU model, as its datasheet gives it (the floor's rate)."""
+
+
+def _floor_ms(model) -> float | None:
+    """The weight-read floor of one decode step on this rank: every weight but the embedding
+    table (a lookup) read once at the GPU's nominal bandwidth; None for other GPUs."""
+    rate = next((tb for name, tb in NOMINAL_TB_S.items() if name in torch.cuda.get_device_name()), None)
+    if rate is None:
+        return None
+    weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n != "embed_tokens")
+    return weight_bytes / (rate * 1e12) * 1e3
+
+
 def _boundary_ms(model, batch):
     """ms of one step's 2 x layers boundary calls, alone, graph-replayed."""
     c = model.config
     g = torch.Generator(device="cuda").manual_seed(batch)
-    x = torch.randn(batch, 1, c.hidden_size, generator=g, device="cuda").to(model.dtype)
-    residual = torch.randn_like(x)
+    residual = torch.randn(batch, 1, c.hidden_size, generator=g, device="cuda").to(model.dtype)
+    x = torch.randn_like(residual, dtype=torch.float32 if model.invariant else model.dtype)  # the partial sums
     weight = model.norm
 
     def calls(_):
@@ -114,6 +136,8 @@ def _measure(comm, config, opts, rank):
     records, failures = [], []
     t0 = time.time()
     model = TPModel.random(config, comm, seed=0, boundary="split")
+    invariant = TPModel.random(config, comm, seed=0, boundary="split", invariant=True) if opts["invariant"] else None
+    floor = _floor_ms(model)
     for batch in opts["batch"]:
         g = torch.Generator(device="cuda").manual_seed(batch)
         ids = torch.randint(0, config.vocab_size, (batch, opts["prompt"]), generator=g, device="cuda")
@@ -123,24 +147,29 @@ def _measure(comm, config, opts, rank):
         runs += [(b, True) for b in COMPILED if batch in opts["compile_batches"] and b in opts["boundaries"]]
         if "fused" in opts["boundaries"]:
             runs.append(("fused", False))
+        runs = [(model, "", *r) for r in runs]
+        if invariant is not None:
+            runs.append((invariant, "invariant", "fused", False))
         reference, seen = None, set()
-        for boundary, compiled in runs:
-            model.set_boundary(boundary)
-            times, logits = _decode(model, ids, opts["steps"], opts["context"], compiled)
+        for m, kind, boundary, compiled in runs:
+            m.set_boundary(boundary)
+            times, logits = _decode(m, ids, opts["steps"], opts["context"], compiled)
             ms = agreed_max(statistics.median(times))
-            again = (boundary, compiled) in seen
-            name = boundary + ("+compile" if compiled else "") + (" (again)" if again else "")
+            again = (kind, boundary, compiled) in seen
+            name = (kind or boundary) + ("+compile" if compiled else "") + (" (again)" if again else "")
             rec = dict(batch=batch, boundary=name, ms_per_step=round(ms, 4), tokens_per_s=round(batch / ms * 1e3, 1))
+            if floor is not None:
+                rec["vs_floor"] = round(ms / floor, 3)
             if boundary == "split" and not compiled:
                 reference = logits
-            elif boundary == "fused" and reference is not None:
+            elif boundary == "fused" and not kind and reference is not None:
                 rec["bitwise_vs_split"] = bool(same_bits(logits, reference))
                 if not rec["bitwise_vs_split"]:
                     failures.append(f"batch {batch} {name}: logits differ from split's")
             if not again and not compiled:
-                rec["boundary_ms"] = round(_boundary_ms(model, batch), 4)
+                rec["boundary_ms"] = round(_boundary_ms(m, batch), 4)
                 rec["boundary_share"] = round(rec["boundary_ms"] / ms, 3)
-            seen.add((boundary, compiled))
+            seen.add((kind, boundary, compiled))
             records.append(rec)
             if rank == 0:
                 print(f"[{time.time() - t0:6.0f} s] batch {batch:3d} {name:16s} {ms:7.3f} ms/step "
@@ -150,10 +179,11 @@ def _measure(comm, config, opts, rank):
                       flush=True)
             del logits
             if compiled:  # torch.compile's cache keeps a compiled decode session (and its KV cache) alive
-                model.set_boundary("split")
+                m.set_boundary("split")
                 torch._dynamo.reset()
+        del reference
         torch.cuda.empty_cache()
-    return records, failures
+    return records, failures, floor
 
 
 def _gpu_worker(rank, world, port, opts):
@@ -162,14 +192,16 @@ def _gpu_worker(rank, world, port, opts):
     header = run_header() | {"world_size": world, "preset": opts["preset"], "prompt": opts["prompt"],
                              "context": opts["context"], "steps": opts["steps"]}
     with tpfuse.Communicator() as comm:
-        records, failures = _measure(comm, PRESETS[opts["preset"]], opts, rank)
+        records, failures, floor = _measure(comm, PRESETS[opts["preset"]], opts, rank)
+    if floor is not None:
+        header["floor_ms"] = round(floor, 4)
     # The model and its captured graphs are gone: NCCL's teardown waits for graphs that hold its work.
     gc.collect()
     torch.cuda.synchronize()
     if rank == 0:
         md = _markdown(records, header, world)
         print(md)
-        name = f"decode_{opts['preset']}_tp{world}"
+        name = f"decode_{opts['preset']}_tp{world}" + ("_invariant" if opts["invariant"] else "")
         paths = write_results(opts["out"], name, header, records, md)
         print("wrote", *paths)
         if opts["plot"]:
@@ -183,12 +215,17 @@ def _gpu_worker(rank, world, port, opts):
 def _markdown(records, header, world) -> str:
     by = {(r["batch"], r["boundary"]): r for r in records}
     names = list(dict.fromkeys(r["boundary"] for r in records))
+    with_invariant = "invariant" in names
     md = header_markdown(f"decode step, {header['preset']}, TP={world}", header)
     md += ("ms per decode step (CUDA-graph replay, median over the steps, slowest rank); in brackets the "
            "boundary's share of the step. `=` marks fused runs whose logits equal split's bit for bit at "
-           "every step, `x` runs that differ.\n\n")
-    md += "| batch | " + " | ".join(names) + " | fused tok/s | fused vs torch | fused vs split |\n"
-    md += "|---" * (len(names) + 4) + "|\n"
+           "every step, `x` runs that differ.")
+    if "floor_ms" in header:
+        md += (f" The weight-read floor is {header['floor_ms']:.3f} ms per step (this rank's weights but the "
+               "embedding table, at the GPU's nominal bandwidth); `fused / floor` is fused's step over it.")
+    md += "\n\n| batch | " + " | ".join(names) + " | fused tok/s | fused vs torch | fused vs split |"
+    extra = (["fused / floor"] if "floor_ms" in header else []) + (["invariant tok/s vs fused"] if with_invariant else [])
+    md += "".join(f" {e} |" for e in extra) + "\n" + "|---" * (len(names) + 4 + len(extra)) + "|\n"
     for b in sorted({r["batch"] for r in records}):
         cells = []
         for n in names:
@@ -202,7 +239,13 @@ def _markdown(records, header, world) -> str:
         fused, torch_, split = by.get((b, "fused")), by.get((b, "torch")), by.get((b, "split"))
         ratio = (lambda other: f"{other['ms_per_step'] / fused['ms_per_step']:.2f}x" if fused and other else "-")
         md += (f"| {b} | " + " | ".join(cells) + f" | {fused['tokens_per_s']:.0f} | " if fused else
-               f"| {b} | " + " | ".join(cells) + " | - | ") + f"{ratio(torch_)} | {ratio(split)} |\n"
+               f"| {b} | " + " | ".join(cells) + " | - | ") + f"{ratio(torch_)} | {ratio(split)} |"
+        if "floor_ms" in header:
+            md += f" {fused['vs_floor']:.2f}x |" if fused else " - |"
+        if with_invariant:
+            inv = by.get((b, "invariant"))
+            md += f" {fused['ms_per_step'] / inv['ms_per_step']:.2f}x |" if fused and inv else " - |"
+        md += "\n"
     return md
 
 
