@@ -30,6 +30,11 @@ if not torch.cuda.is_available():
 INTERPRETER: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 """True when kernels run under Triton's interpreter (inputs must then be CPU tensors)."""
 
+if INTERPRETER:
+    from tpfuse._interpreter import install as _install_interpreter_patch_once
+
+    _install_interpreter_patch_once()
+
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
