@@ -113,7 +113,8 @@ def _split_fused_compiled_repeat(seed, steps, repeat_steps):
 
 def _invariant_logits(seed, steps):
     """bf16, invariant: prefill logits, greedy tokens and their logits (as digests), a sequence
-    alone against the same sequence in the batch, and a prefill against the decode steps."""
+    alone against the same sequence in the batch (prefill, and decode among prompts of other
+    lengths), and a prefill against the decode steps."""
     hf = _hf_model("llama", seed, torch.bfloat16)
     ids = torch.randint(0, TINY["vocab_size"], (3, 6), generator=torch.Generator().manual_seed(seed))
     # A workspace of 16 fp32 rows: the prefill's 18 rows of partial sums are all-reduced in two
@@ -126,9 +127,15 @@ def _invariant_logits(seed, steps):
         # One prefill over the prompt and the tokens fed to the decode steps: at the positions
         # the steps decoded, their logits (the attention's fixed splits, docs/design.md 1.3).
         refed = model(tokens[:, :-1])[:, ids.shape[1] - 1:]
+        # Prompts of 6, 3 and 5 tokens in one right-padded batch: the second decodes as it does alone.
+        ragged, ragged_logits = model.generate(ids, steps, lengths=[6, 3, 5], return_logits=True)
+        short, short_logits = model.generate(ids[1:2, :3], steps, return_logits=True)
         plain = TPModel.from_hf(hf, comm, boundary="fused")(ids)  # the same model, not invariant
     failures = [] if torch.equal(alone.view(torch.uint8), prefill[1:2].view(torch.uint8)) else [
         "a sequence alone has other logits than in its batch"]
+    if not (torch.equal(ragged_logits[1].view(torch.uint8), short_logits[0].view(torch.uint8))
+            and torch.equal(ragged[1, :3 + steps], short[0]) and (ragged[1, 3 + steps:] == 0).all()):
+        failures.append("a short prompt in a batch of longer ones decodes otherwise than alone")
     if not torch.equal(refed.view(torch.uint8), logits.view(torch.uint8)):
         failures.append("a prefill's logits at the decoded positions are not the decode steps'")
     # As close to fp32 Hugging Face as the plain bf16 model (not merely the same at every TP size).
@@ -136,7 +143,7 @@ def _invariant_logits(seed, steps):
     err, plain_err = reference.rel_err(prefill, want), reference.rel_err(plain, want)
     if not err < 1.5 * plain_err + 1e-3:
         failures.append(f"invariant logits off fp32 Hugging Face's by {err:.2e}, the plain model's by {plain_err:.2e}")
-    return failures, (_digest(prefill, tokens, logits), _digest(plain))
+    return failures, (_digest(prefill, tokens, logits, ragged_logits), _digest(plain))
 
 
 def test_invariant_model_gives_the_same_logits_at_every_tp_size():
@@ -231,6 +238,25 @@ def test_forward_after_a_longer_generate_and_an_empty_prompt():
             model.generate(empty, 4)
         with pytest.raises(ValueError, match="at least one token"):
             model(empty)
+
+
+def test_prompts_of_other_lengths_decode_from_their_own_positions():
+    """Right-padded prompts of 5, 2 and 4 tokens (fp32, one rank, the plain model): each
+    sequence's greedy tokens and logits as when it decodes alone (to float rounding: the plain
+    model's kernels may sum a batch otherwise), its row of the result its prompt, its new tokens,
+    then the pad id; lengths out of range are a ValueError."""
+    model = TPModel.from_hf(_hf_model("llama", 5), None)
+    ids = torch.randint(1, TINY["vocab_size"], (3, 5), generator=torch.Generator().manual_seed(5))
+    lengths = [5, 2, 4]
+    ids[1, 2:], ids[2, 4:] = 7, 7  # the padding's tokens must not matter
+    out, logits = model.generate(ids, 3, lengths=lengths, pad_token_id=-1, return_logits=True)
+    for b, n in enumerate(lengths):
+        alone, alone_logits = model.generate(ids[b:b + 1, :n], 3, return_logits=True)
+        torch.testing.assert_close(logits[b], alone_logits[0], rtol=1e-5, atol=1e-5)
+        assert torch.equal(out[b, :n + 3], alone[0]) and (out[b, n + 3:] == -1).all()
+    for bad in ([5, 0, 4], [6, 2, 4], [5, 2]):
+        with pytest.raises(ValueError, match="lengths must give each"):
+            model.generate(ids, 2, lengths=bad)
 
 
 def _closing_drops_the_decode_session():

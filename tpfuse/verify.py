@@ -3,8 +3,9 @@
 The same model (``TPModel.random``: each full weight from the seed and its name, so every TP
 size holds the same weights) runs at each TP size this machine allows, invariant
 (``TPModel(invariant=True)``) and plain, on the same prompts. For sequence 0 of a batch it
-hashes the prefill logits, the decode logits of a few greedy steps, and the prefill logits of
-the sequence alone, and prints one table: equal or not to TP=1's, and alone = in the batch.
+hashes the prefill logits and the decode logits of a few greedy steps, the same of the
+sequence alone, and its decode beside prompts of other lengths; it prints one table: equal or
+not to TP=1's, and alone = in the batch.
 Without a GPU the ranks are emulated CPU processes under Triton's interpreter (a tiny model);
 on GPUs every TP size that divides the GPU count runs, on the first GPUs.
 
@@ -56,6 +57,11 @@ def _rank(rank: int, world: int, port: int, opts: dict) -> None:
                 row["alone"] = _digest(model(ids[:1])[0])
                 _, logits = model.generate(ids, opts["steps"], return_logits=True)
                 row["invariant decode"] = _digest(logits[0])
+                # Sequence 0 decoding alone, and beside prompts of other lengths (right-padded).
+                others = [1 + (opts["prompt"] - 1) * i // opts["batch"] for i in range(1, opts["batch"])]
+                _, ragged = model.generate(ids, opts["steps"], lengths=[opts["prompt"], *others], return_logits=True)
+                _, alone = model.generate(ids[:1], opts["steps"], return_logits=True)
+                row["decode alone"], row["decode among other lengths"] = _digest(alone[0]), _digest(ragged[0])
             del model
     if rank == 0:
         with open(opts["out"], "w") as f:
@@ -84,7 +90,8 @@ def _table(rows: dict[int, dict | None]) -> tuple[str, bool]:
             ok = False
             continue
         same = {k: base is not None and r[k] == base[k] for k in r}
-        alone = r["alone"] == r["invariant prefill"]
+        alone = (r["alone"] == r["invariant prefill"]
+                 and r["decode alone"] == r["decode among other lengths"] == r["invariant decode"])
         ok = ok and same["invariant prefill"] and same["invariant decode"] and alone
         yes = {True: "equal", False: "NOT equal"}
         lines.append(f"| {tp} | {r['invariant prefill']} | {yes[same['invariant prefill']]} | "

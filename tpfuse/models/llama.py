@@ -260,8 +260,9 @@ class TPModel(nn.Module):
     def _attention(self, layer: DecoderLayer, h: Tensor, cos: Tensor, sin: Tensor, cache, pos, mask) -> Tensor:
         """Attention's partial sum for this rank's heads. Prefill (pos None): causal over h's
         own tokens, written into ``cache`` ([B, kv_heads, S, head_dim] k and v) when given.
-        Decode (pos: [1] int64, h: [B, 1, hidden], mask: [1, 1, 1, S] bool, the positions up
-        to pos): writes k, v at pos and attends to the cache under the mask."""
+        Decode (pos: [B] int64, each sequence's position; h: [B, 1, hidden]; mask: [B, 1, 1, S]
+        bool, each sequence's positions up to its pos): writes k, v at pos and attends to the
+        cache under the mask."""
         c, s = self.config, self.shard
         b, t, _ = h.shape
         d = c.head_dim
@@ -285,10 +286,11 @@ class TPModel(nn.Module):
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                                    enable_gqa=s.heads != s.kv_heads)
         else:
-            cache[0][:, :, pos] = k
-            cache[1][:, :, pos] = v
+            rows = torch.arange(b, device=h.device)
+            cache[0][rows, :, pos] = k[:, :, 0]
+            cache[1][rows, :, pos] = v[:, :, 0]
             if self.invariant:
-                o = invariant_attention(q, cache[0], cache[1], pos.to(torch.int32).expand(b), scale)
+                o = invariant_attention(q, cache[0], cache[1], pos.to(torch.int32), scale)
             else:
                 # One query token: each kv head's query heads become its "query rows", so the
                 # cache is read once per kv head, with no expansion to every query head.
@@ -324,8 +326,8 @@ class TPModel(nn.Module):
         c = self.config
         eps, offset = c.rms_norm_eps, c.norm_weight_offset
         mask = None
-        if pos is not None:  # decode: the cache positions up to pos, for every layer
-            mask = (torch.arange(caches[0][0].shape[2], device=ids.device) <= pos).view(1, 1, 1, -1)
+        if pos is not None:  # decode: each sequence's cache positions up to its pos, for every layer
+            mask = (torch.arange(caches[0][0].shape[2], device=ids.device) <= pos[:, None]).view(len(pos), 1, 1, -1)
         residual = self._embed(ids)
         h = self.boundary.rms_norm(residual, self.layers[0].input_norm, eps, offset)
         for i, layer in enumerate(self.layers):
@@ -378,26 +380,35 @@ class TPModel(nn.Module):
         return self._session
 
     @torch.no_grad()
-    def generate(self, input_ids: Tensor, max_new_tokens: int, *, cuda_graph: bool | None = None,
-                 compile: bool | str = False, return_logits: bool = False):
+    def generate(self, input_ids: Tensor, max_new_tokens: int, *, lengths=None, pad_token_id: int = 0,
+                 cuda_graph: bool | None = None, compile: bool | str = False, return_logits: bool = False):
         """Greedy decoding: ``input_ids`` [B, T] int64 (B prompts of T tokens) -> [B, T +
-        max_new_tokens], the same on every rank. With ``return_logits``, also the logits
-        [B, max_new_tokens, vocab] each new token was picked from. The decode step runs as a
-        captured CUDA graph (``cuda_graph``, default on CUDA) and, with ``compile``, compiled
-        by ``torch.compile(fullgraph=True)`` (True: inductor; a string names another backend).
-        A new (batch, length, cuda_graph, compile) or boundary captures a new step; the same
-        arguments reuse it. A compiled step stays in torch.compile's cache, and with it its KV
-        cache, until ``torch._dynamo.reset()``."""
+        max_new_tokens], the same on every rank. Prompts of other lengths come right-padded
+        with ``lengths`` (int [B], each in 1..T): every sequence decodes from its own position,
+        and row b of the result holds its prompt, its new tokens, then ``pad_token_id``. With
+        ``return_logits``, also the logits [B, max_new_tokens, vocab] each new token was picked
+        from. The decode step runs as a captured CUDA graph (``cuda_graph``, default on CUDA)
+        and, with ``compile``, compiled by ``torch.compile(fullgraph=True)`` (True: inductor; a
+        string names another backend). A new (batch, length, cuda_graph, compile) or boundary
+        captures a new step; the same arguments reuse it. A compiled step stays in
+        torch.compile's cache, and with it its KV cache, until ``torch._dynamo.reset()``."""
         t = self._check_ids(input_ids, max_new_tokens)
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        dec = self.decode_session(input_ids.shape[0], t + max_new_tokens, cuda_graph=cuda_graph, compile=compile)
-        logits = [dec.prefill(input_ids)]
-        tokens = [input_ids, logits[0].argmax(-1, keepdim=True)]
+        b = input_ids.shape[0]
+        lengths = _check_lengths(lengths, b, t)
+        dec = self.decode_session(b, t + max_new_tokens, cuda_graph=cuda_graph, compile=compile)
+        logits = [dec.prefill(input_ids, lengths)]
+        new = [logits[0].argmax(-1)]
         for _ in range(max_new_tokens - 1):
-            logits.append(dec.step(tokens[-1][:, 0]).clone())
-            tokens.append(logits[-1].argmax(-1, keepdim=True))
-        out = torch.cat(tokens, dim=1)
+            logits.append(dec.step(new[-1]).clone())
+            new.append(logits[-1].argmax(-1))
+        out = torch.full((b, t + max_new_tokens), pad_token_id, dtype=torch.int64, device=input_ids.device)
+        out[:, :t] = input_ids
+        cols = lengths.to(input_ids.device)[:, None] + torch.arange(max_new_tokens, device=input_ids.device)
+        prompt_pad = torch.arange(t, device=input_ids.device) >= lengths.to(input_ids.device)[:, None]
+        out[:, :t][prompt_pad] = pad_token_id
+        out.scatter_(1, cols, torch.stack(new, dim=1))
         return (out, torch.stack(logits, dim=1)) if return_logits else out
 
 
@@ -454,9 +465,9 @@ class DecodeSession:
     ``cuda_graph`` (inputs copied into static buffers, replayed per token) and compiled
     with ``torch.compile(fullgraph=True)`` when ``compile``.
 
-    ``prefill(ids) -> logits [B, vocab]`` of the last prompt token; ``step(tokens [B]) ->
-    logits [B, vocab]`` of the next position (a view of a static buffer under a graph:
-    clone it to keep it)."""
+    ``prefill(ids, lengths=None) -> logits [B, vocab]`` of each prompt's last token;
+    ``step(tokens [B]) -> logits [B, vocab]`` of each sequence's next position (a view of a
+    static buffer under a graph: clone it to keep it)."""
 
     def __init__(self, model: TPModel, batch: int, seq_len: int, *, cuda_graph: bool, compile: bool | str):
         self.model, self.batch, self.seq_len = model, batch, seq_len
@@ -466,9 +477,9 @@ class DecodeSession:
         self.caches = [(torch.zeros(shape, dtype=model.dtype, device=model.device),
                         torch.zeros(shape, dtype=model.dtype, device=model.device)) for _ in model.layers]
         self.cos, self.sin = model._rope(seq_len)
-        self.position = 0
         self.tokens = torch.zeros(batch, dtype=torch.int64, device=model.device)
-        self.pos = torch.zeros(1, dtype=torch.int64, device=model.device)
+        self.pos = torch.zeros(batch, dtype=torch.int64, device=model.device)
+        self.positions = torch.zeros(batch, dtype=torch.int64)  # each sequence's next position (host)
         self._step = self._eager_step
         if compile:
             # Inductor fuses elementwise chains and would keep bf16 intermediates in fp32;
@@ -481,7 +492,7 @@ class DecodeSession:
 
     def _eager_step(self, tokens: Tensor, pos: Tensor) -> Tensor:
         m = self.model
-        cos, sin = self.cos[pos], self.sin[pos]
+        cos, sin = self.cos[pos][:, None, None], self.sin[pos][:, None, None]  # [B, 1, 1, D]: per sequence
         h = m._hidden(tokens[:, None], cos, sin, self.caches, pos)
         return m._logits(h[:, 0])
 
@@ -515,28 +526,46 @@ class DecodeSession:
             raise RuntimeError("this decode session is closed (its model made a new one, or its communicator closed)")
 
     @torch.no_grad()
-    def prefill(self, input_ids: Tensor) -> Tensor:
+    def prefill(self, input_ids: Tensor, lengths: Tensor | None = None) -> Tensor:
+        """Fill the cache from ``input_ids`` [B, T], right-padded to T where ``lengths`` (int
+        [B], each in 1..T; default all T) gives shorter prompts; logits [B, vocab] of each
+        sequence's last prompt token. The padding's keys and values sit past a sequence's
+        length, where its steps write their own before any query reads them."""
         self._check_open()
-        t = input_ids.shape[1]
-        if input_ids.shape[0] != self.batch or t >= self.seq_len:
+        b, t = input_ids.shape
+        if b != self.batch or t >= self.seq_len:
             raise ValueError(f"prefill of {tuple(input_ids.shape)} does not fit this decode session "
                              f"(batch {self.batch}, {self.seq_len} tokens)")
+        lengths = _check_lengths(lengths, b, t)
         for k, v in self.caches:
             k.zero_()
             v.zero_()
         h = self.model._hidden(input_ids, self.cos[:t], self.sin[:t], self.caches, None)
-        self.position = t
-        return self.model._logits(h[:, -1])
+        self.positions = lengths.clone()
+        last = (lengths - 1).to(input_ids.device)
+        return self.model._logits(h[torch.arange(b, device=h.device), last])
 
     @torch.no_grad()
     def step(self, tokens: Tensor) -> Tensor:
+        """Decode one token per sequence (``tokens`` [B]), each at its own next position."""
         self._check_open()
-        if self.position >= self.seq_len:
+        if int(self.positions.max()) >= self.seq_len:
             raise ValueError(f"the decode session holds {self.seq_len} tokens: no position left")
         self.tokens.copy_(tokens)
-        self.pos.fill_(self.position)
-        self.position += 1
+        self.pos.copy_(self.positions)
+        self.positions += 1
         if self.graph is None:
             return self._step(self.tokens, self.pos)
         self.graph.replay()
         return self.logits
+
+
+def _check_lengths(lengths, batch: int, tokens: int) -> Tensor:
+    """Prompt lengths as a CPU int64 [batch] tensor, each in 1..tokens (None: all tokens)."""
+    if lengths is None:
+        return torch.full((batch,), tokens, dtype=torch.int64)
+    lengths = torch.as_tensor(lengths).to("cpu", torch.int64)
+    if lengths.shape != (batch,) or int(lengths.min()) < 1 or int(lengths.max()) > tokens:
+        raise ValueError(f"lengths must give each of the {batch} prompts a length in 1..{tokens}, got "
+                         f"{lengths.tolist()}")
+    return lengths
