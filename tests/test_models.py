@@ -113,8 +113,8 @@ def _split_fused_compiled_repeat(seed, steps, repeat_steps):
 
 def _invariant_logits(seed, steps):
     """bf16, invariant: prefill logits, greedy tokens and their logits (as digests), a sequence
-    alone against the same sequence in the batch (prefill, and decode among prompts of other
-    lengths), and a prefill against the decode steps."""
+    alone against the same sequence in the batch (prefill, decode among prompts of other
+    lengths, seeded draws and log-probs), and a prefill against the decode steps."""
     hf = _hf_model("llama", seed, torch.bfloat16)
     ids = torch.randint(0, TINY["vocab_size"], (3, 6), generator=torch.Generator().manual_seed(seed))
     # A workspace of 16 fp32 rows: the prefill's 18 rows of partial sums are all-reduced in two
@@ -130,12 +130,20 @@ def _invariant_logits(seed, steps):
         # Prompts of 6, 3 and 5 tokens in one right-padded batch: the second decodes as it does alone.
         ragged, ragged_logits = model.generate(ids, steps, lengths=[6, 3, 5], return_logits=True)
         short, short_logits = model.generate(ids[1:2, :3], steps, return_logits=True)
+        # Seeded draws (one seed per sequence) and log-probs: the short sequence's alone and in the batch.
+        drawn = model.generate(ids, steps, lengths=[6, 3, 5], temperature=0.9, top_p=0.9, seed=[11, 12, 13])
+        drawn_alone = model.generate(ids[1:2, :3], steps, temperature=0.9, top_p=0.9, seed=12)
+        scored = model.log_probs(drawn, lengths=[6 + steps, 3 + steps, 5 + steps])
+        scored_alone = model.log_probs(drawn_alone)
         plain = TPModel.from_hf(hf, comm, boundary="fused")(ids)  # the same model, not invariant
     failures = [] if torch.equal(alone.view(torch.uint8), prefill[1:2].view(torch.uint8)) else [
         "a sequence alone has other logits than in its batch"]
     if not (torch.equal(ragged_logits[1].view(torch.uint8), short_logits[0].view(torch.uint8))
             and torch.equal(ragged[1, :3 + steps], short[0]) and (ragged[1, 3 + steps:] == 0).all()):
         failures.append("a short prompt in a batch of longer ones decodes otherwise than alone")
+    if not (torch.equal(drawn[1, :3 + steps], drawn_alone[0])
+            and torch.equal(scored[1, :2 + steps].view(torch.int32), scored_alone[0].view(torch.int32))):
+        failures.append("a sequence's seeded draws or log-probs differ alone and in its batch")
     if not torch.equal(refed.view(torch.uint8), logits.view(torch.uint8)):
         failures.append("a prefill's logits at the decoded positions are not the decode steps'")
     # As close to fp32 Hugging Face as the plain bf16 model (not merely the same at every TP size).
@@ -143,7 +151,7 @@ def _invariant_logits(seed, steps):
     err, plain_err = reference.rel_err(prefill, want), reference.rel_err(plain, want)
     if not err < 1.5 * plain_err + 1e-3:
         failures.append(f"invariant logits off fp32 Hugging Face's by {err:.2e}, the plain model's by {plain_err:.2e}")
-    return failures, (_digest(prefill, tokens, logits, ragged_logits), _digest(plain))
+    return failures, (_digest(prefill, tokens, logits, ragged_logits, drawn, scored), _digest(plain))
 
 
 def test_invariant_model_gives_the_same_logits_at_every_tp_size():
@@ -244,7 +252,7 @@ def test_prompts_of_other_lengths_decode_from_their_own_positions():
     """Right-padded prompts of 5, 2 and 4 tokens (fp32, one rank, the plain model): each
     sequence's greedy tokens and logits as when it decodes alone (to float rounding: the plain
     model's kernels may sum a batch otherwise), its row of the result its prompt, its new tokens,
-    then the pad id; lengths out of range are a ValueError."""
+    then the pad id; lengths out of range are a ValueError; log_probs are Hugging Face's."""
     model = TPModel.from_hf(_hf_model("llama", 5), None)
     ids = torch.randint(1, TINY["vocab_size"], (3, 5), generator=torch.Generator().manual_seed(5))
     lengths = [5, 2, 4]
@@ -257,6 +265,15 @@ def test_prompts_of_other_lengths_decode_from_their_own_positions():
     for bad in ([5, 0, 4], [6, 2, 4], [5, 2]):
         with pytest.raises(ValueError, match="lengths must give each"):
             model.generate(ids, 2, lengths=bad)
+    # Log-probs of the right-padded batch: Hugging Face's log-softmax at each token, 0 past a length.
+    scored = model.log_probs(ids, lengths=lengths)
+    hf_logits = _hf_model("llama", 5)(ids).logits.detach().double()
+    want = torch.log_softmax(hf_logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+    for b, n in enumerate(lengths):
+        torch.testing.assert_close(scored[b, :n - 1].double(), want[b, :n - 1], rtol=1e-4, atol=1e-4)
+        assert (scored[b, n - 1:] == 0).all()
+    with pytest.raises(ValueError, match="seed must be an int or one int per sequence"):
+        model.generate(ids, 2, lengths=lengths, temperature=1.0, seed=[1, 2])
 
 
 def _closing_drops_the_decode_session():

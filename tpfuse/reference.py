@@ -362,6 +362,54 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Te
     return torch.softmax(scores.masked_fill(keys > positions, float("-inf")), dim=-1) @ vd
 
 
+def token_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[target] per row in float64 (logits [N, V], targets [N]): what
+    ``tpfuse.token_log_probs`` approximates in fp32, held to an absolute error budget. Its bits
+    are the kernel's (a fixed walk over the vocabulary, docs/design.md 1.4); the contract fixes
+    that they depend on the row alone, tested kernel against kernel."""
+    return torch.log_softmax(logits.double(), dim=-1).gather(-1, targets.view(-1, 1)).view(-1)
+
+
+def _hash32(h: torch.Tensor) -> torch.Tensor:
+    """Wellons' lowbias32 on int64 tensors holding uint32 values (the kernel's ``_hash``)."""
+    mask = 0xFFFFFFFF
+    h = h ^ (h >> 16)
+    h = (h * 0x7FEB352D) & mask
+    h = h ^ (h >> 15)
+    h = (h * 0x846CA68B) & mask
+    return h ^ (h >> 16)
+
+
+def sample_uniforms(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The uniform u in (0, 1) of every (row, token) of a draw: 23 bits of a hash of the row's
+    seed and position and the token id, plus a half, over 2^23 (exact in fp32; float64 [N, V])."""
+    mask = 0xFFFFFFFF
+    key = _hash32(_hash32(seeds.long() & mask) ^ (positions.long() & mask))
+    h = _hash32(key.view(-1, 1) ^ torch.arange(vocab, device=seeds.device).view(1, -1))
+    return ((h >> 9).double() + 0.5) / 8388608.0
+
+
+def sample(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, temperature: float,
+           top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A seeded draw per row (logits [N, V]; seeds, positions [N]) from softmax(logits /
+    temperature) restricted to its top-p set, in float64: (the tokens [N], the top-p set as a
+    bool [N, V] mask). The draw is the token maximising z_i - log(-log(u_i)) over the set
+    (Gumbel-max: token i wins with its probability), z = logits / temperature (the kernel:
+    fp32 logits times fp32(1 / temperature)), u from ``sample_uniforms``; the set is the
+    smallest set of most likely tokens holding at least ``top_p`` of the mass, ties kept
+    together. ``tpfuse.sample`` computes the same in fp32: it may differ where two scores, or a
+    set's mass and ``top_p``, are within fp32 rounding of each other."""
+    inv = torch.tensor(1.0 / temperature, dtype=torch.float32)
+    z = (logits.float() * inv).double()
+    probs = torch.softmax(z, dim=-1)
+    ordered, _ = probs.sort(dim=-1, descending=True)
+    before = ordered.cumsum(-1) - ordered  # the mass of the more likely tokens
+    smallest = ordered.masked_fill(before >= top_p, float("inf")).amin(-1, keepdim=True)
+    kept = probs >= smallest if top_p < 1.0 else torch.ones_like(probs, dtype=torch.bool)
+    score = (z - z.amax(-1, keepdim=True)) - torch.log(-torch.log(sample_uniforms(seeds, positions, z.shape[-1])))
+    return score.masked_fill(~kept, float("-inf")).argmax(-1), kept
+
+
 # ---------------------------------------------------------------- fp8 activations for fp8 GEMMs
 
 FP8_MAX = 448.0

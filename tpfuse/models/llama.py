@@ -38,6 +38,7 @@ from tpfuse.kernels.linear import check_chunks, layer_chunks
 from tpfuse.linear_ops import invariant_matmul
 from tpfuse.models.boundary import Boundary
 from tpfuse.models.config import ModelConfig
+from tpfuse.sampling_ops import sample, token_log_probs
 
 Tensor = torch.Tensor
 logger = logging.getLogger("tpfuse.models")
@@ -349,6 +350,18 @@ class TPModel(nn.Module):
         cos, sin = self._rope(t)
         return self._logits(self._hidden(input_ids, cos, sin, None, None))
 
+    @torch.no_grad()
+    def log_probs(self, input_ids: Tensor, lengths=None) -> Tensor:
+        """log p(input_ids[:, t + 1] | input_ids[:, :t + 1]) from one forward pass: [B, T - 1]
+        fp32 (``tpfuse.token_log_probs``), 0 from each sequence's length on (``lengths`` as in
+        ``generate``: right padding). What a trainer scores a sampler's tokens with: with an
+        invariant model, the bits of the decode steps' logits at any batch and TP size."""
+        t = self._check_ids(input_ids, 0)
+        lengths = _check_lengths(lengths, input_ids.shape[0], t).to(input_ids.device)
+        logits = self(input_ids)[:, :-1]
+        out = token_log_probs(logits.reshape(-1, logits.shape[-1]), input_ids[:, 1:].reshape(-1)).view(logits.shape[:2])
+        return out.masked_fill(torch.arange(1, t, device=out.device) >= lengths[:, None], 0.0)
+
     def _check_ids(self, input_ids: Tensor, new_tokens: int) -> int:
         if input_ids.dim() != 2 or input_ids.dtype != torch.int64:
             raise ValueError(f"input_ids must be int64 [batch, tokens], got {input_ids.dtype} "
@@ -381,13 +394,17 @@ class TPModel(nn.Module):
 
     @torch.no_grad()
     def generate(self, input_ids: Tensor, max_new_tokens: int, *, lengths=None, pad_token_id: int = 0,
-                 cuda_graph: bool | None = None, compile: bool | str = False, return_logits: bool = False):
-        """Greedy decoding: ``input_ids`` [B, T] int64 (B prompts of T tokens) -> [B, T +
+                 temperature: float = 0.0, top_p: float = 1.0, seed=0, cuda_graph: bool | None = None,
+                 compile: bool | str = False, return_logits: bool = False):
+        """Decoding: ``input_ids`` [B, T] int64 (B prompts of T tokens) -> [B, T +
         max_new_tokens], the same on every rank. Prompts of other lengths come right-padded
         with ``lengths`` (int [B], each in 1..T): every sequence decodes from its own position,
-        and row b of the result holds its prompt, its new tokens, then ``pad_token_id``. With
-        ``return_logits``, also the logits [B, max_new_tokens, vocab] each new token was picked
-        from. The decode step runs as a captured CUDA graph (``cuda_graph``, default on CUDA)
+        and row b of the result holds its prompt, its new tokens, then ``pad_token_id``.
+        Greedy at ``temperature`` 0; above it, seeded draws (``tpfuse.sample``: temperature,
+        top_p) whose noise depends on the sequence's ``seed`` (an int for all, or one per
+        sequence) and the position drawn: a sequence draws the same tokens alone or in any
+        batch (with an invariant model's logits). With ``return_logits``, also the logits
+        [B, max_new_tokens, vocab] each new token was picked from. The decode step runs as a captured CUDA graph (``cuda_graph``, default on CUDA)
         and, with ``compile``, compiled by ``torch.compile(fullgraph=True)`` (True: inductor; a
         string names another backend). A new (batch, length, cuda_graph, compile) or boundary
         captures a new step; the same arguments reuse it. A compiled step stays in
@@ -397,12 +414,24 @@ class TPModel(nn.Module):
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         b = input_ids.shape[0]
         lengths = _check_lengths(lengths, b, t)
+        device = input_ids.device
+        seeds = torch.as_tensor(seed, dtype=torch.int64)
+        if seeds.shape not in ((), (b,)):
+            raise ValueError(f"seed must be an int or one int per sequence ({b}), got shape {tuple(seeds.shape)}")
+        seeds = seeds.expand(b).to(device)
+
+        def pick(step_logits: Tensor, i: int) -> Tensor:
+            """Every sequence's i-th new token (at position lengths + i)."""
+            if temperature == 0:
+                return step_logits.argmax(-1)
+            return sample(step_logits, seeds, (lengths + i).to(device), temperature, top_p)
+
         dec = self.decode_session(b, t + max_new_tokens, cuda_graph=cuda_graph, compile=compile)
         logits = [dec.prefill(input_ids, lengths)]
-        new = [logits[0].argmax(-1)]
-        for _ in range(max_new_tokens - 1):
+        new = [pick(logits[0], 0)]
+        for i in range(1, max_new_tokens):
             logits.append(dec.step(new[-1]).clone())
-            new.append(logits[-1].argmax(-1))
+            new.append(pick(logits[-1], i))
         out = torch.full((b, t + max_new_tokens), pad_token_id, dtype=torch.int64, device=input_ids.device)
         out[:, :t] = input_ids
         cols = lengths.to(input_ids.device)[:, None] + torch.arange(max_new_tokens, device=input_ids.device)
