@@ -5,8 +5,8 @@
 #        test_quant bench_quant test_codecs test_fp8 bench_codecs test_models bench_decode bench_decode_tp1 tune
 #        tune_allreduce; groups: norm,
 #        allreduce, fused, quant, codecs (one GPU: the codec kernels alone, and tpfuse.quant_fp8), models (test_models
-#        and bench_decode), linear (one GPU: tpfuse.invariant_matmul's and
-#        tpfuse.invariant_attention's tests, and scripts/bench_linear.py), all. DECODE_ARGS passes arguments to bench_decode. A device call may run 600 s, so "all" needs the largest machines' patience:
+#        and bench_decode), linear (one GPU: tpfuse.invariant_matmul's,
+#        tpfuse.invariant_attention's and tpfuse.sample's tests, and scripts/bench_linear.py), all. DECODE_ARGS passes arguments to bench_decode. A device call may run 600 s, so "all" needs the largest machines' patience:
 #        pick steps per call. BENCH_ARGS passes extra arguments to every benchmark.
 #        tune (2+ GPUs; not in "all"): `tpfuse tune` at W = every GPU, the sweep under $OUT and
 #        the plan table $OUT/w{W}-{gpu model}.json (never into the package: copy it into
@@ -87,7 +87,8 @@ want test_quant && multi test_quant && run test_quant 420 python3 -m pytest -q -
 want bench_quant && multi bench_quant && run bench_quant 270 python3 -m tpfuse.cli bench allreduce --quant --out "$OUT" ${BENCH_ARGS:-}
 want test_codecs && run test_codecs 240 python3 -m pytest -q -x -m gpu tests/test_quant_gpu.py
 want test_fp8 && run test_fp8 240 python3 -m pytest -q -x tests/test_quant_fp8.py
-want test_linear && run test_linear 300 python3 -m pytest -q -x tests/test_invariant_matmul.py tests/test_invariant_attention.py
+want test_linear && run test_linear 300 python3 -m pytest -q -x tests/test_invariant_matmul.py tests/test_invariant_attention.py \
+  tests/test_sampling.py
 want bench_linear && run bench_linear 300 python3 scripts/bench_linear.py --out "$OUT"
 want bench_codecs && run bench_codecs 120 python3 scripts/bench_codecs.py --out "$OUT"
 want test_models && multi test_models && run test_models 560 python3 -m pytest -q -x -m multigpu tests/test_models_gpu.py
@@ -147,6 +148,8 @@ want tune && multi tune && run tune 540 python3 -m tpfuse.cli tune --out "$OUT" 
 # Every visible GPU is one rank: TP=2 on two GPUs; bench_decode_tp1 (not in "all"), the TP=1
 # baseline on GPU 0 of the same machine.
 want bench_decode && run bench_decode 540 python3 -m tpfuse.cli bench decode --out "$OUT" --plot ${DECODE_ARGS:-}
+# verify (not in "all"): `tpfuse verify` at every TP size the GPUs allow, VERIFY_ARGS passed on.
+want verify && run verify 400 python3 -m tpfuse.cli verify ${VERIFY_ARGS:-}
 want bench_decode_tp1 && run bench_decode_tp1 400 env CUDA_VISIBLE_DEVICES=0 python3 -m tpfuse.cli bench decode \
   --out "$OUT" ${DECODE_ARGS:-}
 exit $status
