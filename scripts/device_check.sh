@@ -2,7 +2,7 @@
 # One call on the GPU machine: GPU tests and benchmarks, results under $OUT.
 #   scripts/device_check.sh [STEP|GROUP ...]   (default: all)
 # Steps: test_norm bench_norm test_allreduce bench_allreduce test_fused bench_fused
-#        test_quant bench_quant test_codecs test_fp8 bench_codecs test_models bench_decode bench_decode_tp1 tune
+#        test_quant bench_quant test_codecs test_fp8 bench_codecs test_models bench_decode bench_decode_tp1 verify tune
 #        tune_allreduce; groups: norm,
 #        allreduce, fused, quant, codecs (one GPU: the codec kernels alone, and tpfuse.quant_fp8), models (test_models
 #        and bench_decode), linear (one GPU: tpfuse.invariant_matmul's,
