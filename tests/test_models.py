@@ -274,6 +274,12 @@ def test_prompts_of_other_lengths_decode_from_their_own_positions():
         assert (scored[b, n - 1:] == 0).all()
     with pytest.raises(ValueError, match="seed must be an int or one int per sequence"):
         model.generate(ids, 2, lengths=lengths, temperature=1.0, seed=[1, 2])
+    # One seed for the batch, a pad id the embedding does not have: each sequence draws as alone.
+    drawn = model.generate(ids, 3, lengths=lengths, temperature=1.0, seed=4, pad_token_id=-1)
+    for b, n in enumerate(lengths):
+        assert torch.equal(drawn[b, :n + 3], model.generate(ids[b:b + 1, :n], 3, temperature=1.0, seed=4)[0])
+    scored = model.log_probs(drawn, lengths=[n + 3 for n in lengths])
+    assert scored.isfinite().all() and (scored[1, 4:] == 0).all()
 
 
 def _closing_drops_the_decode_session():

@@ -102,6 +102,26 @@ def test_the_same_seed_and_position_draw_the_same_others_differ():
     assert len(set(draws.tolist())) > 16  # other positions: other noise, other tokens
 
 
+def test_strided_rows_infinities_and_nan():
+    """Seeds, positions and targets of any strides (an expanded seed: stride 0) give the bits of
+    contiguous ones; a row holding +inf draws among its +inf entries (log-prob -log(count) there),
+    and never a NaN entry."""
+    logits = _logits(4, 300, torch.float32, 10)
+    seeds = torch.tensor([9], device=DEVICE).expand(4)
+    positions = torch.arange(8, device=DEVICE)[::2]
+    assert torch.equal(tpfuse.sample(logits, seeds, positions, 0.9, 0.9),
+                       tpfuse.sample(logits, seeds.contiguous(), positions.contiguous(), 0.9, 0.9))
+    targets = torch.arange(0, 12, device=DEVICE)[::3]
+    assert torch.equal(tpfuse.token_log_probs(logits, targets), tpfuse.token_log_probs(logits, targets.contiguous()))
+    logits[0, [7, 40]] = float("inf")
+    logits[1, 5:] = float("nan")
+    for top_p in (1.0, 0.5):
+        draws = tpfuse.sample(logits, seeds, positions, 1.0, top_p)
+        assert draws[0] in (7, 40) and draws[1] < 5
+    log_probs = tpfuse.token_log_probs(logits, torch.tensor([40, 0, 0, 0], device=DEVICE))
+    assert log_probs[0] == -torch.log(torch.tensor(2.0)) and log_probs[1].isnan()
+
+
 def test_custom_ops_pass_opcheck():
     logits = _logits(3, 101, torch.bfloat16, 8)
     rows = torch.tensor([0, 5, 100], device=DEVICE)
@@ -120,7 +140,7 @@ def test_bad_arguments_raise_clear_errors():
         tpfuse.token_log_probs(logits.t(), rows)
     with pytest.raises(ValueError, match=r"seeds must be int64 \[3\]"):
         tpfuse.sample(logits, rows[:2], rows)
-    for temperature in (0.0, -1.0, float("inf"), float("nan")):
+    for temperature in (0.0, -1.0, float("inf"), float("nan"), 1e-40):
         with pytest.raises(ValueError, match="temperature must be finite and > 0"):
             tpfuse.sample(logits, rows, rows, temperature)
     for top_p in (0.0, 1.5):

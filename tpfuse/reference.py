@@ -382,10 +382,11 @@ def _hash32(h: torch.Tensor) -> torch.Tensor:
 
 def sample_uniforms(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
     """The uniform u in (0, 1) of every (row, token) of a draw: 23 bits of a hash of the row's
-    seed and position and the token id, plus a half, over 2^23 (exact in fp32; float64 [N, V])."""
+    seed, position and the token id (each hashed apart, then combined), plus a half, over 2^23
+    (exact in fp32; float64 [N, V])."""
     mask = 0xFFFFFFFF
-    key = _hash32(_hash32(seeds.long() & mask) ^ (positions.long() & mask))
-    h = _hash32(key.view(-1, 1) ^ torch.arange(vocab, device=seeds.device).view(1, -1))
+    key = _hash32(_hash32(seeds.long() & mask) ^ _hash32((positions.long() & mask) ^ 0x9E3779B9))
+    h = _hash32(key.view(-1, 1) ^ _hash32(torch.arange(vocab, device=seeds.device).view(1, -1) ^ 0x85EBCA6B))
     return ((h >> 9).double() + 0.5) / 8388608.0
 
 
@@ -398,7 +399,9 @@ def sample(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, t
     fp32 logits times fp32(1 / temperature)), u from ``sample_uniforms``; the set is the
     smallest set of most likely tokens holding at least ``top_p`` of the mass, ties kept
     together. ``tpfuse.sample`` computes the same in fp32: it may differ where two scores, or a
-    set's mass and ``top_p``, are within fp32 rounding of each other."""
+    set's mass and ``top_p``, are within fp32 rounding of each other, or a logit lies within
+    104 / 2^40 below the set's threshold (its bisection's resolution on z - max). Finite logits
+    only here (the kernel's rules for +-inf and NaN: tpfuse.kernels.sampling)."""
     inv = torch.tensor(1.0 / temperature, dtype=torch.float32)
     z = (logits.float() * inv).double()
     probs = torch.softmax(z, dim=-1)

@@ -8,6 +8,9 @@ against kernel).
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from tpfuse.kernels.sampling import sample_into, token_log_probs_into
@@ -32,7 +35,7 @@ def _token_log_probs_op(logits: Tensor, targets: Tensor) -> Tensor:
     _check_logits(logits, targets, "targets")
     out = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
     if out.numel():
-        token_log_probs_into(logits, targets, out)
+        token_log_probs_into(logits, targets.contiguous(), out)
     return out
 
 
@@ -47,7 +50,7 @@ def _sample_op(logits: Tensor, seeds: Tensor, positions: Tensor, temperature: fl
     _check_sample(logits, seeds, positions, temperature, top_p)
     out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
     if out.numel():
-        sample_into(logits, seeds, positions, temperature, top_p, out)
+        sample_into(logits, seeds.contiguous(), positions.contiguous(), temperature, top_p, out)
     return out
 
 
@@ -60,8 +63,9 @@ def _(logits, seeds, positions, temperature, top_p):
 def _check_sample(logits: Tensor, seeds: Tensor, positions: Tensor, temperature: float, top_p: float) -> None:
     _check_logits(logits, seeds, "seeds")
     _check_logits(logits, positions, "positions")
-    if not temperature > 0 or temperature == float("inf"):
-        raise ValueError(f"temperature must be finite and > 0 (greedy decoding is argmax), got {temperature}")
+    if not (temperature > 0 and math.isfinite(temperature) and math.isfinite(np.float32(1.0 / temperature))):
+        raise ValueError(f"temperature must be finite and > 0, its inverse finite in fp32 (greedy decoding is "
+                         f"argmax), got {temperature}")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
@@ -71,7 +75,8 @@ def token_log_probs(logits: Tensor, targets: Tensor) -> Tensor:
 
     Args:
         logits: [N, V] bf16, fp16 or fp32, last dim contiguous (rows may be strided).
-        targets: int64 [N] on logits' device, each in 0..V-1 (not checked on the device).
+        targets: int64 [N] on logits' device (any strides), each in 0..V-1 (not checked: an
+            id outside reads outside the row).
 
     Returns a new fp32 [N] tensor. A row's bits depend on that row's logits and target alone
     (a fixed walk over the vocabulary: docs/design.md 1.4), not on the other rows, so with an
@@ -88,13 +93,16 @@ def sample(logits: Tensor, seeds: Tensor, positions: Tensor, temperature: float 
 
     Args:
         logits: [N, V] bf16, fp16 or fp32, last dim contiguous.
-        seeds, positions: int64 [N] on logits' device; only their low 32 bits are used. A
-            sequence's draw at a position depends on its logits, seed and position alone.
-        temperature: finite and > 0 (greedy decoding is ``logits.argmax(-1)``).
+        seeds, positions: int64 [N] on logits' device (any strides); only their low 32 bits
+            are used. A sequence's draw at a position depends on its logits, seed and position
+            alone.
+        temperature: finite and > 0 with a finite fp32 inverse (greedy decoding is
+            ``logits.argmax(-1)``).
         top_p: in (0, 1]: the draw is from the smallest set of most likely tokens holding at
             least this much of the probability mass (ties kept together); 1 keeps them all.
 
-    Returns a new int64 [N] tensor of token ids. The draw is the Gumbel-max of the row
+    Returns a new int64 [N] tensor of token ids. A row holding +inf draws among its +inf
+    entries; NaN entries are never drawn. The draw is the Gumbel-max of the row
     (``tpfuse.reference.sample`` states it in float64, with the hash that makes the noise), so
     token i is drawn with its probability over the seeds. Its bits do not depend on the other
     rows (docs/design.md 1.4): with an invariant model's logits, the same tokens at any batch

@@ -58,7 +58,7 @@ def _options(argv):
     p.add_argument("--steps", type=int, default=None, help="timed decode steps (default 32; CPU: 6 steps checked)")
     p.add_argument("--boundaries", default=",".join(BOUNDARIES), help="comma-separated (default: all four)")
     p.add_argument("--invariant", action="store_true",
-                   help="also an invariant model's split and fused boundaries (GPU runs)")
+                   help="also an invariant model of the same weights (GPU runs)")
     p.add_argument("--out", default="bench_out", help="output folder (GPU runs)")
     p.add_argument("--plot", action="store_true", help="also write a PNG plot (needs matplotlib)")
     opts = vars(p.parse_args(argv))

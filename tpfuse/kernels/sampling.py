@@ -9,10 +9,16 @@ is in, and with logits that do not depend on the TP size (an invariant model) ne
 - ``token_log_probs_kernel``: ``logits[target] - logsumexp(logits)`` in fp32.
 - ``sample_kernel``: a draw from softmax(logits / temperature) restricted to its top-p set, by
   the Gumbel-max trick: the token maximising ``z_i + g_i``, with z = logits / temperature and
-  g_i = -log(-log(u_i)), u_i a hash of (seed, position, i). The draw depends on the row's
-  logits, its seed and its position alone. The top-p set is the tokens with z >= theta, theta
-  the largest value (found by bisection, ``TOP_P_STEPS`` halvings) whose set holds at least
-  ``top_p`` of the probability mass: the smallest set of most likely tokens, ties kept together.
+  g_i = -log(-log(u_i)), u_i a hash of (seed, position, i), each hashed apart before they are
+  combined. The draw depends on the row's logits, its seed and its position alone. The top-p
+  set is the tokens with z - max >= theta, theta the largest value (found by bisection,
+  ``TOP_P_STEPS`` halvings of [-104, 0]) whose set holds at least ``top_p`` of the probability
+  mass: the smallest set of most likely tokens, ties kept together (to within 104 / 2^40 of
+  the threshold).
+
+Rows holding +inf give all probability to their +inf entries. A NaN entry makes its row's
+log-probabilities NaN and is never drawn (top-p then keeps the row's other tokens); a row of
+-inf alone draws token 0.
 """
 
 from __future__ import annotations
@@ -46,12 +52,19 @@ def _row_max(LOGITS, row, V, stride, inv_temperature, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _shifted(z, m):
+    """z - m, the row's max m at 0; in a row holding +inf, its +inf entries at 0 and the rest
+    at -inf (they share all the probability)."""
+    return tl.where(m == float("inf"), tl.where(z == float("inf"), 0.0, float("-inf")), z - m)
+
+
+@triton.jit
 def _mass_above(LOGITS, row, V, stride, inv_temperature, m, theta, BLOCK: tl.constexpr):
-    """sum(exp(z - m)) over the row's entries with z >= theta (theta -inf: all of them)."""
+    """sum(exp(z - m)) over the row's entries with z - m >= theta (theta -inf: all of them)."""
     s = tl.zeros([BLOCK], tl.float32)
     for start in range(0, V, BLOCK):
-        z = _load_z(LOGITS, row, start + tl.arange(0, BLOCK), V, stride, inv_temperature)
-        s += tl.where(z >= theta, tl.exp(z - m), 0.0)
+        d = _shifted(_load_z(LOGITS, row, start + tl.arange(0, BLOCK), V, stride, inv_temperature), m)
+        s += tl.where(d < theta, 0.0, tl.exp(d))  # NaN entries count (as NaN)
     return tl.sum(s, 0)
 
 
@@ -60,9 +73,8 @@ def token_log_probs_kernel(LOGITS, TARGETS, OUT, V, stride, BLOCK: tl.constexpr)
     row = tl.program_id(0).to(tl.int64)
     m = _row_max(LOGITS, row, V, stride, 1.0, BLOCK)
     total = _mass_above(LOGITS, row, V, stride, 1.0, m, float("-inf"), BLOCK)
-    target = tl.load(TARGETS + row)
-    picked = to_f32(tl.load(LOGITS + row * stride + target))
-    tl.store(OUT + row, (picked - m) - tl.log(total))
+    picked = _shifted(to_f32(tl.load(LOGITS + row * stride + tl.load(TARGETS + row))), m)
+    tl.store(OUT + row, picked - tl.log(total))
 
 
 @triton.jit
@@ -81,10 +93,11 @@ def sample_kernel(LOGITS, SEEDS, POSITIONS, OUT, V, stride, inv_temperature, top
                   TOP_P_STEPS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     m = _row_max(LOGITS, row, V, stride, inv_temperature, BLOCK)
-    theta = tl.full((), float("-inf"), tl.float32)
+    theta = tl.full((), float("-inf"), tl.float32)  # on z - m
     if top_p < 1.0:
         need = top_p * _mass_above(LOGITS, row, V, stride, inv_temperature, m, float("-inf"), BLOCK)
-        lo, hi = m - 104.0, m  # exp(-104) is below fp32's smallest subnormal: the set at lo is all mass
+        lo = tl.full((), -104.0, tl.float32)  # exp(-104) is below fp32's smallest subnormal: all the mass
+        hi = tl.zeros((), tl.float32)
         for _ in range(TOP_P_STEPS):
             mid = lo + (hi - lo) * 0.5
             if _mass_above(LOGITS, row, V, stride, inv_temperature, m, mid, BLOCK) >= need:
@@ -92,14 +105,15 @@ def sample_kernel(LOGITS, SEEDS, POSITIONS, OUT, V, stride, inv_temperature, top
             else:
                 hi = mid
         theta = lo
-    key = _hash(_hash(tl.load(SEEDS + row).to(tl.uint32)) ^ tl.load(POSITIONS + row).to(tl.uint32))
+    key = _hash(_hash(tl.load(SEEDS + row).to(tl.uint32)) ^ _hash(tl.load(POSITIONS + row).to(tl.uint32) ^ 0x9E3779B9))
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_i = tl.zeros([BLOCK], tl.int32)
     for start in range(0, V, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        z = _load_z(LOGITS, row, offs, V, stride, inv_temperature)
-        u = ((_hash(key ^ offs.to(tl.uint32)) >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # exact in fp32
-        score = tl.where((z >= theta) & (offs < V), (z - m) - tl.log(-tl.log(u)), float("-inf"))
+        d = _shifted(_load_z(LOGITS, row, offs, V, stride, inv_temperature), m)
+        h = _hash(key ^ _hash(offs.to(tl.uint32) ^ 0x85EBCA6B))
+        u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # 23 bits and a half: exact in fp32
+        score = tl.where((d >= theta) & (offs < V), d - tl.log(-tl.log(u)), float("-inf"))
         take = score > best  # strict: a lane keeps its earliest index among equal scores
         best = tl.where(take, score, best)
         best_i = tl.where(take, offs, best_i)

@@ -357,10 +357,11 @@ class TPModel(nn.Module):
         ``generate``: right padding). What a trainer scores a sampler's tokens with: with an
         invariant model, the bits of the decode steps' logits at any batch and TP size."""
         t = self._check_ids(input_ids, 0)
-        lengths = _check_lengths(lengths, input_ids.shape[0], t).to(input_ids.device)
-        logits = self(input_ids)[:, :-1]
-        out = token_log_probs(logits.reshape(-1, logits.shape[-1]), input_ids[:, 1:].reshape(-1)).view(logits.shape[:2])
-        return out.masked_fill(torch.arange(1, t, device=out.device) >= lengths[:, None], 0.0)
+        lengths = _check_lengths(lengths, input_ids.shape[0], t)
+        ids = _without_padding(input_ids, lengths)
+        logits = self(ids)[:, :-1]
+        out = token_log_probs(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)).view(logits.shape[:2])
+        return out.masked_fill(torch.arange(1, t, device=out.device) >= lengths.to(out.device)[:, None], 0.0)
 
     def _check_ids(self, input_ids: Tensor, new_tokens: int) -> int:
         if input_ids.dim() != 2 or input_ids.dtype != torch.int64:
@@ -418,7 +419,7 @@ class TPModel(nn.Module):
         seeds = torch.as_tensor(seed, dtype=torch.int64)
         if seeds.shape not in ((), (b,)):
             raise ValueError(f"seed must be an int or one int per sequence ({b}), got shape {tuple(seeds.shape)}")
-        seeds = seeds.expand(b).to(device)
+        seeds = seeds.expand(b).contiguous().to(device)
 
         def pick(step_logits: Tensor, i: int) -> Tensor:
             """Every sequence's i-th new token (at position lengths + i)."""
@@ -569,7 +570,7 @@ class DecodeSession:
         for k, v in self.caches:
             k.zero_()
             v.zero_()
-        h = self.model._hidden(input_ids, self.cos[:t], self.sin[:t], self.caches, None)
+        h = self.model._hidden(_without_padding(input_ids, lengths), self.cos[:t], self.sin[:t], self.caches, None)
         self.positions = lengths.clone()
         last = (lengths - 1).to(input_ids.device)
         return self.model._logits(h[torch.arange(b, device=h.device), last])
@@ -587,6 +588,12 @@ class DecodeSession:
             return self._step(self.tokens, self.pos)
         self.graph.replay()
         return self.logits
+
+
+def _without_padding(ids: Tensor, lengths: Tensor) -> Tensor:
+    """ids with every position from a sequence's length on set to token 0: a padding id (any
+    value, -1 say) never reaches the embedding or a gather."""
+    return ids.masked_fill(torch.arange(ids.shape[1], device=ids.device) >= lengths.to(ids.device)[:, None], 0)
 
 
 def _check_lengths(lengths, batch: int, tokens: int) -> Tensor:
