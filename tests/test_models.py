@@ -30,7 +30,7 @@ TINY = dict(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_la
             num_key_value_heads=4, head_dim=16, max_position_embeddings=128)
 
 
-def _hf_model(arch: str, seed: int, dtype=torch.float32):
+def _hf_model(arch: str, seed: int, dtype=torch.float32, **changes):
     cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
            "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
@@ -38,7 +38,7 @@ def _hf_model(arch: str, seed: int, dtype=torch.float32):
            "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM)}[arch]
     extra = {"hidden_act": "gelu_pytorch_tanh"} if arch == "gemma" else {}
     torch.manual_seed(seed)
-    model = cls[1](cls[0](**TINY, **extra)).eval()
+    model = cls[1](cls[0](**(TINY | extra | changes))).eval()
     with torch.no_grad():  # Gemma initialises its (1 + w) norm weights to 0, the others to 1: perturb both
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
@@ -165,6 +165,27 @@ def test_invariant_model_gives_the_same_logits_at_every_tp_size():
         digests[world], plain[world] = results[0][1]
     assert len(set(digests.values())) == 1, digests
     assert len(set(plain.values())) > 1, "the check cannot tell: the plain model's logits agree across TP sizes too"
+
+
+def _invariant_digest(seed, steps):
+    """The invariant model of 8 kv heads (every head on its own rank at TP=8): a digest of its
+    prefill logits and greedy decode."""
+    hf = _hf_model("llama", seed, torch.bfloat16, num_key_value_heads=8)
+    ids = torch.randint(0, TINY["vocab_size"], (2, 5), generator=torch.Generator().manual_seed(seed))
+    with Communicator() as comm:
+        model = TPModel.from_hf(hf, comm, boundary="fused", invariant=True)
+        tokens, logits = model.generate(ids, steps, return_logits=True)
+        return [], _digest(model(ids), tokens, logits)
+
+
+def test_invariant_model_gives_the_same_logits_at_tp_8():
+    """TP = 8 (emulated ranks, one kv head each) against TP = 1: the same bits."""
+    digests = []
+    for world in (1, 8):
+        results = run_ranks(world, _invariant_digest, 4, 2, timeout_s=600)
+        _assert_ranks_agree(results)
+        digests.append(results[0][1])
+    assert digests[0] == digests[1]
 
 
 def test_invariant_model_refuses_what_it_cannot_keep():

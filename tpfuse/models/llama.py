@@ -470,14 +470,15 @@ def _check_invariant(config: ModelConfig, world: int, boundary: str, dtype: torc
         raise ValueError(f"an invariant model sums over tpfuse's tree: boundary 'split' or 'fused', got {boundary!r}")
     if dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"an invariant model runs in bf16 or fp16, got {dtype}")
-    for name, k in (("o_proj", config.num_heads * config.head_dim), ("down_proj", config.intermediate_size),
-                    ("the column-parallel projections", config.hidden_size)):
+    for name, k, row_parallel in (("o_proj", config.num_heads * config.head_dim, True),
+                                  ("down_proj", config.intermediate_size, True),
+                                  ("the column-parallel projections", config.hidden_size, False)):
         chunks = layer_chunks(k)
         try:
             check_chunks(k, chunks)
         except ValueError as e:
             raise ValueError(f"invariant: {name} cannot be summed by tpfuse.invariant_matmul: {e}") from None
-        if chunks % world:
+        if row_parallel and chunks % world:  # a column-parallel layer's K stays whole on every rank
             raise ValueError(f"invariant: {name}'s K={k} is summed in {chunks} chunks, which do not split over "
                              f"{world} ranks (TP sizes dividing {chunks} keep the bits)")
 
