@@ -188,6 +188,21 @@ def test_invariant_model_gives_the_same_logits_at_tp_8():
     assert digests[0] == digests[1]
 
 
+def test_invariant_models_compiled_decode_gives_the_eager_bits():
+    """One rank, bf16: the invariant model's decode step under torch.compile (inductor) gives
+    the eager step's tokens and logits bit for bit, greedy and seeded, prompts of other lengths."""
+    model = TPModel.from_hf(_hf_model("llama", 6, torch.bfloat16), None, boundary="fused", invariant=True)
+    ids = torch.randint(0, TINY["vocab_size"], (2, 5), generator=torch.Generator().manual_seed(6))
+    kwargs = dict(lengths=[5, 3], temperature=0.8, top_p=0.9, seed=[1, 2], return_logits=True)
+    eager = model.generate(ids, 3, **kwargs)
+    torch._dynamo.reset()
+    try:
+        compiled = model.generate(ids, 3, compile=True, **kwargs)
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1].view(torch.int16), eager[1].view(torch.int16))
+
+
 def test_invariant_model_refuses_what_it_cannot_keep():
     from tpfuse.models.llama import _check_invariant
 
