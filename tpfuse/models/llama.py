@@ -509,8 +509,11 @@ class DecodeSession:
                         torch.zeros(shape, dtype=model.dtype, device=model.device)) for _ in model.layers]
         self.cos, self.sin = model._rope(seq_len)
         self.tokens = torch.zeros(batch, dtype=torch.int64, device=model.device)
-        self.pos = torch.zeros(batch, dtype=torch.int64, device=model.device)
-        self.positions = torch.zeros(batch, dtype=torch.int64)  # each sequence's next position (host)
+        self.pos = torch.zeros(batch, dtype=torch.int64, device=model.device)  # the step's input (static)
+        # Each sequence's next position, on the host (bounds) and on the device (advanced there:
+        # a host-to-device copy from pageable memory per step would stall the host on the GPU).
+        self.positions = torch.zeros(batch, dtype=torch.int64)
+        self.next_pos = torch.zeros(batch, dtype=torch.int64, device=model.device)
         self._step = self._eager_step
         if compile:
             # Inductor fuses elementwise chains and would keep bf16 intermediates in fp32;
@@ -573,6 +576,7 @@ class DecodeSession:
             v.zero_()
         h = self.model._hidden(_without_padding(input_ids, lengths), self.cos[:t], self.sin[:t], self.caches, None)
         self.positions = lengths.clone()
+        self.next_pos.copy_(lengths)
         last = (lengths - 1).to(input_ids.device)
         return self.model._logits(h[torch.arange(b, device=h.device), last])
 
@@ -583,7 +587,8 @@ class DecodeSession:
         if int(self.positions.max()) >= self.seq_len:
             raise ValueError(f"the decode session holds {self.seq_len} tokens: no position left")
         self.tokens.copy_(tokens)
-        self.pos.copy_(self.positions)
+        self.pos.copy_(self.next_pos)
+        self.next_pos += 1
         self.positions += 1
         if self.graph is None:
             return self._step(self.tokens, self.pos)
