@@ -31,33 +31,31 @@ def install() -> None:
     if original_patch is None or executor is None or getattr(original_patch, "tpfuse_once", False):
         return
     original_launch = executor.__call__
-    state = threading.local()  # per thread: Triton's own patching is process-wide, but a launch is a thread's
+    class Launch(threading.local):  # per thread: Triton's patching is process-wide, a launch a thread's
+        starting = False
+        langs = None  # the language modules the running launch patched
 
-    def launch() -> dict:  # "langs": the modules the running launch patched
-        if not hasattr(state, "launch"):
-            state.launch = {"starting": False, "langs": None}
-        return state.launch
+    launch = Launch()
 
     def langs_of(fn) -> frozenset:
         return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
 
     def patch_lang_once(fn):
-        now = launch()
-        if now["starting"]:  # the launch's own patch, which it restores when its grid is done
-            now["starting"] = False
+        if launch.starting:  # the launch's own patch, which it restores when its grid is done
+            launch.starting = False
             scope = original_patch(fn)
-            now["langs"] = langs_of(fn)
+            launch.langs = langs_of(fn)
             return scope
-        if now["langs"] is not None and langs_of(fn) <= now["langs"]:
+        if launch.langs is not None and langs_of(fn) <= launch.langs:
             return None  # a helper inside the launch: InterpretedFunction ignores what this returns
         return original_patch(fn)
 
     def launch_patching_once(self, *args, **kwargs):
-        launch().update(starting=True, langs=None)
+        launch.starting, launch.langs = True, None
         try:
             return original_launch(self, *args, **kwargs)
         finally:
-            launch().update(starting=False, langs=None)
+            launch.starting, launch.langs = False, None
 
     patch_lang_once.tpfuse_once = True
     interpreter._patch_lang = patch_lang_once

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 
 from tpfuse.kernels.sampling import sample_into, token_log_probs_into
@@ -63,7 +62,8 @@ def _(logits, seeds, positions, temperature, top_p):
 def _check_sample(logits: Tensor, seeds: Tensor, positions: Tensor, temperature: float, top_p: float) -> None:
     _check_logits(logits, seeds, "seeds")
     _check_logits(logits, positions, "positions")
-    if not (temperature > 0 and math.isfinite(temperature) and math.isfinite(np.float32(1.0 / temperature))):
+    if not (temperature > 0 and math.isfinite(temperature)
+            and torch.tensor(1.0 / temperature, dtype=torch.float32).isfinite()):
         raise ValueError(f"temperature must be finite and > 0, its inverse finite in fp32 (greedy decoding is "
                          f"argmax), got {temperature}")
     if not 0 < top_p <= 1:

@@ -33,8 +33,8 @@ BLOCK = 1024
 """Vocabulary entries per step of a row's walk (one value per lane of 4 warps, 8 per thread)."""
 NUM_WARPS = 4
 TOP_P_STEPS = 40
-"""Bisection steps on the top-p threshold: from an interval of at most ~100 (the logits that
-matter against the largest, at a temperature the caller picked) to below fp32's resolution."""
+"""Bisection steps on the top-p threshold, over z - max in [-104, 0] (below -104 exp() is 0 in
+fp32): the threshold to within 104 / 2^40, about 1e-10."""
 
 
 @triton.jit

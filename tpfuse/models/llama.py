@@ -361,7 +361,7 @@ class TPModel(nn.Module):
         ids = _without_padding(input_ids, lengths)
         logits = self(ids)[:, :-1]
         out = token_log_probs(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)).view(logits.shape[:2])
-        return out.masked_fill(torch.arange(1, t, device=out.device) >= lengths.to(out.device)[:, None], 0.0)
+        return out.masked_fill(_past(lengths.to(out.device) - 1, t - 1), 0.0)  # entry j scores token j + 1
 
     def _check_ids(self, input_ids: Tensor, new_tokens: int) -> int:
         if input_ids.dim() != 2 or input_ids.dtype != torch.int64:
@@ -405,9 +405,9 @@ class TPModel(nn.Module):
         top_p) whose noise depends on the sequence's ``seed`` (an int for all, or one per
         sequence) and the position drawn: a sequence draws the same tokens alone or in any
         batch (with an invariant model's logits). With ``return_logits``, also the logits
-        [B, max_new_tokens, vocab] each new token was picked from. The decode step runs as a captured CUDA graph (``cuda_graph``, default on CUDA)
-        and, with ``compile``, compiled by ``torch.compile(fullgraph=True)`` (True: inductor; a
-        string names another backend). A new (batch, length, cuda_graph, compile) or boundary
+        [B, max_new_tokens, vocab] each new token was picked from. The decode step runs as a
+        captured CUDA graph (``cuda_graph``, default on CUDA) and, with ``compile``, compiled by
+        ``torch.compile(fullgraph=True)`` (True: inductor; a string names another backend). A new (batch, length, cuda_graph, compile) or boundary
         captures a new step; the same arguments reuse it. A compiled step stays in
         torch.compile's cache, and with it its KV cache, until ``torch._dynamo.reset()``."""
         t = self._check_ids(input_ids, max_new_tokens)
@@ -420,12 +420,13 @@ class TPModel(nn.Module):
         if seeds.shape not in ((), (b,)):
             raise ValueError(f"seed must be an int or one int per sequence ({b}), got shape {tuple(seeds.shape)}")
         seeds = seeds.expand(b).contiguous().to(device)
+        first = lengths.to(device)  # each sequence's first new position (copied once: no host sync per step)
 
         def pick(step_logits: Tensor, i: int) -> Tensor:
             """Every sequence's i-th new token (at position lengths + i)."""
             if temperature == 0:
                 return step_logits.argmax(-1)
-            return sample(step_logits, seeds, (lengths + i).to(device), temperature, top_p)
+            return sample(step_logits, seeds, first + i, temperature, top_p)
 
         dec = self.decode_session(b, t + max_new_tokens, cuda_graph=cuda_graph, compile=compile)
         logits = [dec.prefill(input_ids, lengths)]
@@ -433,12 +434,9 @@ class TPModel(nn.Module):
         for i in range(1, max_new_tokens):
             logits.append(dec.step(new[-1]).clone())
             new.append(pick(logits[-1], i))
-        out = torch.full((b, t + max_new_tokens), pad_token_id, dtype=torch.int64, device=input_ids.device)
-        out[:, :t] = input_ids
-        cols = lengths.to(input_ids.device)[:, None] + torch.arange(max_new_tokens, device=input_ids.device)
-        prompt_pad = torch.arange(t, device=input_ids.device) >= lengths.to(input_ids.device)[:, None]
-        out[:, :t][prompt_pad] = pad_token_id
-        out.scatter_(1, cols, torch.stack(new, dim=1))
+        out = torch.full((b, t + max_new_tokens), pad_token_id, dtype=torch.int64, device=device)
+        out[:, :t] = input_ids.masked_fill(_past(first, t), pad_token_id)
+        out.scatter_(1, first[:, None] + torch.arange(max_new_tokens, device=device), torch.stack(new, dim=1))
         return (out, torch.stack(logits, dim=1)) if return_logits else out
 
 
@@ -510,10 +508,10 @@ class DecodeSession:
         self.cos, self.sin = model._rope(seq_len)
         self.tokens = torch.zeros(batch, dtype=torch.int64, device=model.device)
         self.pos = torch.zeros(batch, dtype=torch.int64, device=model.device)  # the step's input (static)
-        # Each sequence's next position, on the host (bounds) and on the device (advanced there:
-        # a host-to-device copy from pageable memory per step would stall the host on the GPU).
-        self.positions = torch.zeros(batch, dtype=torch.int64)
+        # Each sequence's next position, advanced on the device (a host-to-device copy from
+        # pageable memory per step would stall the host on the GPU); the host keeps the furthest.
         self.next_pos = torch.zeros(batch, dtype=torch.int64, device=model.device)
+        self.furthest = 0
         self._step = self._eager_step
         if compile:
             # Inductor fuses elementwise chains and would keep bf16 intermediates in fp32;
@@ -575,8 +573,8 @@ class DecodeSession:
             k.zero_()
             v.zero_()
         h = self.model._hidden(_without_padding(input_ids, lengths), self.cos[:t], self.sin[:t], self.caches, None)
-        self.positions = lengths.clone()
         self.next_pos.copy_(lengths)
+        self.furthest = int(lengths.max())
         last = (lengths - 1).to(input_ids.device)
         return self.model._logits(h[torch.arange(b, device=h.device), last])
 
@@ -584,22 +582,27 @@ class DecodeSession:
     def step(self, tokens: Tensor) -> Tensor:
         """Decode one token per sequence (``tokens`` [B]), each at its own next position."""
         self._check_open()
-        if int(self.positions.max()) >= self.seq_len:
+        if self.furthest >= self.seq_len:
             raise ValueError(f"the decode session holds {self.seq_len} tokens: no position left")
         self.tokens.copy_(tokens)
         self.pos.copy_(self.next_pos)
         self.next_pos += 1
-        self.positions += 1
+        self.furthest += 1
         if self.graph is None:
             return self._step(self.tokens, self.pos)
         self.graph.replay()
         return self.logits
 
 
+def _past(lengths: Tensor, tokens: int) -> Tensor:
+    """[B, tokens] bool on lengths' device: True from each sequence's length on (its padding)."""
+    return torch.arange(tokens, device=lengths.device) >= lengths[:, None]
+
+
 def _without_padding(ids: Tensor, lengths: Tensor) -> Tensor:
     """ids with every position from a sequence's length on set to token 0: a padding id (any
     value, -1 say) never reaches the embedding or a gather."""
-    return ids.masked_fill(torch.arange(ids.shape[1], device=ids.device) >= lengths.to(ids.device)[:, None], 0)
+    return ids.masked_fill(_past(lengths.to(ids.device), ids.shape[1]), 0)
 
 
 def _check_lengths(lengths, batch: int, tokens: int) -> Tensor:
