@@ -162,6 +162,9 @@ def _one_call(comm, op: str, numel: int, algo: str):
         x = x.view(2, numel // 2)
         return comm.all_reduce_add_rms_norm(x, torch.ones_like(x), torch.ones(numel // 2, device=comm.device),
                                             algo=algo)
+    if op == "fused_fp8":
+        rows = x.view(-1, 32)
+        return comm.all_reduce_add_rms_norm_fp8(rows, torch.ones_like(rows), None, eps, mode=how, group=32)[0]
     if op == "quantized":
         return comm.all_reduce(x, quant="int4", quant_min_bytes=0)
     return comm.all_reduce(x, algo=algo)
@@ -239,18 +242,24 @@ MISMATCHES = {
                                   ("all_reduce", 4096, "float32", "twoshot")),
     "fused rows differ": (("fused", 64 * 32, "float32", "auto"), ("fused", 128 * 32, "float32", "auto")),
     "fused eps differs": (("fused", 64 * 32, "float32", "auto", 1e-6), ("fused", 64 * 32, "float32", "auto", 1e-5)),
+    "fp8 per token against per group": (("fused_fp8", 64 * 32, "bfloat16", "token"),
+                                        ("fused_fp8", 64 * 32, "bfloat16", "group")),
 }
 
 
 def _described_call(comm, op: str, numel: int, dtype: str, how: str, eps: float = 1e-6):
     """A call of MISMATCHES: an all-reduce (how: the algo), a quantized one (how: the codec),
-    or a fused one over rows of 32 (how: the algo); its output."""
+    or a fused one over rows of 32 (how: the algo; for "fused_fp8", the fp8 mode, in groups
+    of 32); its output."""
     import torch
 
     x = torch.randn(numel, device=comm.device).to(getattr(torch, dtype))
     if op == "fused":
         rows = x.view(-1, 32)
         return comm.all_reduce_add_rms_norm(rows, torch.ones_like(rows), None, eps, algo=how)[0]
+    if op == "fused_fp8":
+        rows = x.view(-1, 32)
+        return comm.all_reduce_add_rms_norm_fp8(rows, torch.ones_like(rows), None, eps, mode=how, group=32)[0]
     if op == "quantized":
         return comm.all_reduce(x, quant=how, quant_min_bytes=0)
     return comm.all_reduce(x, algo=how)

@@ -50,7 +50,7 @@ from triton.runtime.jit import JITFunction, create_function_from_signature  # no
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tpfuse.comm.knobs import default_knobs  # noqa: E402
-from tpfuse.comm.plan import AllReducePlan, FusedPlan  # noqa: E402
+from tpfuse.comm.plan import AllReducePlan, FusedPlan, SequenceParallelPlan  # noqa: E402
 from tpfuse.comm.quant_plan import QuantSegment  # noqa: E402
 from tpfuse.comm.workspace import WorkspaceLayout  # noqa: E402
 from tpfuse.kernels.peer import PeerContext  # noqa: E402
@@ -58,6 +58,12 @@ from tpfuse.kernels.fused import all_reduce_norm_into, ll_pieces, rows_pieces  #
 from tpfuse.kernels import norm_bwd_chunked  # noqa: E402
 from tpfuse.kernels.norm import NormConfig, rms_norm_fwd  # noqa: E402
 from tpfuse.kernels.norm_bwd import rms_norm_bwd  # noqa: E402
+from tpfuse.kernels import quant_fp8  # noqa: E402
+from tpfuse.fp8_ops import fp8_outputs  # noqa: E402
+from tpfuse.kernels.quant_fp8 import Fp8Output  # noqa: E402
+from tpfuse.kernels.sequence_parallel import reduce_scatter_norm_into  # noqa: E402
+
+quant_fp8.hardware_e4m3 = lambda device: True  # an sm_90 GPU's conversion, for tensors on the CPU
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -126,17 +132,19 @@ def _ttgir(kernel: JITFunction, kwargs: dict) -> str:
 
 
 def _reductions(axis: int) -> re.Pattern:
-    """A reduction along ``axis``: its operands' types (one or, for a tuple, more)."""
-    return re.compile(r'"tt\.reduce"\([^)]*\) <\{axis = %d : i32\}> \(\{.*?\}\) : \(([^)]*)\)' % axis, re.S)
+    """A reduction along ``axis``: its combining body and its operands' types (one or, for a
+    tuple, more)."""
+    return re.compile(r'"tt\.reduce"\([^)]*\) <\{axis = %d : i32\}> \((\{.*?\})\) : \(([^)]*)\)' % axis, re.S)
 
 
 def row_reduction_layouts(ttgir: str, axis: int = 1) -> list[str]:
-    """Types of the fp32 operands of every row reduction (each operand of a tuple reduction),
-    with the layout alias replaced by its definition; with axis=0, of every reduction along
-    axis 0 instead (of 1-D tensors, e.g. the chunked backward's sum of a row's chunk sums)."""
+    """Types of the fp32 operands of every row sum (each operand of a tuple reduction), with
+    the layout alias replaced by its definition; with axis=0, of every sum along axis 0
+    instead (of 1-D tensors, e.g. the chunked backward's sum of a row's chunk sums). Maxima
+    (an fp8 output's amax) are left out: their result does not depend on the order."""
     aliases = dict(re.findall(r"^(#[\w.]+) = (.*)$", ttgir, re.M))
-    return [ty.replace(alias, aliases.get(alias, alias)) for operands in _reductions(axis).findall(ttgir)
-            for ty, alias in re.findall(r"(tensor<[0-9x]+xf32, (#[\w.]+)>)", operands)]
+    return [ty.replace(alias, aliases.get(alias, alias)) for body, operands in _reductions(axis).findall(ttgir)
+            if "arith.addf" in body for ty, alias in re.findall(r"(tensor<[0-9x]+xf32, (#[\w.]+)>)", operands)]
 
 
 def _launch_args(launch, first: bool = False) -> tuple[JITFunction, dict]:
@@ -157,6 +165,13 @@ def layouts_for(case: dict) -> dict:
     out = {"case": case, "tail_n": NormConfig.from_shape(n, dtype).tail_n}
     kernel, kwargs = _launch_args(lambda: rms_norm_fwd(x, weight, y, 1e-6, 0.0, res, res_out))
     out["norm"] = row_reduction_layouts(_ttgir(kernel, kwargs))
+    fp8 = None
+    if case.get("fp8"):  # the kernels with an fp8 output instead of y, against the plain norm kernel
+        mode = case["fp8"]
+        q, scales = fp8_outputs(x, mode, 16)
+        fp8, y = Fp8Output(q, torch.ones(1) if mode == "tensor" else scales, mode, 16), None
+        kernel, kwargs = _launch_args(lambda: rms_norm_fwd(x, weight, None, 1e-6, 0.0, res, res_out, fp8=fp8))
+        out["norm_fp8"] = row_reduction_layouts(_ttgir(kernel, kwargs))
     # offsets only: nothing is allocated
     layout = WorkspaceLayout(world, 1 << 24, 128, ll_max_bytes=1 << 24, lamport_max_bytes=1 << 24,
                              rows_max_bytes=1 << 24)
@@ -168,14 +183,21 @@ def layouts_for(case: dict) -> dict:
             continue  # the LL and Lamport kernel needs whole-word rows (its launcher refuses)
         plan = fused_plan(n, dtype, algo, protocol, 1, rows, whole)
         kernel, kwargs = _launch_args(lambda: all_reduce_norm_into(  # noqa: B023  (called right here)
-            x, weight, res, y, res_out, 1e-6, 0.0, plan, peers(layout)))
+            x, weight, res, y, res_out, 1e-6, 0.0, plan, peers(layout), fp8))
         out[name] = row_reduction_layouts(_ttgir(kernel, kwargs))
+    if n % 16 == 0:  # the sequence-parallel reduce-scatter + norm (hidden sizes of the fused kernels)
+        sp_layout = WorkspaceLayout(world, 1 << 30, 128)  # room for every case's rows
+        sp_plan = SequenceParallelPlan.from_shape(rows, n, dtype, sp_layout, default_knobs(world))
+        kernel, kwargs = _launch_args(lambda: reduce_scatter_norm_into(
+            torch.empty(world * rows, n, dtype=dtype), weight, res, y, res_out, 1e-6, 0.0, sp_plan, peers(sp_layout),
+            fp8))
+        out["reduce_scatter"] = row_reduction_layouts(_ttgir(kernel, kwargs))
     cfg = NormConfig.from_shape(n, dtype)
     if n % 16 == 0 and not cfg.tail_n and cfg.num_chunks == 1:  # what the row-wise kernel serves
         piece, pieces = rows_pieces(n, dtype, 1024)
         plan = fused_plan(n, dtype, "oneshot", "rows", -(-rows // cfg.rows) * pieces, rows, piece_elems=piece)
         kernel, kwargs = _launch_args(lambda: all_reduce_norm_into(x, weight, res, y, res_out, 1e-6, 0.0, plan,
-                                                                   peers(layout)))
+                                                                   peers(layout), fp8))
         out["oneshot_rows"] = row_reduction_layouts(_ttgir(kernel, kwargs))
     return out
 

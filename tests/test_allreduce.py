@@ -48,12 +48,17 @@ def _inputs(seed: int, numel: int, dtype: torch.dtype, world: int) -> list[torch
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
-        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bytes(a), _bytes(b))
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """t's elements' bytes in order (a copy: a view with a size-1 dimension can pass as
+    contiguous with a stride that a byte view refuses)."""
+    return t.reshape(-1).clone(memory_format=torch.contiguous_format).view(torch.uint8)
 
 
 def _digest(t: torch.Tensor) -> str:
-    return hashlib.sha1(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    return hashlib.sha1(_bytes(t).numpy().tobytes()).hexdigest()
 
 
 def _check(comm, xs, what, failures, digests, algo="auto", x=None):

@@ -79,6 +79,11 @@ def _opcheck(seed):
             (torch.ops.tpfuse.all_reduce_add_rms_norm, (x, residual, w, 1e-6, 0.0, name, "oneshot")),
             (torch.ops.tpfuse.all_reduce_add_rms_norm_, (x, residual.clone(), w, 1e-6, 1.0, name, "twoshot")),
             (torch.ops.tpfuse.all_reduce_rms_norm, (x, None, 1e-6, 0.0, name, "auto")),
+            (torch.ops.tpfuse.all_reduce_add_rms_norm_fp8, (x, residual, w, 1e-6, 0.0, name, "auto", "group", None, 16)),
+            (torch.ops.tpfuse.all_reduce_add_rms_norm_fp8_,
+             (x, residual.clone(), w, 1e-6, 0.0, name, "oneshot", "tensor", torch.tensor([0.01]), 128)),
+            (torch.ops.tpfuse.reduce_scatter_add_rms_norm, (x.repeat(world, 1), residual, w, 1e-6, 0.0, name)),
+            (torch.ops.tpfuse.all_gather, (residual, name)),
         ]
         for op, args in cases:
             torch.library.opcheck(op, args)  # raises with the failing check's name
@@ -92,7 +97,9 @@ def _layer(comm, x, residual, w, quant):
     y, residual = comm.all_reduce_add_rms_norm(r, residual, w, 1e-6, inplace=True)
     y2, reduced = comm.all_reduce_rms_norm(y, w, 1e-5, weight_offset=1.0)
     y3, res3 = comm.all_reduce_add_rms_norm(x, reduced, None, 1e-6, algo="split")
-    return y + y2, residual, q, y3, res3
+    q8, scales, res8 = comm.all_reduce_add_rms_norm_fp8(x, res3, w, mode="group", group=16)
+    y_sp, res_sp = comm.reduce_scatter_add_rms_norm(x.repeat(comm.world_size, 1), res8, w)  # every T divides
+    return y + y2, residual, q, y3, res3, q8, scales, res8, y_sp, res_sp, comm.all_gather(y_sp)
 
 
 def _compiled_matches_eager(seed, tokens_list, quant):

@@ -90,6 +90,50 @@ def _fused_vs_split(shapes, seed, same_residual, skip=()):
     return failures, digests
 
 
+FP8_MODES = ["tensor", "token", "group"]
+
+
+def _fp8_group(hidden):
+    """The largest power-of-two scale group from 16 to 128 that divides ``hidden``."""
+    return max(g for g in (16, 32, 64, 128) if hidden % g == 0)
+
+
+def _fused_fp8_vs_split(shapes, seed):
+    """all_reduce_add_rms_norm_fp8 against the split composition (all-reduce, add_rms_norm,
+    quant_fp8), bitwise, every mode meeting every algorithm over the shapes; a static scale
+    small enough that values saturate."""
+    world, rank, failures, digests = dist.get_world_size(), dist.get_rank(), [], []
+    with Communicator(max_bytes=1 << 20, timeout_s=30) as comm:
+        for i, (tokens, hidden) in enumerate(shapes):
+            dtype, group = DTYPES[i % len(DTYPES)], _fp8_group(hidden)
+            for a, algo in enumerate(FUSED_ALGOS + ["split"]):
+                mode = FP8_MODES[(i + a) % len(FP8_MODES)]
+                xs, residuals, weight = _layer_inputs(seed + 100 * i + a, tokens, hidden, dtype, world)
+                x, residual = xs[rank], residuals[0]
+                scale = torch.tensor([0.004]) if mode == "tensor" else None
+                what = f"{tokens}x{hidden} {dtype} {algo} fp8 {mode} (group {group})"
+                inplace = a % 2 == 1
+                res_in = residual.clone()
+                with _poisoned_empty():
+                    q, scales, res_out = comm.all_reduce_add_rms_norm_fp8(
+                        x, res_in, weight, 1e-6, mode=mode, scale=scale, group=group, algo=algo, inplace=inplace)
+                y, want_res = tpfuse.add_rms_norm(comm.all_reduce(x), residual, weight, 1e-6)
+                want_q, want_scales = tpfuse.quant_fp8(y, mode, scale=scale, group=group)
+                for name, got, want in (("q", q, want_q), ("scales", scales, want_scales),
+                                        ("residual_out", res_out, want_res)):
+                    if not _same_bits(got, want):
+                        failures.append(f"{what}: {name} differs from the split path")
+                if inplace != (res_out.data_ptr() == res_in.data_ptr()) or (not inplace and not _same_bits(res_in, residual)):
+                    failures.append(f"{what}: inplace={inplace} broken")
+                dequant = reference.dequant_fp8(q, scales, mode, group)
+                if mode != "tensor" and reference.rel_err(dequant, y) > 0.08:
+                    failures.append(f"{what}: q * scales is {reference.rel_err(dequant, y):.3f} off y")
+                if mode == "tensor" and q.float().abs().max() != 448:
+                    failures.append(f"{what}: the static scale was meant to saturate")
+                digests.append(_digest(q) + _digest(scales) + _digest(res_out))
+    return failures, digests
+
+
 def _inplace_shapes_and_no_weight():
     world, rank, failures, digests = dist.get_world_size(), dist.get_rank(), [], []
     with Communicator(max_bytes=1 << 20, timeout_s=30) as comm:
@@ -382,6 +426,16 @@ def test_fused_uses_each_ranks_own_residual():
 @pytest.mark.parametrize("world", [2, 4])
 def test_fused_inplace_shapes_strides_and_no_weight(world):
     _assert_ok(run_ranks(world, _inplace_shapes_and_no_weight, timeout_s=600))
+
+
+# Every fused launch kind (row-wise, LL, Lamport, flags, two-shot, split) and every norm path
+# (held, in two pieces, chunked, held narrow) with each fp8 mode somewhere over the list.
+FP8_SHAPES = [(1, 64), (3, 208), (2, 5120), (17, 256), (2, 20000), (1, 50000)]
+
+
+@pytest.mark.parametrize("world", [2])
+def test_fused_fp8_is_bitwise_equal_to_split(world):
+    _assert_ok(run_ranks(world, _fused_fp8_vs_split, FP8_SHAPES, 7 * world, timeout_s=600))
 
 
 def test_bad_inputs_raise_before_any_communication():

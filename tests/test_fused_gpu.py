@@ -159,6 +159,38 @@ def _sixty_layers(tokens, hidden, algo):
         return layer.failures()
 
 
+def device_bytes(t: torch.Tensor) -> torch.Tensor:
+    """t's elements' bytes, on t's device (group scales are a strided view)."""
+    return t.reshape(-1).clone(memory_format=torch.contiguous_format).view(torch.uint8)
+
+
+def _fp8_grid():
+    """all_reduce_add_rms_norm_fp8 against the split composition (add_rms_norm after the
+    all-reduce, then tpfuse.quant_fp8), every algorithm, the modes in turn."""
+    import tpfuse
+    from tpfuse.comm import Communicator
+
+    with Communicator(max_bytes=64 << 20, timeout_s=60, knobs=table_knobs(**PROTOCOL_KNOBS)) as comm:
+        layer, seed = _Layer(comm), 0
+        for hidden in [256, 2880, 4096, 5120, 8192, 20000]:
+            group = max(g for g in (16, 32, 64, 128) if hidden % g == 0)
+            for tokens in [1, 3, 16, 128, 513]:
+                for dtype in (torch.bfloat16, torch.float16):
+                    for algo in ALGOS:
+                        seed += 1
+                        mode = ("tensor", "token", "group")[seed % 3]
+                        x, residual, weight = layer.inputs(tokens, hidden, dtype, seed)
+                        scale = torch.tensor([0.004], device="cuda") if mode == "tensor" else None
+                        y, res_out = layer.split(x, residual, weight, 0.0)
+                        want = (*tpfuse.quant_fp8(y, mode, scale=scale, group=group), res_out)
+                        with _poisoned_empty():
+                            got = comm.all_reduce_add_rms_norm_fp8(x, residual, weight, mode=mode, scale=scale,
+                                                                   group=group, algo=algo)
+                        layer.expect(tuple(map(device_bytes, got)), tuple(map(device_bytes, want)),
+                                     f"{tokens}x{hidden} {dtype} {algo} fp8 {mode}")
+        return layer.failures()
+
+
 @pytest.mark.parametrize("world", WORLDS)
 def test_gpu_fused_bitwise_equal_to_split_over_the_shape_grid(world):
     no_failures(run_ranks(world, _grid, backend="nccl", timeout_s=600))
@@ -176,3 +208,7 @@ def test_gpu_fused_graph_capture_replayed_with_new_data():
                                          (128, "oneshot")])
 def test_gpu_sixty_layer_decode_fused_equals_split(tokens, algo):
     no_failures(run_ranks(NGPU, _sixty_layers, tokens, 4096, algo, backend="nccl", timeout_s=600))
+
+
+def test_gpu_fused_fp8_bitwise_equal_to_split_over_the_shape_grid():
+    no_failures(run_ranks(NGPU, _fp8_grid, backend="nccl", timeout_s=600))

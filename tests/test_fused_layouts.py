@@ -1,4 +1,5 @@
-"""The fused all-reduce + RMSNorm kernels reduce each row in the norm kernel's register layout.
+"""The fused all-reduce + RMSNorm kernels (and the sequence-parallel reduce-scatter + RMSNorm,
+and those with an fp8 output) reduce each row in the norm kernel's register layout.
 
 The CPU tests of tests/test_fused.py run under Triton's interpreter, which sums a row in its
 own order whatever the kernel, so they cannot see a layout difference; on a GPU the layout
@@ -26,11 +27,19 @@ WEIGHTS = ["same", "fp32", "none"]
 UNSERVED = dict(dtype="fp16", n=1000, rows=5, world=4, weight="same")
 
 
+# The kernels with an fp8 output (each mode) on every norm path: rows held, in two pieces
+# (5120), chunked (fp32 20000), held narrow (bf16 65536).
+FP8_CASES = [dict(dtype=dtype, n=n, rows=rows, world=world, weight="same", fp8=mode)
+             for dtype, n, rows, world, mode in [("bf16", 4096, 1, 2, "token"), ("bf16", 5120, 5, 4, "group"),
+                                                 ("fp16", 1024, 64, 2, "tensor"), ("fp32", 20000, 1, 8, "token"),
+                                                 ("bf16", 65536, 1, 2, "group"), ("bf16", 64, 5, 4, "group")]]
+
+
 def _cases():
     cases = [UNSERVED]
     for i, (dtype, n) in enumerate(itertools.product(DTYPES, HIDDEN)):
         cases.append(dict(dtype=dtype, n=n, rows=[1, 5, 64][i % 3], world=WORLDS[i % 3], weight=WEIGHTS[(i // 3) % 3]))
-    return cases
+    return cases + FP8_CASES
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +59,10 @@ def test_fused_kernels_reduce_rows_in_the_norm_kernels_layout(compiled):
         norm = r["norm"]
         assert len(norm) == (2 if r["tail_n"] else 1), r
         # a kernel may inline the norm more than once
-        for algo in ("oneshot", "oneshot_ll", "oneshot_lamport", "oneshot_lamport_whole", "oneshot_rows", "twoshot"):
+        for algo in ("norm_fp8", "oneshot", "oneshot_ll", "oneshot_lamport", "oneshot_lamport_whole", "oneshot_rows",
+                     "twoshot", "reduce_scatter"):
+            if algo == "norm_fp8" and not r["case"].get("fp8"):
+                continue
             if algo == "oneshot_rows" and algo not in r:
                 continue  # rows with a tail, chunked or of other widths: not served row-wise
             copies = len(r[algo]) // len(norm)

@@ -17,7 +17,7 @@ from tpfuse.reference import FP8_MODES, fp8_scale_rows
 Tensor = torch.Tensor
 
 
-def _empty_outputs(y: Tensor, mode: str, group: int) -> tuple[Tensor, Tensor]:
+def fp8_outputs(y: Tensor, mode: str, group: int) -> tuple[Tensor, Tensor]:
     """q like y in e4m3, and the scales' tensor of ``mode`` (empty for "tensor")."""
     q = torch.empty(y.shape, dtype=torch.float8_e4m3fn, device=y.device)
     m = math.prod(y.shape[:-1])
@@ -30,7 +30,7 @@ def _empty_outputs(y: Tensor, mode: str, group: int) -> tuple[Tensor, Tensor]:
     return q, storage.t()[:m]
 
 
-def _check_args(y: Tensor, mode: str, scale: Optional[Tensor], group: int) -> None:
+def check_fp8_args(y: Tensor, mode: str, scale: Optional[Tensor], group: int) -> None:
     check_float_tensor(y, "y")
     if y.dim() == 0 or y.shape[-1] == 0:
         raise ValueError(f"y must have a last dimension of at least one element; got shape {tuple(y.shape)}")
@@ -51,8 +51,8 @@ def _check_args(y: Tensor, mode: str, scale: Optional[Tensor], group: int) -> No
 
 @torch.library.custom_op("tpfuse::quant_fp8", mutates_args=())
 def _quant_fp8_op(y: Tensor, mode: str, scale: Optional[Tensor], group: int) -> tuple[Tensor, Tensor]:
-    _check_args(y, mode, scale, group)  # for callers of torch.ops.tpfuse.quant_fp8 too
-    q, scales = _empty_outputs(y, mode, group)
+    check_fp8_args(y, mode, scale, group)  # for callers of torch.ops.tpfuse.quant_fp8 too
+    q, scales = fp8_outputs(y, mode, group)
     n = y.shape[-1]
     quant_fp8_into(aligned_contiguous(y.reshape(-1, n)), q.view(-1, n),
                    scale if mode == "tensor" else scales.reshape(-1, scales.shape[-1]), mode, group)
@@ -61,8 +61,8 @@ def _quant_fp8_op(y: Tensor, mode: str, scale: Optional[Tensor], group: int) -> 
 
 @_quant_fp8_op.register_fake
 def _(y, mode, scale, group):
-    _check_args(y, mode, scale, group)
-    return _empty_outputs(y, mode, group)
+    check_fp8_args(y, mode, scale, group)
+    return fp8_outputs(y, mode, group)
 
 
 def quant_fp8(y: Tensor, mode: str = "token", *, scale: Tensor | None = None,
@@ -80,7 +80,7 @@ def quant_fp8(y: Tensor, mode: str = "token", *, scale: Tensor | None = None,
     GEMMs read them). Rows of any length. New tensors (but the "tensor" scale); not
     differentiable; y is not modified.
     """
-    _check_args(y, mode, scale, group)
+    check_fp8_args(y, mode, scale, group)
     if torch.is_grad_enabled() and y.requires_grad:
         raise RuntimeError("quant_fp8 is not differentiable: pass y.detach(), or call it under torch.no_grad()")
     q, scales = torch.ops.tpfuse.quant_fp8(y, mode, scale if mode == "tensor" else None, group)

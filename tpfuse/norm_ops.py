@@ -29,7 +29,9 @@ Tensor = torch.Tensor
 def check_norm_args(x: Tensor, weight: Optional[Tensor], eps: float, weight_offset: float,
                     residual: Optional[Tensor] = None):
     check_float_tensor(x, "x")
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not math.isfinite(eps) or eps <= 0:
+    # Comparisons, not math.isfinite: torch.compile traces a defaulted eps as a symbolic float,
+    # and math.isfinite on one breaks the graph. NaN fails both comparisons.
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 < eps < math.inf:
         # eps = 0 turns an all-zero row into 0 * inf = NaN; a NaN or negative eps, every row.
         raise ValueError(f"eps must be a finite number > 0, got {eps!r}")
     if x.dim() == 0:

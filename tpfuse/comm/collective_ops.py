@@ -25,9 +25,17 @@ Ops (every rank of the group must call them in the same order, with the same sha
   ``residual`` (declared mutated) and returns y
 - ``tpfuse::all_reduce_rms_norm(x, weight, eps, weight_offset, group_name, algo) -> (y,
   reduced)``
+- ``tpfuse::all_reduce_add_rms_norm_fp8(x, residual, weight, eps, weight_offset, group_name,
+  algo, fp8_mode, scale, group) -> (q, scales, residual_out)``, scales empty for mode "tensor"
+  (an output cannot alias the input scale); ``..._fp8_`` the same arguments, writes
+  residual_out into ``residual`` and returns (q, scales)
+- ``tpfuse::reduce_scatter_add_rms_norm(x, residual, weight, eps, weight_offset, group_name)
+  -> (y, residual_out)``, both shaped like residual (this rank's slice of dim 0)
+- ``tpfuse::all_gather(x, group_name) -> Tensor`` of W times x's dim 0
 
 Their semantics are the Communicator methods' of the same names. Outputs are new contiguous
-tensors of x's shape and dtype; none aliases an input. The ops are not differentiable.
+tensors of x's shape (but the sequence-parallel ones') and dtype (fp8 values and scales:
+``tpfuse.quant_fp8``'s); none aliases an input. The ops are not differentiable.
 """
 
 from __future__ import annotations
@@ -36,6 +44,8 @@ import weakref
 from typing import Optional
 
 import torch
+
+from tpfuse.fp8_ops import fp8_outputs
 
 Tensor = torch.Tensor
 
@@ -127,3 +137,51 @@ def all_reduce_rms_norm(x: Tensor, weight: Optional[Tensor], eps: float, weight_
 @all_reduce_rms_norm.register_fake
 def _(x, weight, eps, weight_offset, group_name, algo):
     return _like(x), _like(x)
+
+
+@torch.library.custom_op("tpfuse::all_reduce_add_rms_norm_fp8", mutates_args=())
+def all_reduce_add_rms_norm_fp8(x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float,
+                                weight_offset: float, group_name: str, algo: str, fp8_mode: str, scale: Optional[Tensor],
+                                group: int) -> tuple[Tensor, Tensor, Tensor]:
+    return lookup(group_name)._all_reduce_norm(x, residual, weight, eps, weight_offset, algo, False,
+                                               (fp8_mode, scale, group))
+
+
+@all_reduce_add_rms_norm_fp8.register_fake
+def _(x, residual, weight, eps, weight_offset, group_name, algo, fp8_mode, scale, group):
+    return *fp8_outputs(x, fp8_mode, group), _like(x)
+
+
+@torch.library.custom_op("tpfuse::all_reduce_add_rms_norm_fp8_", mutates_args=("residual",))
+def all_reduce_add_rms_norm_fp8_(x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float,
+                                 weight_offset: float, group_name: str, algo: str, fp8_mode: str,
+                                 scale: Optional[Tensor], group: int) -> tuple[Tensor, Tensor]:
+    return lookup(group_name)._all_reduce_norm(x, residual, weight, eps, weight_offset, algo, True,
+                                               (fp8_mode, scale, group))[:2]
+
+
+@all_reduce_add_rms_norm_fp8_.register_fake
+def _(x, residual, weight, eps, weight_offset, group_name, algo, fp8_mode, scale, group):
+    return fp8_outputs(x, fp8_mode, group)
+
+
+@torch.library.custom_op("tpfuse::reduce_scatter_add_rms_norm", mutates_args=())
+def reduce_scatter_add_rms_norm(x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float, weight_offset: float,
+                                group_name: str) -> tuple[Tensor, Tensor]:
+    return lookup(group_name)._reduce_scatter_norm(x, residual, weight, eps, weight_offset)
+
+
+@reduce_scatter_add_rms_norm.register_fake
+def _(x, residual, weight, eps, weight_offset, group_name):
+    return _like(residual), _like(residual)
+
+
+@torch.library.custom_op("tpfuse::all_gather", mutates_args=())
+def all_gather(x: Tensor, group_name: str) -> Tensor:
+    return lookup(group_name)._all_gather(x)
+
+
+@all_gather.register_fake
+def _(x, group_name):
+    world_size = lookup(group_name).world_size
+    return x.new_empty((world_size * x.shape[0], *x.shape[1:]))

@@ -22,11 +22,15 @@ from tpfuse.comm import tables
 from tpfuse.comm.knobs import Knobs
 from tpfuse.comm.ledger import MISMATCH, CallLedger, LedgerUnavailable, PeersLate, RecordedFailure
 from tpfuse.comm.peer_memory import PeerMemory, PeerMemoryUnavailable
-from tpfuse.comm.plan import AllReducePlan, FusedPlan, check_algo, check_fused_algo, workspace_layout
+from tpfuse.comm.plan import (AllReducePlan, FusedPlan, SequenceParallelPlan, check_algo, check_fused_algo,
+                             workspace_layout)
 from tpfuse.comm.quant_plan import QuantPlan, check_quant
 from tpfuse.comm.workspace import CTRL_ABORT, WorkspaceLayout
 from tpfuse.kernels.allreduce import OP_NAMES, all_reduce_into
+from tpfuse.fp8_ops import check_fp8_args, fp8_outputs
 from tpfuse.kernels.fused import all_reduce_norm_into
+from tpfuse.kernels.quant_fp8 import Fp8Output
+from tpfuse.kernels.sequence_parallel import all_gather_into, reduce_scatter_norm_into
 from tpfuse.kernels.quant_allreduce import quant_all_reduce_into
 from tpfuse.kernels.norm import rms_norm_fwd
 from tpfuse.kernels.peer import PeerContext
@@ -435,24 +439,67 @@ class Communicator:
         check_fused_algo(algo)
         return torch.ops.tpfuse.all_reduce_rms_norm(x, weight, float(eps), float(weight_offset), self.group_name, algo)
 
-    def _all_reduce_norm(self, x, residual, weight, eps, weight_offset, algo, inplace):
+    def all_reduce_add_rms_norm_fp8(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
+                                    eps: float = 1e-6, *, mode: str = "token", scale: torch.Tensor | None = None,
+                                    group: int = 128, weight_offset: float = 0.0, algo: str = "auto",
+                                    inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """All-reduce, residual add, RMSNorm and fp8 quantization of y in one kernel:
+        ``(q, scales, residual_out)``, for the fp8 GEMM after the boundary.
+
+        Bitwise equal, on every rank and for every algo, to the split composition ``y,
+        residual_out = self.all_reduce_add_rms_norm(x, residual, weight, eps, ...,
+        algo="split"); q, scales = tpfuse.quant_fp8(y, mode, scale=scale, group=group)``:
+        y is quantized from its rounded values (x's dtype), with the scales of
+        ``tpfuse.quant_fp8`` (mode "tensor": the static ``scale``, returned as is; "token":
+        scales [..., 1] fp32; "group": [M, N / group] fp32, column-major with M padded to a
+        multiple of 4, the layout DeepGEMM-style block-scaled GEMMs read). y itself is not
+        returned. q is ``torch.float8_e4m3fn`` shaped like x. Other arguments, the outputs'
+        allocation and the errors are ``all_reduce_add_rms_norm``'s; group: a power of two
+        from 16 to 1024 dividing N. Every rank must pass the same mode and group (a
+        mismatch raises ``CallMismatchError`` on every rank, as any other). A failed call
+        returns NaN in q (and in the scales it derives) and in residual_out.
+        """
+        self._check_args(x, residual, weight, eps, weight_offset, norm=True)
+        check_fp8_args(x, mode, scale, group)
+        _check_no_grad(x, residual, weight)
+        check_fused_algo(algo)
+        args = (x, residual, weight, float(eps), float(weight_offset), self.group_name, algo, mode,
+                scale if mode == "tensor" else None, group)
+        if inplace:
+            q, scales = torch.ops.tpfuse.all_reduce_add_rms_norm_fp8_(*args)
+            res_out = residual
+        else:
+            q, scales, res_out = torch.ops.tpfuse.all_reduce_add_rms_norm_fp8(*args)
+        return q, (scale if mode == "tensor" else scales), res_out
+
+    def _all_reduce_norm(self, x, residual, weight, eps, weight_offset, algo, inplace, fp8=None):
         """The fused ops' implementation (``tpfuse.comm.collective_ops``), where their arguments
-        are checked: the methods above, and ``torch.ops.tpfuse`` called directly."""
+        are checked: the methods above, and ``torch.ops.tpfuse`` called directly. fp8: None,
+        or (mode, scale, group) of ``all_reduce_add_rms_norm_fp8``, whose (q, scales) then
+        take y's place in the result (scales empty for mode "tensor")."""
         self._check_usable()
         self._check_args(x, residual, weight, eps, weight_offset, norm=True)
         check_fused_algo(algo)
+        if fp8 is not None:
+            check_fp8_args(x, *fp8)
         n = x.shape[-1]
         plan = (FusedPlan("split", reason="one rank") if self.world_size == 1 or x.numel() == 0 else
                 FusedPlan.from_shape(x.numel() // n, n, x.dtype, self.layout, self.knobs, algo))
         if self.world_size > 1:
             op = "all_reduce_add_rms_norm" if residual is not None else "all_reduce_rms_norm"
+            quant = "" if fp8 is None else f", fp8 per {fp8[0]}" + (f" of {fp8[2]}" if fp8[0] == "group" else "")
             self._post(f"{op} of {x.numel() // max(n, 1)} x {n} {_name(x.dtype)}, weight "
                        f"{None if weight is None else _name(weight.dtype)}, eps {eps!r}, weight_offset "
-                       f"{weight_offset!r}: {_plan_text(plan)}")
+                       f"{weight_offset!r}{quant}: {_plan_text(plan)}")
         x2 = _runtime.aligned_contiguous(x.reshape(-1, n))
         res2 = None if residual is None else _runtime.aligned_contiguous(residual.reshape(-1, n))
         w = None if weight is None else _runtime.aligned_contiguous(weight)
-        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        if fp8 is None:
+            y, out = torch.empty(x.shape, dtype=x.dtype, device=x.device), None
+        else:
+            mode, scale, group = fp8
+            q, scales = fp8_outputs(x, mode, group)
+            y, out = None, Fp8Output(q.view(-1, n), scale if mode == "tensor" else scales, mode, group)
         # In place, the kernels may write residual_out over the residual (rms_norm_fwd).
         if inplace and res2.data_ptr() == residual.data_ptr():
             res_out = res2
@@ -461,21 +508,118 @@ class Communicator:
         if plan.algo == "split":  # the unfused composition, on the same kernels as tpfuse.add_rms_norm
             reduced = self._reduce(x2, "auto", posted=self.world_size > 1)
             if x.numel():
-                rms_norm_fwd(reduced, w, y.view(-1, n), float(eps), float(weight_offset),
-                             *(() if res2 is None else (res2, res_out)))
+                rms_norm_fwd(reduced, w, None if y is None else y.view(-1, n), float(eps), float(weight_offset),
+                             *(() if res2 is None else (res2, res_out)), fp8=out)
             if residual is None:
                 return y, reduced.view(x.shape)
         else:
             self._follow_last_call()
-            all_reduce_norm_into(x2, w, res2, y.view(-1, n), res_out, float(eps), float(weight_offset), plan,
-                                 self._peers)
+            all_reduce_norm_into(x2, w, res2, None if y is None else y.view(-1, n), res_out, float(eps),
+                                 float(weight_offset), plan, self._peers, fp8=out)
             if _runtime.INTERPRETER:
                 self._check_usable()
         if inplace:
             if res_out.data_ptr() != residual.data_ptr():
                 residual.copy_(res_out.view(residual.shape))
-            return y, residual
-        return y, res_out.view(x.shape)
+        outputs = (y,) if fp8 is None else (q, scales)
+        return *outputs, (residual if inplace else res_out.view(x.shape))
+
+    def reduce_scatter_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
+                                    eps: float = 1e-6, *,
+                                    weight_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sequence-parallel boundary: reduce-scatter over dim 0, residual add and RMSNorm
+        in one kernel: ``(y, residual_out)``, this rank's slice of tokens.
+
+        x: [T, ..., N] bf16/fp16/fp32, this rank's contribution for all T tokens (not
+        modified); T must be a multiple of the world size W (a padded split would change
+        which rank owns a row: refused with ValueError). residual: [T / W, ..., N], x's dtype
+        and device, this rank's slice of the residual stream (rows r * T / W .. (r + 1) * T /
+        W - 1 of rank r). weight, eps, weight_offset: as ``all_reduce_add_rms_norm``.
+
+        Returns new tensors shaped like residual: residual_out = round(reduced + residual),
+        y = rms_norm(residual_out), bitwise equal to the same rows of
+        ``all_reduce_add_rms_norm`` given the full residual (the reduced rows are tpfuse's
+        all-reduce bits: fp32 sums in tree order, rounded once). Messages up to the
+        communicator's ``max_bytes`` (larger ones raise ValueError: no fallback that could
+        change the bits). Every rank must call it in the same order with the same shapes;
+        errors as ``all_reduce``. Not differentiable.
+        """
+        self._check_sequence_parallel_args(x, residual, weight, eps, weight_offset)
+        _check_no_grad(x, residual, weight)
+        return torch.ops.tpfuse.reduce_scatter_add_rms_norm(x, residual, weight, float(eps), float(weight_offset),
+                                                            self.group_name)
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """The sequence-parallel all-gather over dim 0: x [R, ..., N] (this rank's rows,
+        bf16/fp16/fp32, not modified) -> a new [W * R, ..., N] tensor, rank g's rows at
+        g * R. The last dimension must be a multiple of 16 and the message (W * R rows) fit
+        the communicator's ``max_bytes`` (ValueError otherwise). Errors as ``all_reduce``.
+        Not differentiable."""
+        self._check_args(x)
+        if x.dim() < 2:
+            raise ValueError(f"x must be [rows, ..., N], got shape {tuple(x.shape)}")
+        _check_no_grad(x)
+        return torch.ops.tpfuse.all_gather(x, self.group_name)
+
+    def _check_sequence_parallel_args(self, x, residual, weight, eps, weight_offset) -> None:
+        self._check_open()
+        check_norm_args(residual, weight, eps, weight_offset)
+        _runtime.check_float_tensor(x, "x")
+        if x.dim() < 2 or x.shape[0] % self.world_size:
+            raise ValueError(f"x must be [T, ..., N] with T a multiple of the world size {self.world_size}; got "
+                             f"shape {tuple(x.shape)}")
+        want = (x.shape[0] // self.world_size, *x.shape[1:])
+        if tuple(residual.shape) != want:
+            raise ValueError(f"residual has shape {tuple(residual.shape)}; this rank's slice of x {tuple(x.shape)} "
+                             f"is {want}")
+        if residual.dtype != x.dtype or residual.device != x.device:
+            raise TypeError(f"residual is {residual.dtype} on {residual.device}, x {x.dtype} on {x.device}; they "
+                            "must match")
+        if x.device != self.device and self.world_size > 1:
+            raise ValueError(f"x is on {x.device}, but this communicator serves {self.device}")
+
+    def _sequence_parallel_plan(self, x: torch.Tensor, rows_per_rank: int, op: str) -> SequenceParallelPlan:
+        n = x.shape[-1]
+        plan = SequenceParallelPlan.from_shape(rows_per_rank, n, x.dtype, self.layout, self.knobs)
+        self._post(f"{op} of {rows_per_rank * self.world_size} x {n} {_name(x.dtype)}: {plan.grid} CTAs")
+        self._follow_last_call()
+        return plan
+
+    def _reduce_scatter_norm(self, x, residual, weight, eps, weight_offset):
+        """``torch.ops.tpfuse.reduce_scatter_add_rms_norm``'s implementation."""
+        self._check_usable()
+        self._check_sequence_parallel_args(x, residual, weight, eps, weight_offset)
+        n = x.shape[-1]
+        x2 = _runtime.aligned_contiguous(x.reshape(-1, n))
+        res2 = _runtime.aligned_contiguous(residual.reshape(-1, n))
+        w = None if weight is None else _runtime.aligned_contiguous(weight)
+        y, res_out = (torch.empty(res2.shape, dtype=x.dtype, device=x.device) for _ in range(2))
+        if self.world_size == 1:
+            rms_norm_fwd(x2, w, y, float(eps), float(weight_offset), res2, res_out)
+        elif x.numel():
+            plan = self._sequence_parallel_plan(x, res2.shape[0], "reduce_scatter_add_rms_norm")
+            reduce_scatter_norm_into(x2, w, res2, y, res_out, float(eps), float(weight_offset), plan, self._peers)
+            if _runtime.INTERPRETER:
+                self._check_usable()
+        else:
+            self._post(f"reduce_scatter_add_rms_norm of 0 {_name(x.dtype)}")
+        return y.view(residual.shape), res_out.view(residual.shape)
+
+    def _all_gather(self, x):
+        """``torch.ops.tpfuse.all_gather``'s implementation."""
+        self._check_input(x)
+        n = x.shape[-1]
+        out = torch.empty((self.world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        if self.world_size == 1:
+            out.copy_(x)
+        elif x.numel():
+            plan = self._sequence_parallel_plan(x, x.numel() // n, "all_gather")
+            all_gather_into(_runtime.aligned_contiguous(x.reshape(-1, n)), out.view(-1, n), plan, self._peers)
+            if _runtime.INTERPRETER:
+                self._check_usable()
+        else:
+            self._post(f"all_gather of 0 {_name(x.dtype)}")
+        return out
 
     def _follow_last_call(self) -> None:
         """Before a launch on the peer workspace: where the last one went to another stream,

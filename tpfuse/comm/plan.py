@@ -289,3 +289,34 @@ class FusedPlan:
         grid = max(1, min(work, max_ctas, layout.max_blocks))
         return cls(algo, grid=grid, rows_per_group=rows_per_group[algo], protocol=protocol, whole_tiles=whole_tiles,
                    piece_words=piece_words, pieces=pieces, norm=cfg)
+
+
+@dataclass(frozen=True)
+class SequenceParallelPlan:
+    """How one sequence-parallel call (``reduce_scatter_add_rms_norm`` or ``all_gather``) of
+    rows_per_rank rows of hidden size n per rank runs (``tpfuse.kernels.sequence_parallel``):
+    grid CTAs, each taking the row tiles of ``norm`` (the norm's tile, shared by both calls)
+    b, b + grid, ... From the shape, the layout and the knobs only."""
+
+    rows_per_rank: int
+    grid: int
+    norm: NormConfig
+
+    @classmethod
+    def from_shape(cls, rows_per_rank: int, n: int, dtype: torch.dtype, layout: WorkspaceLayout | None,
+                   knobs: Knobs) -> "SequenceParallelPlan":
+        """ValueError where the workspace cannot serve the call: no workspace, a hidden size
+        that is not a multiple of FUSED_HIDDEN_MULTIPLE, or a rank's rows over a two-shot
+        slot (the whole message over ``max_bytes``). Never a fallback: another path could
+        give other bits."""
+        if layout is None:
+            raise ValueError("the sequence-parallel collectives need a peer workspace, and this communicator has none")
+        if n % FUSED_HIDDEN_MULTIPLE:
+            raise ValueError(f"the sequence-parallel collectives need a hidden size that is a multiple of "
+                             f"{FUSED_HIDDEN_MULTIPLE}, got {n}")
+        if rows_per_rank * n * dtype.itemsize > layout.twoshot_slot_bytes or rows_per_rank * n * knobs.world_size > MAX_ELEMENTS:
+            raise ValueError(f"{knobs.world_size} x {rows_per_rank} rows of {n} {dtype} exceed this workspace "
+                             f"(max_bytes={layout.max_bytes}): create the Communicator with a larger max_bytes")
+        cfg = NormConfig.from_shape(n, dtype)
+        grid = max(1, min(_cdiv(rows_per_rank, cfg.rows), knobs.fused_max_ctas, layout.max_blocks))
+        return cls(rows_per_rank, grid, cfg)

@@ -54,6 +54,8 @@ OP_NAMES = {1: "one-shot all_reduce", 2: "two-shot all_reduce (reduce-scatter ph
             4: "fused all_reduce + rms_norm (one-shot)",  # codes 4-6 of fused.py
             5: "fused all_reduce + rms_norm (reduce-scatter phase)",
             6: "fused all_reduce + rms_norm (all-gather phase)",
+            7: "reduce_scatter_add_rms_norm",  # codes of sequence_parallel.py
+            8: "all_gather",
             10: "quantized all_reduce (reduce-scatter phase)",  # codes of quant_allreduce.py
             11: "quantized all_reduce (all-gather phase)"}
 

@@ -53,7 +53,8 @@ from tpfuse.kernels.peer import (PeerContext, begin_collective, flag_row, poison
                                  typed_ptr)
 from tpfuse.kernels.common import EXACT_FP, prefetch_l2, round_to, to_f32
 from tpfuse.kernels.ll import lamport_pack, lamport_word, ll_flag, ll_pack, ll_reduce, ll_wait
-from tpfuse.kernels.norm import NormConfig, store_normed, norm_tile, row_inv_rms
+from tpfuse.kernels.norm import NormConfig, norm_tile, output_amax, row_inv_rms, store_output
+from tpfuse.kernels.quant_fp8 import Fp8Output, fp8_scale
 from tpfuse.kernels.sync import begin_call, end_call, signal, wait
 
 # Operation codes of the status record; their names are in allreduce.OP_NAMES.
@@ -63,7 +64,7 @@ OP_FUSED_GATHER = tl.constexpr(6)
 
 # Counts and flags are not specialised, so every batch size and both residual modes run one
 # compiled kernel per (N, dtype, world size), like the norm kernel.
-_UNSPECIALISED = ["n_rows", "rows_per_group", "has_residual", "rank", "timeout_ns"]
+_UNSPECIALISED = ["n_rows", "rows_per_group", "has_residual", "rank", "timeout_ns", "scale_rows"]
 
 
 @triton.jit
@@ -75,6 +76,21 @@ def _copy_rows(X, dst, N, src_rows, dst_rows, row_ok, BLOCK_N: tl.constexpr, NUM
         mask = row_ok[:, None] & (ccols < N)
         vals = tl.load(X + src_rows.to(tl.int64)[:, None] * N + ccols, mask=mask)
         tl.store(dst + dst_rows.to(tl.int64)[:, None] * N + ccols, vals, mask=mask)
+
+
+@triton.jit
+def poison_outputs(Y, RES_OUT, Q, SCALES, scale_rows, n_rows, N, FP8: tl.constexpr, GROUP: tl.constexpr):
+    """A failed call's outputs all NaN (``poison``): residual_out, and y or, with FP8, the
+    e4m3 values and the scales the call derives (a "tensor" scale is the caller's input)."""
+    poison(RES_OUT, n_rows * N)
+    if FP8 == 0:
+        poison(Y, n_rows * N)
+    else:
+        poison(Q, n_rows * N)
+        if FP8 == 2:
+            poison(SCALES, n_rows)
+        elif FP8 == 3:
+            poison(SCALES, N // GROUP * scale_rows)
 
 
 @triton.jit
@@ -91,10 +107,11 @@ def _prefetch_norm_operands(RES, W, first, n_elems, N, ELEMS: tl.constexpr, HAS_
 
 @triton.jit(do_not_specialize=_UNSPECIALISED)
 def oneshot_all_reduce_norm_kernel(
-    X, RES, W, Y, RES_OUT, n_rows, N, eps, weight_offset, has_residual,
+    X, RES, W, Y, RES_OUT, Q, SCALES, scale_rows, n_rows, N, eps, weight_offset, has_residual,
     table_ptr, local, status_addr, rank, timeout_ns, flags_offset, data_offset, data_bytes, slot_elems,
     BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr, WORLD: tl.constexpr, PEERS: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, WORLD: tl.constexpr, PEERS: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr,
+    HW_E4M3: tl.constexpr,
 ):
     ELEM: tl.constexpr = X.dtype.element_ty
     pid, grid, ctrl, status, epoch, data, n_tiles = begin_collective(
@@ -120,10 +137,10 @@ def oneshot_all_reduce_norm_kernel(
         for tile in range(pid, n_tiles, grid):
             rows = tile * ROWS + tl.arange(0, ROWS)
             norm_tile(slot0, rows.to(tl.int64) * N, slot_elems, RES, W, Y, RES_OUT, rows, rows < n_rows, N, eps,
-                      weight_offset, has_residual, True, BLOCK_N, TAIL_N, NUM_CHUNKS, HAS_WEIGHT, WORLD)
+                      weight_offset, has_residual, True, Q, SCALES, scale_rows, BLOCK_N, TAIL_N, NUM_CHUNKS, HAS_WEIGHT, WORLD,
+                      FP8, GROUP, HW_E4M3)
     else:
-        poison(Y, n_rows * N)
-        poison(RES_OUT, n_rows * N)
+        poison_outputs(Y, RES_OUT, Q, SCALES, scale_rows, n_rows, N, FP8, GROUP)
     end_call(ctrl, epoch)
 
 
@@ -148,11 +165,11 @@ def _count_piece(counter):
 
 @triton.jit(do_not_specialize=_UNSPECIALISED)
 def ll_oneshot_all_reduce_norm_kernel(
-    X, RES, W, Y, RES_OUT, n_rows, N, eps, weight_offset, has_residual,
+    X, RES, W, Y, RES_OUT, Q, SCALES, scale_rows, n_rows, N, eps, weight_offset, has_residual,
     table_ptr, local, status_addr, rank, timeout_ns, ll_offset, ll_bytes, slot_words, reduced_offset, handoff_offset,
     BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, WORLD: tl.constexpr, PIECE_WORDS: tl.constexpr, PIECES: tl.constexpr,
-    LAMPORT: tl.constexpr,
+    LAMPORT: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr, HW_E4M3: tl.constexpr,
 ):
     """One-shot over LL words or, with LAMPORT, Lamport words (one element each).
 
@@ -209,20 +226,22 @@ def ll_oneshot_all_reduce_norm_kernel(
         rows = tile * ROWS + tl.arange(0, ROWS)
         if PIECES == 1:  # whole tiles: the CTA that summed the tile normalises it, nothing to count
             norm_tile(reduced, rows.to(tl.int64) * N, 0, RES, W, Y, RES_OUT, rows, rows < n_rows, N, eps,
-                      weight_offset, has_residual, True, BLOCK_N, TAIL_N, NUM_CHUNKS, HAS_WEIGHT, 0)
+                      weight_offset, has_residual, True, Q, SCALES, scale_rows, BLOCK_N, TAIL_N, NUM_CHUNKS,
+                      HAS_WEIGHT, 0, FP8, GROUP, HW_E4M3)
         elif _count_piece(arrived + tile) == PIECES - 1:
             tl.store(arrived + tile, 0)  # the next call counts after this kernel has ended
             norm_tile(reduced, rows.to(tl.int64) * N, 0, RES, W, Y, RES_OUT, rows, rows < n_rows, N, eps,
-                      weight_offset, has_residual, True, BLOCK_N, TAIL_N, NUM_CHUNKS, HAS_WEIGHT, 0)
+                      weight_offset, has_residual, True, Q, SCALES, scale_rows, BLOCK_N, TAIL_N, NUM_CHUNKS,
+                      HAS_WEIGHT, 0, FP8, GROUP, HW_E4M3)
     end_call(ctrl, epoch)
 
 
 @triton.jit(do_not_specialize=_UNSPECIALISED)
 def rows_oneshot_all_reduce_norm_kernel(
-    X, RES, W, Y, RES_OUT, n_rows, N, eps, weight_offset, has_residual,
+    X, RES, W, Y, RES_OUT, Q, SCALES, scale_rows, n_rows, N, eps, weight_offset, has_residual,
     table_ptr, local, status_addr, rank, timeout_ns, rows_offset, rows_bytes, slot_words,
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_WEIGHT: tl.constexpr, WORLD: tl.constexpr,
-    PIECE: tl.constexpr, PIECES: tl.constexpr,
+    PIECE: tl.constexpr, PIECES: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr, HW_E4M3: tl.constexpr,
 ):
     """One-shot, row-wise: every CTA that stores a piece of a row tile normalises the whole tile.
 
@@ -284,17 +303,24 @@ def rows_oneshot_all_reduce_norm_kernel(
     mine = mask & ((tl.arange(0, ROWS)[:, None] * N + cols) // PIECE == pid % PIECES)
     tl.store(RES_OUT + row_offs + cols, x, mask=mine)
     xf = to_f32(x)
-    store_normed(xf, row_inv_rms(xf * xf, N, eps), W, Y, row_offs, cols, mine, N, weight_offset, HAS_WEIGHT, "")
+    inv = row_inv_rms(xf * xf, N, eps)
+    row_scale = inv  # unused unless FP8 == 2
+    if FP8 == 2:  # from the whole tile, which every CTA of it holds
+        row_scale = fp8_scale(output_amax(xf, inv, W, cols, mask, N, weight_offset, HAS_WEIGHT, ELEM))
+    # Every CTA of the tile stores the tile's scales: the same values, from the same rows.
+    store_output(xf, inv, row_scale, W, Y, Q, SCALES, scale_rows, rows, row_offs, 0, cols, mine, rows < n_rows, N,
+                 weight_offset, HAS_WEIGHT, "", FP8, GROUP, HW_E4M3)
     end_call(ctrl, epoch, n_words * (WORD.primitive_bitwidth // 8))
 
 
 @triton.jit(do_not_specialize=_UNSPECIALISED)
 def twoshot_all_reduce_norm_kernel(
-    X, RES, W, Y, RES_OUT, n_rows, rows_per_group, N, eps, weight_offset, has_residual,
+    X, RES, W, Y, RES_OUT, Q, SCALES, scale_rows, n_rows, rows_per_group, N, eps, weight_offset, has_residual,
     table_ptr, local, status_addr, rank, timeout_ns, flags_offset, flags_bytes, data_offset, data_bytes,
     gather_offset, slot_elems,
     BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr, WORLD: tl.constexpr, PEERS: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, WORLD: tl.constexpr, PEERS: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr,
+    HW_E4M3: tl.constexpr,
 ):
     ELEM: tl.constexpr = X.dtype.element_ty
     pid, grid, ctrl, status, epoch, data, n_tiles = begin_collective(local, status_addr, data_offset, data_bytes,
@@ -336,10 +362,9 @@ def twoshot_all_reduce_norm_kernel(
                 rows = g * rows_per_group + local_rows
                 norm_tile(gather0 + g * slot_elems, local_rows.to(tl.int64) * N, 0, RES, W, Y, RES_OUT, rows,
                           (local_rows < rows_per_group) & (rows < n_rows), N, eps, weight_offset, has_residual, True,
-                          BLOCK_N, TAIL_N, NUM_CHUNKS, HAS_WEIGHT, 1)
+                          Q, SCALES, scale_rows, BLOCK_N, TAIL_N, NUM_CHUNKS, HAS_WEIGHT, 1, FP8, GROUP, HW_E4M3)
     else:
-        poison(Y, n_rows * N)
-        poison(RES_OUT, n_rows * N)
+        poison_outputs(Y, RES_OUT, Q, SCALES, scale_rows, n_rows, N, FP8, GROUP)
     end_call(ctrl, epoch)
 
 
@@ -385,14 +410,15 @@ def lamport_tiling(n: int, dtype: torch.dtype, n_tiles: int, max_ctas: int) -> s
 
 
 def all_reduce_norm_into(x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor | None,
-                         y: torch.Tensor, residual_out: torch.Tensor, eps: float, weight_offset: float, plan,
-                         peers: PeerContext) -> None:
+                         y: torch.Tensor | None, residual_out: torch.Tensor, eps: float, weight_offset: float, plan,
+                         peers: PeerContext, fp8: Fp8Output | None = None) -> None:
     """Launch one fused all-reduce + (residual add) + RMSNorm over 2-D [n_rows, N]
     contiguous, 16-byte aligned operands, as ``plan`` says (``tpfuse.comm.plan.FusedPlan``).
 
     x: this rank's contribution; residual: this rank's residual or None; writes y and
     residual_out (round(all_reduce(x) + residual), or all_reduce(x) without a residual).
-    residual_out may alias residual (as in ``tpfuse.kernels.norm.rms_norm_fwd``). Every rank
+    residual_out may alias residual (as in ``tpfuse.kernels.norm.rms_norm_fwd``). With ``fp8``
+    (y None) y is quantized to its q and scales instead of stored. Every rank
     must launch the same plan (from the shape and the knobs only). The plan's protocol:
     one-shot's, "flags", "ll" or "lamport" (x must fit the layout's ``ll_max_bytes`` or
     ``lamport_max_bytes``; pieces of ``piece_words`` words, ``pieces`` per row tile,
@@ -406,12 +432,14 @@ def all_reduce_norm_into(x: torch.Tensor, weight: torch.Tensor | None, residual:
         raise ValueError(f"the plan's norm tile {cfg} is not that of hidden size {n} in {x.dtype}")
     world = layout.world_size
     common = dict(
-        X=x, RES=residual if residual is not None else x, W=weight if weight is not None else x, Y=y,
-        RES_OUT=residual_out, n_rows=n_rows, N=n, eps=eps, weight_offset=weight_offset,
+        X=x, RES=residual if residual is not None else x, W=weight if weight is not None else x,
+        Y=y if y is not None else x, RES_OUT=residual_out, n_rows=n_rows, N=n, eps=eps, weight_offset=weight_offset,
         has_residual=int(residual is not None), **peers.kernel_args(),
         BLOCK_N=cfg.block_n, TAIL_N=cfg.tail_n, NUM_CHUNKS=cfg.num_chunks, ROWS=cfg.rows,
-        HAS_WEIGHT=weight is not None, WORLD=world,
-        num_warps=cfg.num_warps, **EXACT_FP)
+        HAS_WEIGHT=weight is not None, WORLD=world, num_warps=cfg.num_warps,
+        **(fp8.kernel_args() if fp8 is not None else Fp8Output.none_args(x)), **EXACT_FP)
+    if (y is None) == (fp8 is None):
+        raise ValueError("all_reduce_norm_into: exactly one of y and fp8")
     if algo == "oneshot" and protocol == "rows":
         tiles, piece_elems, pieces = triton.cdiv(n_rows, cfg.rows), plan.piece_elems, plan.pieces
         if (x.numel() * x.element_size() > layout.rows_max_bytes or n % 16 or cfg.tail_n or cfg.num_chunks != 1

@@ -33,6 +33,7 @@ import triton.language as tl
 
 from tpfuse.kernels.peer import sum_in_tree_order
 from tpfuse.kernels.common import EXACT_FP, TRITON_DIVISIBILITY, round_to, to_f32
+from tpfuse.kernels.quant_fp8 import Fp8Output, fp8_scale, row_amax, store_fp8_tile
 
 # A row of up to 16384 elements is held in registers and read from memory once (fp32 rows of
 # 16384 in 8 KiB chunks instead reached 69% of copy bandwidth forward and 44% backward on H200,
@@ -272,31 +273,69 @@ def widen_again(x):
 
 
 @triton.jit
+def normed(x, inv, W, cols, N, weight_offset, HAS_WEIGHT: tl.constexpr):
+    """x * inv (* (W[cols] + weight_offset)) in fp32, before the rounding to the output dtype."""
+    y = x * inv[:, None]
+    if HAS_WEIGHT:
+        y = y * (to_f32(tl.load(W + cols, mask=cols < N, other=0.0)) + weight_offset)
+    return y
+
+
+@triton.jit
 def store_normed(x, inv, W, Y, row_offs, cols, mask, N, weight_offset, HAS_WEIGHT: tl.constexpr,
                   CACHE: tl.constexpr):
     """Y[row_offs + cols] = x * inv (* (W[cols] + weight_offset)), rounded once, stored with
     cache modifier CACHE."""
-    y = x * inv[:, None]
-    if HAS_WEIGHT:
-        y = y * (to_f32(tl.load(W + cols, mask=cols < N, other=0.0)) + weight_offset)
+    y = normed(x, inv, W, cols, N, weight_offset, HAS_WEIGHT)
     tl.store(Y + row_offs + cols, round_to(y, Y.dtype.element_ty), mask=mask, cache_modifier=CACHE)
 
 
 @triton.jit
+def rounded_normed(x, inv, W, cols, N, weight_offset, HAS_WEIGHT: tl.constexpr, ELEM: tl.constexpr):
+    """``normed`` rounded to ELEM (y's dtype) and widened again: the y an fp8 output quantizes."""
+    return to_f32(round_to(normed(x, inv, W, cols, N, weight_offset, HAS_WEIGHT), ELEM))
+
+
+@triton.jit
+def store_output(x, inv, row_scale, W, Y, Q, SCALES, scale_rows, rows, row_offs, col0, cols, mask, row_mask, N,
+                 weight_offset, HAS_WEIGHT: tl.constexpr, CACHE: tl.constexpr, FP8: tl.constexpr,
+                 GROUP: tl.constexpr, HW_E4M3: tl.constexpr):
+    """The normed tile stored as y (FP8 == 0: ``store_normed``) or as fp8 to Q and SCALES
+    (``tpfuse.kernels.quant_fp8.store_fp8_tile``; row_scale: the rows' scales of FP8 == 2)."""
+    if FP8 == 0:
+        store_normed(x, inv, W, Y, row_offs, cols, mask, N, weight_offset, HAS_WEIGHT, CACHE)
+    else:
+        y = rounded_normed(x, inv, W, cols, N, weight_offset, HAS_WEIGHT, Y.dtype.element_ty)
+        store_fp8_tile(y, row_scale, Q, SCALES, scale_rows, rows, row_offs, col0, cols, mask, row_mask, N, FP8, GROUP,
+                       HW_E4M3, 128 // Y.dtype.element_ty.primitive_bitwidth)
+
+
+@triton.jit
+def output_amax(x, inv, W, cols, mask, N, weight_offset, HAS_WEIGHT: tl.constexpr, ELEM: tl.constexpr):
+    """[ROWS]: max |y| of the rounded output over the tile's lanes in mask (for FP8 == 2)."""
+    return row_amax(rounded_normed(x, inv, W, cols, N, weight_offset, HAS_WEIGHT, ELEM), mask)
+
+
+@triton.jit
 def norm_tile(SRC, src_rows, slot_elems, RES, W, Y, RES_OUT, rows, row_mask, N, eps, weight_offset, has_residual,
-              store_out, BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, NUM_CHUNKS: tl.constexpr,
-              HAS_WEIGHT: tl.constexpr, SLOTS: tl.constexpr):
+              store_out, Q, SCALES, scale_rows, BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr,
+              NUM_CHUNKS: tl.constexpr, HAS_WEIGHT: tl.constexpr, SLOTS: tl.constexpr, FP8: tl.constexpr,
+              GROUP: tl.constexpr, HW_E4M3: tl.constexpr):
     """The RMSNorm forward of one tile of rows, the body of every forward kernel.
 
     rows: [ROWS] row indices into the [n_rows, N] operands RES, Y and RES_OUT (masked by
     row_mask); src_rows: [ROWS] int64 element offsets of the same rows' first element in SRC
     (see ``_load_norm_input`` for SRC, slot_elems and SLOTS). Writes Y = rms_norm(x) and,
     when store_out, RES_OUT = x, for x as ``_load_norm_input`` forms it. BLOCK_N, TAIL_N and
-    NUM_CHUNKS are ``NormConfig``'s block_n, tail_n and num_chunks.
+    NUM_CHUNKS are ``NormConfig``'s block_n, tail_n and num_chunks. With FP8 (the
+    ``tpfuse.kernels.quant_fp8.MODE_IDS`` of a mode) y is not stored but quantized from its
+    rounded values to Q and SCALES (``Fp8Output``, ``store_fp8_tile``): the bits of
+    ``tpfuse.quant_fp8(y)``, since a row's scale comes from the max of the same values.
 
     A kernel calling this gets the bits of ``rms_norm_fwd_kernel`` only if Triton gives the
     tile the same register layout there (the layout fixes the order of the row reduction):
     tests/test_fused_layouts.py compiles both for sm_90 and compares."""
+    ELEM: tl.constexpr = Y.dtype.element_ty
     src_offs = src_rows[:, None]
     row_offs = rows.to(tl.int64)[:, None] * N
     if TAIL_N > 0:
@@ -311,8 +350,15 @@ def norm_tile(SRC, src_rows, slot_elems, RES, W, Y, RES_OUT, rows, row_mask, N, 
         xt = to_f32(_load_norm_input(SRC, src_offs + tcols, slot_elems, RES, RES_OUT, row_offs + tcols, tmask,
                                      has_residual, store_out, SLOTS, ""))
         inv = inv_rms(tl.sum(x * x, axis=1) + tl.sum(xt * xt, axis=1), N, eps)
-        store_normed(x, inv, W, Y, row_offs, cols, mask, N, weight_offset, HAS_WEIGHT, "")
-        store_normed(xt, inv, W, Y, row_offs, tcols, tmask, N, weight_offset, HAS_WEIGHT, "")
+        row_scale = inv  # unused unless FP8 == 2
+        if FP8 == 2:
+            row_scale = fp8_scale(tl.maximum(output_amax(x, inv, W, cols, mask, N, weight_offset, HAS_WEIGHT, ELEM),
+                                             output_amax(xt, inv, W, tcols, tmask, N, weight_offset, HAS_WEIGHT,
+                                                         ELEM)))
+        store_output(x, inv, row_scale, W, Y, Q, SCALES, scale_rows, rows, row_offs, 0, cols, mask, row_mask, N,
+                     weight_offset, HAS_WEIGHT, "", FP8, GROUP, HW_E4M3)
+        store_output(xt, inv, row_scale, W, Y, Q, SCALES, scale_rows, rows, row_offs, BLOCK_N // 2, tcols, tmask,
+                     row_mask, N, weight_offset, HAS_WEIGHT, "", FP8, GROUP, HW_E4M3)
     elif NUM_CHUNKS == 1:
         # A row longer than fp32 registers hold (bf16 only, see _MIN_NARROW_ROW_ELEMS) is kept
         # in its 16-bit form across the reduction and widened again for y.
@@ -325,11 +371,15 @@ def norm_tile(SRC, src_rows, slot_elems, RES, W, Y, RES_OUT, rows, row_mask, N, 
         inv = row_inv_rms(xf * xf, N, eps)
         if HOLD_NARROW:
             xf = widen_again(x)
-        store_normed(xf, inv, W, Y, row_offs, cols, mask, N, weight_offset, HAS_WEIGHT, "")
+        row_scale = inv  # unused unless FP8 == 2
+        if FP8 == 2:
+            row_scale = fp8_scale(output_amax(xf, inv, W, cols, mask, N, weight_offset, HAS_WEIGHT, ELEM))
+        store_output(xf, inv, row_scale, W, Y, Q, SCALES, scale_rows, rows, row_offs, 0, cols, mask, row_mask, N,
+                     weight_offset, HAS_WEIGHT, "", FP8, GROUP, HW_E4M3)
     else:
         # Streaming chunks (rows of 128 KiB and more, see NormConfig) ask L2 to keep what pass
         # one reads, to drop it once pass two has read it, and to stream y past it.
-        STREAM: tl.constexpr = BLOCK_N * Y.dtype.element_ty.primitive_bitwidth // 8 >= _STREAM_CHUNK
+        STREAM: tl.constexpr = BLOCK_N * ELEM.primitive_bitwidth // 8 >= _STREAM_CHUNK
         KEEP: tl.constexpr = "evict_last" if STREAM else ""
         DROP: tl.constexpr = "evict_first" if STREAM else ""
         Y_CACHE: tl.constexpr = ".cs" if STREAM else ""
@@ -344,18 +394,37 @@ def norm_tile(SRC, src_rows, slot_elems, RES, W, Y, RES_OUT, rows, row_mask, N, 
         inv = row_inv_rms(sq, N, eps)
         if store_out:
             tl.debug_barrier()  # pass one's stores to RES_OUT are visible to every thread of the program
+        row_scale = inv  # unused unless FP8 == 2
+        if FP8 == 2:  # a pass more, for the rows' amax of y before any of it is quantized
+            amax = tl.zeros([src_rows.shape[0]], dtype=tl.float32)
+            for c in range(NUM_CHUNKS):
+                ccols = c * BLOCK_N + cols
+                mask = row_mask[:, None] & (ccols < N)
+                x = _chunk_again(SRC, src_offs, slot_elems, RES, RES_OUT, row_offs, ccols, mask, has_residual,
+                                 store_out, SLOTS, KEEP)
+                amax = tl.maximum(amax, output_amax(x, inv, W, ccols, mask, N, weight_offset, HAS_WEIGHT, ELEM))
+            row_scale = fp8_scale(amax)
         for c in range(NUM_CHUNKS):
             ccols = c * BLOCK_N + cols
             mask = row_mask[:, None] & (ccols < N)
-            if store_out:
-                # x as pass one stored it: half the bytes of x and the residual (or of SLOTS
-                # workspace slots), just written and so in L2, and correct when RES_OUT
-                # aliases RES.
-                x = to_f32(tl.load(RES_OUT + row_offs + ccols, mask=mask, other=0.0, eviction_policy=DROP))
-            else:
-                x = to_f32(_load_norm_input(SRC, src_offs + ccols, slot_elems, RES, RES_OUT, row_offs + ccols, mask,
-                                            has_residual, False, SLOTS, DROP))
-            store_normed(x, inv, W, Y, row_offs, ccols, mask, N, weight_offset, HAS_WEIGHT, Y_CACHE)
+            x = _chunk_again(SRC, src_offs, slot_elems, RES, RES_OUT, row_offs, ccols, mask, has_residual, store_out,
+                             SLOTS, DROP)
+            store_output(x, inv, row_scale, W, Y, Q, SCALES, scale_rows, rows, row_offs, c * BLOCK_N, ccols, mask,
+                         row_mask, N, weight_offset, HAS_WEIGHT, Y_CACHE, FP8, GROUP, HW_E4M3)
+
+
+@triton.jit
+def _chunk_again(SRC, src_offs, slot_elems, RES, RES_OUT, row_offs, ccols, mask, has_residual, store_out,
+                 SLOTS: tl.constexpr, EVICT: tl.constexpr):
+    """A chunk's x after pass one of a chunked row, in fp32, read with eviction policy EVICT."""
+    if store_out:
+        # x as pass one stored it: half the bytes of x and the residual (or of SLOTS
+        # workspace slots), just written and so in L2, and correct when RES_OUT aliases RES.
+        x = to_f32(tl.load(RES_OUT + row_offs + ccols, mask=mask, other=0.0, eviction_policy=EVICT))
+    else:  # (a return under a branch on a runtime value does not compile)
+        x = to_f32(_load_norm_input(SRC, src_offs + ccols, slot_elems, RES, RES_OUT, row_offs + ccols, mask,
+                                    has_residual, False, SLOTS, EVICT))
+    return x
 
 
 # has_residual is a runtime flag, not a constexpr, so rms_norm and add_rms_norm run the SAME
@@ -364,43 +433,50 @@ def norm_tile(SRC, src_rows, slot_elems, RES, W, Y, RES_OUT, rows, row_mask, N, 
 # layouts per kernel, and the layout fixes the order of the row reduction (seen on H200: at
 # N=1000 the two variants compiled as separate kernels reduced in different layouts and y
 # differed by an ulp). One kernel makes y == rms_norm(residual_out) hold by construction.
-@triton.jit(do_not_specialize=["n_rows", "has_residual"])
+@triton.jit(do_not_specialize=["n_rows", "has_residual", "scale_rows"])
 def rms_norm_fwd_kernel(
-    X, RES, W, Y, RES_OUT,
+    X, RES, W, Y, RES_OUT, Q, SCALES, scale_rows,
     n_rows, N, eps, weight_offset, has_residual,
     BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr, HW_E4M3: tl.constexpr,
 ):
-    """Y = rms_norm(X) or, with has_residual, RES_OUT = round(X + RES), Y = rms_norm(RES_OUT).
-    All operands are [n_rows, N] contiguous; one program per tile of ROWS rows."""
+    """Y = rms_norm(X) or, with has_residual, RES_OUT = round(X + RES), Y = rms_norm(RES_OUT);
+    with FP8, y quantized to Q and SCALES instead (``norm_tile``). All operands are
+    [n_rows, N] contiguous; one program per tile of ROWS rows."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     norm_tile(X, rows.to(tl.int64) * N, 0, RES, W, Y, RES_OUT, rows, rows < n_rows, N, eps, weight_offset,
-              has_residual, has_residual, BLOCK_N, TAIL_N, NUM_CHUNKS, HAS_WEIGHT, 0)
+              has_residual, has_residual, Q, SCALES, scale_rows, BLOCK_N, TAIL_N, NUM_CHUNKS, HAS_WEIGHT, 0, FP8,
+              GROUP, HW_E4M3)
 
 
 def rms_norm_fwd(
     x: torch.Tensor,
     weight: torch.Tensor | None,
-    y: torch.Tensor,
+    y: torch.Tensor | None,
     eps: float,
     weight_offset: float,
     residual: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
+    fp8: Fp8Output | None = None,
 ) -> None:
-    """Launch the forward on 2-D contiguous aligned operands; writes y (and residual_out).
+    """Launch the forward on 2-D contiguous aligned operands; writes y (and residual_out), or
+    with ``fp8`` its quantized values and scales instead (y None).
 
     residual_out may alias residual: a row held in registers reads each element before
     writing it, and chunked rows read x back from residual_out in their second pass."""
     if (residual is None) != (residual_out is None):
         raise ValueError("rms_norm_fwd: residual and residual_out go together")
+    if (y is None) == (fp8 is None):
+        raise ValueError("rms_norm_fwd: exactly one of y and fp8")
     n_rows, n = x.shape
     if n_rows == 0:
         return
     cfg = NormConfig.from_shape(n, x.dtype)
     rms_norm_fwd_kernel[(triton.cdiv(n_rows, cfg.rows),)](
-        X=x, RES=residual if residual is not None else x, W=weight if weight is not None else x, Y=y,
-        RES_OUT=residual_out if residual_out is not None else y,
+        X=x, RES=residual if residual is not None else x, W=weight if weight is not None else x,
+        Y=y if y is not None else x, RES_OUT=residual_out if residual_out is not None else x,
         n_rows=n_rows, N=n, eps=eps, weight_offset=weight_offset, has_residual=int(residual is not None),
         BLOCK_N=cfg.block_n, TAIL_N=cfg.tail_n, NUM_CHUNKS=cfg.num_chunks, ROWS=cfg.rows,
-        HAS_WEIGHT=weight is not None, num_warps=cfg.num_warps, **EXACT_FP,
+        HAS_WEIGHT=weight is not None, num_warps=cfg.num_warps,
+        **(fp8.kernel_args() if fp8 is not None else Fp8Output.none_args(x)), **EXACT_FP,
     )

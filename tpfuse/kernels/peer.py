@@ -107,9 +107,13 @@ def poison(out_ptr, numel):
     output, not a share: the other blocks' tiles may be fine, this block's are not, and
     covering them all needs no tiling. A failure path: written for brevity, not speed."""
     BLOCK: tl.constexpr = 1024
+    ELEM: tl.constexpr = out_ptr.dtype.element_ty
     for start in range(0, numel, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        tl.store(out_ptr + offs, tl.full([BLOCK], float("nan"), out_ptr.dtype.element_ty), mask=offs < numel)
+        if ELEM == tl.uint8:  # e4m3 bytes (tpfuse.kernels.quant_fp8): 0x7F is NaN
+            tl.store(out_ptr + offs, tl.full([BLOCK], 0x7F, tl.uint8), mask=offs < numel)
+        else:
+            tl.store(out_ptr + offs, tl.full([BLOCK], float("nan"), ELEM), mask=offs < numel)
 
 
 @triton.jit

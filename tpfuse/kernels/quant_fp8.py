@@ -13,6 +13,8 @@ cast keeps it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -20,7 +22,8 @@ import triton.language as tl
 from tpfuse.kernels.codecs import _e4m3_rne, hardware_e4m3
 from tpfuse.kernels.common import EXACT_FP
 
-MODE_IDS = {"tensor": 0, "token": 1, "group": 2}
+MODE_IDS = {"tensor": 1, "token": 2, "group": 3}
+"""The MODE / FP8 constexpr of the kernels here and of the norm kernels' fp8 output (0: none)."""
 TILE_ELEMS = 1024
 """Columns a program holds at once (8 per thread on 4 warps); rows of any length loop over them."""
 _FP8_MAX = tl.constexpr(448.0)
@@ -29,21 +32,92 @@ _AMAX_FLOOR = tl.constexpr(1e-10)
 
 @triton.jit
 def _e4m3_bits(v, HW_E4M3: tl.constexpr):
-    """fp32 v (|v| <= 448) -> the e4m3fn byte (uint8) torch's cast gives."""
+    """fp32 v (|v| <= 448, or NaN) -> the e4m3fn byte (uint8) torch's cast gives (NaN: 0x7F)."""
     if HW_E4M3:
         return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     sign = tl.where(v.to(tl.int32, bitcast=True) < 0, 0x80, 0)
-    return ((_e4m3_rne(v) & 0x7F) | sign).to(tl.uint8)
+    return tl.where(v != v, 0x7F, (_e4m3_rne(v) & 0x7F) | sign).to(tl.uint8)
 
 
 @triton.jit
-def _scale(amax):
+def fp8_scale(amax):
+    """``max(amax, 1e-10) / 448`` in fp32, correctly rounded (the reference's _fp8_scale)."""
     return tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR), _FP8_MAX)
 
 
 @triton.jit
 def _quantize(y, s, HW_E4M3: tl.constexpr):
-    return _e4m3_bits(tl.minimum(tl.maximum(tl.math.div_rn(y, s), -_FP8_MAX), _FP8_MAX), HW_E4M3)
+    """y / s saturated at +-448, as e4m3 bytes; a NaN stays NaN (the poison of a failed
+    collective must not come out as numbers)."""
+    v = tl.math.div_rn(y, s)
+    v = tl.minimum(tl.maximum(v, -_FP8_MAX, propagate_nan=tl.PropagateNan.ALL), _FP8_MAX,
+                   propagate_nan=tl.PropagateNan.ALL)
+    return _e4m3_bits(v, HW_E4M3)
+
+
+@triton.jit
+def row_amax(y, mask):
+    """[ROWS]: max |y| over each row's lanes in mask, of a [ROWS, B] fp32 tile (exact in any
+    order, so no layout question arises)."""
+    return tl.max(tl.where(mask, tl.abs(y), 0.0), axis=1)
+
+
+@triton.jit
+def store_fp8_tile(y, row_scale, Q, SCALES, scale_rows, rows, row_offs, col0, cols, mask, scales_mask, N,
+                   FP8: tl.constexpr, GROUP: tl.constexpr, HW_E4M3: tl.constexpr, VEC: tl.constexpr):
+    """A norm kernel's output tile quantized, as ``tpfuse.quant_fp8`` would quantize it.
+
+    y: [ROWS, B] fp32, the widened values of the rounded output (zero in padding lanes) of
+    rows ``rows`` ([ROWS]) and columns col0 + [0, B) (``cols`` [1, B]), stored as e4m3 bytes
+    to Q at row_offs + cols where mask. FP8 (``MODE_IDS``): 1, the scale at SCALES; 2, the
+    rows' scales ``row_scale`` [ROWS] (from their amax over the whole row, which the caller
+    has), stored to SCALES[rows]; 3, a scale per GROUP columns, from this tile's groups (B is
+    whole groups), stored column-major, group g of row m at SCALES[g * scale_rows + m]. The
+    scales are stored where scales_mask ([ROWS]) holds.
+
+    VEC: the elements of a 16-byte vector of the norm's input. The e4m3 stores are declared
+    contiguous in runs of VEC only: Triton's coalescing gives every memory access of a tile
+    the widest vector any of them allows, and 16 bytes of e4m3 (16 elements) would widen
+    the whole tile's layout, and so change the order of the row's sum of squares against
+    the norm kernel's (tests/test_fused_layouts.py)."""
+    if FP8 == 1:
+        q = _quantize(y, tl.load(SCALES), HW_E4M3)
+    elif FP8 == 2:
+        tl.store(SCALES + rows, row_scale, mask=scales_mask)
+        q = _quantize(y, row_scale[:, None], HW_E4M3)
+    else:
+        ROWS: tl.constexpr = y.shape[0]
+        B: tl.constexpr = y.shape[1]
+        y3 = tl.reshape(y, [ROWS, B // GROUP, GROUP])
+        group_s = fp8_scale(tl.max(tl.abs(y3), axis=2))  # [ROWS, B // GROUP]
+        groups = col0 // GROUP + tl.arange(0, B // GROUP)[None, :]
+        tl.store(SCALES + groups.to(tl.int64) * scale_rows + rows[:, None], group_s,
+                 mask=scales_mask[:, None] & (groups * GROUP < N))
+        q = tl.reshape(_quantize(y3, group_s[:, :, None], HW_E4M3), [ROWS, B])
+    tl.store(Q + tl.max_contiguous(row_offs + cols, [1, VEC]), q, mask=mask)
+
+
+@dataclass(frozen=True)
+class Fp8Output:
+    """Where a norm kernel's fp8 output goes: the e4m3 values q (the output's shape, 2-D
+    contiguous), and the scales as ``tpfuse.quant_fp8`` returns them for ``mode``: the given
+    one-element scale ("tensor"), [M, 1] ("token") or the column-major [M, N / group] view
+    ("group"). The norm kernels' extra arguments, in one place (``kernel_args``)."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    mode: str
+    group: int
+
+    def kernel_args(self) -> dict:
+        return dict(Q=self.q.view(torch.uint8), SCALES=self.scales,
+                    scale_rows=self.scales.stride(1) if self.mode == "group" else 0, FP8=MODE_IDS[self.mode],
+                    GROUP=self.group if self.mode == "group" else 1, HW_E4M3=hardware_e4m3(self.q.device))
+
+    @staticmethod
+    def none_args(like: torch.Tensor) -> dict:
+        """The same arguments for a kernel that writes y itself, not fp8."""
+        return dict(Q=like, SCALES=like, scale_rows=0, FP8=0, GROUP=1, HW_E4M3=False)
 
 
 @triton.jit
@@ -55,21 +129,21 @@ def quant_fp8_kernel(Y, Q, SCALE, S_OUT, N, s_stride_row, s_stride_group,
     goes to S_OUT at row * s_stride_row; MODE 0 (tensor) reads its scale from SCALE."""
     row = tl.program_id(0).to(tl.int64)
     tile = tl.arange(0, GROUPS)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    if MODE == 0:
+    if MODE == 1:
         s = tl.load(SCALE)
-    elif MODE == 1:
+    elif MODE == 2:
         amax = tl.zeros([GROUPS, GROUP], tl.float32)
         for start in range(0, N, GROUPS * GROUP):
             cols = start + tile
             amax = tl.maximum(amax, tl.abs(tl.load(Y + row * N + cols, mask=cols < N, other=0.0).to(tl.float32)))
-        s = _scale(tl.max(tl.max(amax, axis=1), axis=0))
+        s = fp8_scale(tl.max(tl.max(amax, axis=1), axis=0))
         tl.store(S_OUT + row * s_stride_row, s)
     for start in range(0, N, GROUPS * GROUP):
         cols = start + tile
         mask = cols < N
         y = tl.load(Y + row * N + cols, mask=mask, other=0.0).to(tl.float32)
-        if MODE == 2:
-            group_s = _scale(tl.max(tl.abs(y), axis=1))  # [GROUPS]
+        if MODE == 3:
+            group_s = fp8_scale(tl.max(tl.abs(y), axis=1))  # [GROUPS]
             groups = start // GROUP + tl.arange(0, GROUPS)
             tl.store(S_OUT + row * s_stride_row + groups * s_stride_group, group_s, mask=groups * GROUP < N)
             q = _quantize(y, group_s[:, None], HW_E4M3)

@@ -1,0 +1,110 @@
+"""The sequence-parallel boundary on CPU ranks (gloo, Triton's interpreter).
+
+The contract: rank r's ``comm.reduce_scatter_add_rms_norm(x, residual[r], w)`` is bitwise
+equal to rows r * T / W .. (r + 1) * T / W - 1 of ``comm.all_reduce_add_rms_norm(x,
+residual, w)`` (every algorithm) and of the split composition, and ``comm.all_gather``
+puts the W slices back in rank order. Each rank builds every rank's inputs from shared seeds
+and checks itself; the parent compares output digests across ranks.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tpfuse
+from tests.multiproc import no_failures, run_ranks
+from tests.test_allreduce import _assert_ok, _digest, _same_bits
+from tests.test_fused import DTYPES, _layer_inputs
+from tests.test_quant import _poisoned_empty
+from tpfuse.comm import Communicator
+
+# (tokens, hidden): a row per rank, row tiles of 1 to 16 rows, a row in two pieces (5120), a
+# chunked row (20000), and leading dimensions [S, B, N] (Megatron's layout) split over S.
+SHAPES = [(2, 64), (8, 208), (32, 96), (4, 5120), (2, 20000), (4, 3, 128)]
+
+
+def _sequence_parallel_vs_all_reduce(shapes, seed):
+    world, rank, failures, digests = dist.get_world_size(), dist.get_rank(), [], []
+    with Communicator(max_bytes=1 << 20, timeout_s=30) as comm:
+        for i, shape in enumerate(shapes):
+            tokens, hidden = shape[0] * world // 2, shape[-1]  # tokens per rank as W=2 would have them
+            full = (tokens, *shape[1:-1], hidden)
+            dtype = DTYPES[i % len(DTYPES)]
+            rows = torch.Size(full[:-1]).numel()
+            xs, residuals, weight = _layer_inputs(seed + i, rows, hidden, dtype, world)
+            x, residual = xs[rank].view(full), residuals[0].view(full)
+            mine = slice(rank * tokens // world, (rank + 1) * tokens // world)
+            what = f"{full} {dtype}"
+            before = x.clone()
+            with _poisoned_empty():
+                y, res_out = comm.reduce_scatter_add_rms_norm(x, residual[mine].clone(), weight, 1e-6,
+                                                              weight_offset=float(i % 2))
+                gathered = comm.all_gather(y)
+            split = tpfuse.add_rms_norm(comm.all_reduce(x), residual, weight, 1e-6, weight_offset=float(i % 2))
+            for algo in ("oneshot", "twoshot", "auto"):
+                if algo == "oneshot" and rows * hidden * x.element_size() > comm.layout.oneshot_slot_bytes:
+                    continue
+                fused = comm.all_reduce_add_rms_norm(x, residual, weight, 1e-6, weight_offset=float(i % 2), algo=algo)
+                for name, got, want in (("y", y, fused[0][mine]), ("residual_out", res_out, fused[1][mine])):
+                    if not _same_bits(got, want):
+                        failures.append(f"{what}: {name} differs from the {algo} all-reduce path's rows")
+            if not (_same_bits(y, split[0][mine]) and _same_bits(res_out, split[1][mine])):
+                failures.append(f"{what}: differs from the split composition's rows")
+            if not _same_bits(gathered, split[0]):
+                failures.append(f"{what}: all_gather does not restore the rows in rank order")
+            if not _same_bits(x, before):
+                failures.append(f"{what}: x was modified")
+            digests.append(_digest(gathered))
+    return failures, digests
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_reduce_scatter_norm_and_all_gather_equal_the_all_reduce_rows(world):
+    shapes = SHAPES if world == 2 else SHAPES[:2] + SHAPES[-1:]
+    _assert_ok(run_ranks(world, _sequence_parallel_vs_all_reduce, shapes, 5 * world, timeout_s=600))
+
+
+def _bad_calls_raise_before_communicating():
+    """Each bad call raises ValueError/TypeError on every rank, and a good call after them
+    still works (no rank entered a kernel)."""
+    world, failures = dist.get_world_size(), []
+    with Communicator(max_bytes=1 << 14, timeout_s=10) as comm:
+        x = torch.randn(2 * world, 64)
+        res = torch.randn(2, 64)
+        w = torch.ones(64)
+        bad = {
+            "tokens not a multiple of W": lambda: comm.reduce_scatter_add_rms_norm(x[:-1], res, w),
+            "residual of the full T": lambda: comm.reduce_scatter_add_rms_norm(x, x, w),
+            "residual of another dtype": lambda: comm.reduce_scatter_add_rms_norm(x, res.double(), w),
+            "hidden size not a multiple of 16": lambda: comm.reduce_scatter_add_rms_norm(
+                torch.randn(2 * world, 60), torch.randn(2, 60), None),
+            "over max_bytes": lambda: comm.all_gather(torch.randn(64, 64)),
+            "1-D all_gather": lambda: comm.all_gather(torch.randn(64)),
+        }
+        for name, call in bad.items():
+            try:
+                call()
+                failures.append(f"{name}: no error")
+            except (ValueError, TypeError):
+                pass
+        y, _ = comm.reduce_scatter_add_rms_norm(x, res, w)
+        if y.shape != res.shape or torch.isnan(y).any():
+            failures.append("a good call after the bad ones failed")
+    return failures
+
+
+def test_bad_sequence_parallel_calls_raise_before_any_communication():
+    no_failures(run_ranks(2, _bad_calls_raise_before_communicating))
+
+
+def test_sequence_parallel_on_one_rank_is_add_rms_norm():
+    x, res, w = torch.randn(6, 32), torch.randn(6, 32), torch.rand(32)
+    no_failures(run_ranks(1, _one_rank, x, res, w))
+
+
+def _one_rank(x, res, w):
+    with Communicator() as comm:
+        y, res_out = comm.reduce_scatter_add_rms_norm(x, res, w)
+        want = tpfuse.add_rms_norm(x, res, w)
+        ok = _same_bits(y, want[0]) and _same_bits(res_out, want[1]) and _same_bits(comm.all_gather(y), y)
+    return [] if ok else ["one rank: not add_rms_norm, or all_gather not the identity"]
