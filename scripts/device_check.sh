@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests and benchmarks, results under $OUT.
 #   scripts/device_check.sh [STEP|GROUP ...]   (default: all)
-# Steps: test_norm bench_norm test_allreduce bench_allreduce test_fused bench_fused
+# Steps: test_norm bench_norm test_allreduce bench_allreduce test_fused (with the sequence-parallel
+#        and fp8 fused tests) bench_fused bench_fused_fp8 (FP8_MODES, default "tensor token group")
+#        bench_sp
 #        test_quant bench_quant test_codecs test_fp8 bench_codecs test_models bench_decode bench_decode_tp1 verify tune
 #        tune_allreduce; groups: norm,
 #        allreduce, fused, quant, codecs (one GPU: the codec kernels alone, and tpfuse.quant_fp8), models (test_models
@@ -81,8 +83,13 @@ want test_norm && run test_norm 300 python3 -m pytest -q -x tests/test_rms_norm.
 want bench_norm && run bench_norm 540 python3 -m tpfuse.cli bench norm --out "$OUT" --plot ${BENCH_ARGS:-}
 want test_allreduce && multi test_allreduce && run test_allreduce 270 python3 -m pytest -q -x -m multigpu tests/test_allreduce_gpu.py
 want bench_allreduce && multi bench_allreduce && run bench_allreduce 290 python3 -m tpfuse.cli bench allreduce --out "$OUT" --plot ${BENCH_ARGS:-}
-want test_fused && multi test_fused && run test_fused 330 python3 -m pytest -q -x -m multigpu tests/test_fused_gpu.py
+want test_fused && multi test_fused && run test_fused 420 python3 -m pytest -q -x -m multigpu tests/test_fused_gpu.py tests/test_sequence_parallel_gpu.py
 want bench_fused && multi bench_fused && run bench_fused 240 python3 -m tpfuse.cli bench fused --out "$OUT" ${BENCH_ARGS:-}
+for mode in ${FP8_MODES:-tensor token group}; do
+  want bench_fused_fp8 && multi bench_fused_fp8 && run "bench_fused_fp8_$mode" 240 \
+    python3 -m tpfuse.cli bench fused --quant "$mode" --out "$OUT" ${BENCH_ARGS:-}
+done
+want bench_sp && multi bench_sp && run bench_sp 240 python3 -m tpfuse.cli bench sp --out "$OUT" ${BENCH_ARGS:-}
 want test_quant && multi test_quant && run test_quant 420 python3 -m pytest -q -x -m "gpu or multigpu" tests/test_quant_gpu.py
 want bench_quant && multi bench_quant && run bench_quant 270 python3 -m tpfuse.cli bench allreduce --quant --out "$OUT" ${BENCH_ARGS:-}
 want test_codecs && run test_codecs 240 python3 -m pytest -q -x -m gpu tests/test_quant_gpu.py

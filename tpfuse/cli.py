@@ -12,7 +12,9 @@ import time
 BENCHES = {
     "norm": ("tpfuse.bench.norm", "RMSNorm forward, add + norm and backward against torch, Liger, quack"),
     "allreduce": ("tpfuse.bench.allreduce", "all-reduce against NCCL and torch symmetric memory (--quant: codecs)"),
-    "fused": ("tpfuse.bench.fused", "fused all-reduce + residual add + RMSNorm against the split path"),
+    "fused": ("tpfuse.bench.fused", "fused all-reduce + residual add + RMSNorm against the split path "
+                                    "(--quant: with an fp8 output)"),
+    "sp": ("tpfuse.bench.sp", "the sequence-parallel boundary (reduce-scatter + norm, all-gather) against NCCL"),
     "decode": ("tpfuse.bench.decode", "decode steps of a tensor-parallel model, per layer boundary"),
 }
 TUNE = "tpfuse.bench.tune"

@@ -305,7 +305,12 @@ def layer_inputs(tokens: int, hidden: int, world: int, device: str, seed: int):
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    """Equal shapes and bytes (a copy first: a strided view, such as per-group fp8 scales,
+    has no byte view)."""
+    def raw(t):
+        return t.reshape(-1).clone(memory_format=torch.contiguous_format).view(torch.uint8)
+
+    return a.shape == b.shape and torch.equal(raw(a), raw(b))
 
 
 def fmt_size(nbytes: int) -> str:
@@ -392,6 +397,16 @@ class FlashInferAllReduce:
                                  pattern=self.fc.AllReduceFusionPattern.kARResidualRMSNorm, residual_in=residual,
                                  residual_out=residual_out, norm_out=y, rms_gamma=weight, rms_eps=eps, fp32_acc=True)
         return y, residual_out
+
+    def add_rms_norm_fp8(self, x, residual, weight, eps, scale, q, y, residual_out):
+        """residual_out = all_reduce(x) + residual, q = e4m3 of rms_norm(residual_out) *
+        weight with the static ``scale`` (kARResidualRMSNormFP8Quant, as vLLM's fusion pass
+        calls it; y: a scratch for the unquantized norm). Returns (q, residual_out)."""
+        self.fc.allreduce_fusion(input=x, workspace=self.workspace,
+                                 pattern=self.fc.AllReduceFusionPattern.kARResidualRMSNormFP8Quant,
+                                 residual_in=residual, residual_out=residual_out, norm_out=y, quant_out=q,
+                                 scale_factor=scale, rms_gamma=weight, rms_eps=eps, fp32_acc=True)
+        return q, residual_out
 
     def close(self) -> None:
         self.workspace.destroy()

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 import tpfuse
 from tpfuse import reference
+from tpfuse.bench import fused_fp8
 from tpfuse.bench.common import (FlashInferAllReduce, collective_graph_us, collective_header, cpu_check_intro,
                                  cpu_check_verdict, gpu_only_flags, header_markdown, init_rank, layer_inputs, rotation,
                                  run_workers, same_bits, write_results)
@@ -199,10 +200,18 @@ def _cpu_worker(rank: int, world: int, port: int, opts: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tpfuse bench fused", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench_out", help="directory for fused_*.json / .md")
-    p.add_argument("--max-tokens", type=int, default=max(t for t, _ in SHAPES),
+    p.add_argument("--max-tokens", type=int, default=None,
                    help="leave out the shapes of more tokens (rows) than this (default: every shape)")
+    p.add_argument("--quant", choices=["tensor", "token", "group"], default=None,
+                   help="the fused kernel with an fp8 output (all_reduce_add_rms_norm_fp8) scaled per tensor, "
+                        "token or group of 128 columns, against split, the fused kernel without it and FlashInfer "
+                        "(tpfuse.bench.fused_fp8)")
     opts = vars(p.parse_args(argv))
+    shapes = fused_fp8.SHAPES if opts["quant"] else SHAPES
+    opts["max_tokens"] = opts["max_tokens"] or max(t for t, _ in shapes)
     opts["gpu_only"] = gpu_only_flags(p, opts, ["out"])
+    if opts["quant"]:
+        return run_workers(fused_fp8.gpu_worker, fused_fp8.cpu_worker, opts)
     return run_workers(_gpu_worker, _cpu_worker, opts)
 
 

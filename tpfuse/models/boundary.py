@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tpfuse.fp8_ops import quant_fp8
+from tpfuse.models.fp8 import Fp8Activation
 from tpfuse.norm_ops import add_rms_norm, rms_norm
 
 Tensor = torch.Tensor
@@ -142,8 +144,18 @@ class Boundary:
             return torch.ops.tpfuse_models.symm_mem_all_reduce(x, self.group_name)
         return self.comm.all_reduce(x)
 
-    def __call__(self, partial: Tensor, residual: Tensor, weight: Tensor, eps: float,
-                 offset: float) -> tuple[Tensor, Tensor]:
+    def __call__(self, partial: Tensor, residual: Tensor, weight: Tensor, eps: float, offset: float,
+                 fp8: bool = False) -> tuple[Tensor | Fp8Activation, Tensor]:
+        """With ``fp8`` y comes quantized per token (an ``Fp8Activation`` for the next fp8
+        GEMM): the "fused" boundary quantizes in its kernel, the others with
+        ``tpfuse.quant_fp8`` after the norm, the same bits."""
+        if fp8:
+            if self.name == "fused" and self.world_size > 1:
+                q, scales, residual = self.comm.all_reduce_add_rms_norm_fp8(partial, residual, weight, eps,
+                                                                            mode="token", weight_offset=offset)
+                return Fp8Activation(q, scales), residual
+            y, residual = self(partial, residual, weight, eps, offset)
+            return Fp8Activation(*quant_fp8(y, "token")), residual
         if partial.dtype != residual.dtype and self.tpfuse_norm:
             # An invariant model's fp32 partial sums: all-reduced in fp32 over the ranks' tree,
             # rounded once, then the residual add and norm (split: the fused kernel takes one dtype).
@@ -156,6 +168,26 @@ class Boundary:
             return add_rms_norm(reduced, residual, weight, eps, weight_offset=offset)
         residual = reduced + residual
         return self.rms_norm(residual, weight, eps, offset), residual
+
+    def rows_of_rank(self, x: Tensor) -> Tensor:
+        """This rank's share of x's rows ([..., hidden] flattened, rank r's r-th of W equal
+        slices): its slice of a sequence-parallel residual stream."""
+        rows = x.reshape(-1, x.shape[-1])
+        share = rows.shape[0] // self.world_size
+        return rows[self.comm.rank * share:(self.comm.rank + 1) * share]
+
+    def sequence_parallel(self, partial: Tensor, residual: Tensor, weight: Tensor, eps: float, offset: float,
+                          fp8: bool = False) -> tuple[Tensor, Tensor]:
+        """The boundary with the residual stream split over the ranks (sequence parallelism):
+        partial [..., hidden], this rank's partial sums of every row; residual, this rank's
+        rows (``rows_of_rank``). ``(y, residual_out)``: y of every row, shaped like partial,
+        and this rank's rows of the residual; the bits of ``__call__``'s (the fused kernels'
+        rows, gathered exactly). "fused" only, without an fp8 output (not built)."""
+        if fp8:
+            raise NotImplementedError("a sequence-parallel boundary with an fp8 output")
+        rows = partial.reshape(-1, partial.shape[-1])
+        y, residual = self.comm.reduce_scatter_add_rms_norm(rows, residual, weight, eps, weight_offset=offset)
+        return self.comm.all_gather(y).view(partial.shape), residual
 
     def _all_reduce_in_workspace(self, x: Tensor) -> Tensor:
         """tpfuse's all-reduce of [..., n] x in slices of rows that fit its workspace (rows are

@@ -36,8 +36,10 @@ from torch import nn
 from tpfuse.attention_ops import invariant_attention
 from tpfuse.kernels.linear import check_chunks, layer_chunks
 from tpfuse.linear_ops import invariant_matmul
+from tpfuse.fp8_ops import quant_fp8
 from tpfuse.models.boundary import Boundary
 from tpfuse.models.config import ModelConfig
+from tpfuse.models.fp8 import PROJECTIONS, Fp8Activation, fp8_linear, quantize_weight
 from tpfuse.sampling_ops import sample, token_log_probs
 
 Tensor = torch.Tensor
@@ -102,6 +104,16 @@ class TPModel(nn.Module):
             at every TP size, alone and in a batch, and from a prefill as from the decode steps
             (tests/test_models.py, on CPU). ``boundary`` must be "split" or "fused". bf16 or
             fp16 weights.
+        sequence_parallel: prefill with the residual stream split over the ranks (Megatron's
+            sequence parallelism): each boundary a reduce-scatter + residual add + RMSNorm of
+            the rank's rows and an all-gather (``Communicator.reduce_scatter_add_rms_norm``,
+            ``all_gather``), where the prompt's B * T rows divide over the world size; decode
+            steps, and prompts whose rows do not divide, run the all-reduce boundary. The
+            logits have the bits of the model without it. boundary "fused" only, not invariant.
+        fp8: the projections in e4m3 (``tpfuse.models.fp8``: weights scaled per output row
+            when loaded, activations per token), the boundary quantizing its normed output
+            in its kernel (``all_reduce_add_rms_norm_fp8``; "split" then ``quant_fp8``: the
+            same bits); the LM head stays bf16. bf16 only, not invariant nor sequence-parallel.
 
     Weights are uninitialised: use ``from_hf`` or ``random``. Every rank must run the same
     calls in the same order (each forward is a sequence of collectives). Raises ValueError
@@ -110,7 +122,7 @@ class TPModel(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, comm=None, *, boundary: str = "fused", dtype=torch.bfloat16,
-                 device=None, invariant: bool = False):
+                 device=None, invariant: bool = False, sequence_parallel: bool = False, fp8: bool = False):
         super().__init__()
         world, rank = (1, 0) if comm is None else (comm.world_size, comm.rank)
         self.config, self.comm = config, comm
@@ -118,6 +130,16 @@ class TPModel(nn.Module):
         self.invariant = invariant
         if invariant:
             _check_invariant(config, world, boundary, dtype)
+        if sequence_parallel and (boundary != "fused" or invariant):
+            raise ValueError("sequence_parallel needs boundary='fused' and invariant=False (the reduce-scatter "
+                             f"kernel takes the model dtype, not an invariant model's fp32 partials); got boundary "
+                             f"{boundary!r}, invariant={invariant}")
+        self.sequence_parallel = sequence_parallel and world > 1
+        if fp8 and (invariant or sequence_parallel or dtype != torch.bfloat16):
+            raise ValueError("fp8 runs bf16 activations, without invariant=True (torch._scaled_mm picks its kernel, "
+                             "and so its sums' order, by shape: not batch-invariant) or sequence_parallel; got "
+                             f"dtype {dtype}, invariant={invariant}, sequence_parallel={sequence_parallel}")
+        self.fp8 = fp8
         device = torch.device(device) if device is not None else (comm.device if comm is not None else
                                                                    torch.device("cpu"))
         self.dtype, self.device = dtype, device
@@ -154,7 +176,7 @@ class TPModel(nn.Module):
 
     @classmethod
     def from_hf(cls, hf_model, comm=None, *, boundary: str = "fused", dtype=None, device=None,
-                invariant: bool = False) -> "TPModel":
+                invariant: bool = False, sequence_parallel: bool = False, fp8: bool = False) -> "TPModel":
         """Shard a Hugging Face ``transformers`` causal LM (Llama, Mistral, Qwen2, Qwen3, Gemma).
 
         Every rank passes a model with the same weights; weights are taken by name from its
@@ -167,7 +189,8 @@ class TPModel(nn.Module):
         first = next(iter(sd.values()))
         dtype = dtype or first.dtype
         device = device if device is not None or comm is not None else first.device
-        model = cls(config, comm, boundary=boundary, dtype=dtype, device=device, invariant=invariant)
+        model = cls(config, comm, boundary=boundary, dtype=dtype, device=device, invariant=invariant,
+                    sequence_parallel=sequence_parallel, fp8=fp8)
         rotary = hf_model.model.rotary_emb
         if getattr(rotary, "rope_type", "default") in ("dynamic", "longrope"):
             raise NotImplementedError(f"rope type {rotary.rope_type!r} changes with the sequence length: not supported")
@@ -183,12 +206,14 @@ class TPModel(nn.Module):
 
     @classmethod
     def random(cls, config: ModelConfig, comm=None, *, seed: int = 0, boundary: str = "fused",
-               dtype=torch.bfloat16, device=None, invariant: bool = False) -> "TPModel":
+               dtype=torch.bfloat16, device=None, invariant: bool = False,
+               sequence_parallel: bool = False, fp8: bool = False) -> "TPModel":
         """Seeded random weights (N(0, 1/fan_in) projections, norms near 1): each full weight
         from (seed, its Hugging Face name) alone, then sharded as ``from_hf`` does, so every
         world size holds the same model (what ``tpfuse verify`` compares across TP sizes).
         Each full tensor is made on the device and dropped once its shard is copied."""
-        model = cls(config, comm, boundary=boundary, dtype=dtype, device=device, invariant=invariant)
+        model = cls(config, comm, boundary=boundary, dtype=dtype, device=device, invariant=invariant,
+                    sequence_parallel=sequence_parallel, fp8=fp8)
         shapes = _hf_shapes(config)
 
         def get(name):
@@ -237,6 +262,11 @@ class TPModel(nn.Module):
             layer.down_proj.copy_(get(p + "mlp.down_proj.weight")[:, r * s.intermediate:(r + 1) * s.intermediate])
             layer.input_norm.copy_(get(p + "input_layernorm.weight"))
             layer.post_attention_norm.copy_(get(p + "post_attention_layernorm.weight"))
+            if self.fp8:  # each shard's rows scaled on their own, the bf16 copies dropped
+                for name in PROJECTIONS:
+                    q, scales = quantize_weight(getattr(layer, name))
+                    setattr(layer, name, nn.Parameter(q, requires_grad=False))
+                    setattr(layer, name + "_scale", nn.Parameter(scales, requires_grad=False))
 
     # ------------------------------------------------------------------ the computation
 
@@ -267,7 +297,7 @@ class TPModel(nn.Module):
         c, s = self.config, self.shard
         b, t, _ = h.shape
         d = c.head_dim
-        qkv = self._column(h, layer.qkv_proj, layer.qkv_bias).view(b, t, s.heads + 2 * s.kv_heads, d)
+        qkv = self._project(h, layer, "qkv_proj", layer.qkv_bias).view(b, t, s.heads + 2 * s.kv_heads, d)
         qk, v = qkv[:, :, :s.heads + s.kv_heads], qkv[:, :, s.heads + s.kv_heads:]
         if layer.q_norm is not None:
             qk = torch.cat([self.boundary.rms_norm(qk[:, :, :s.heads], layer.q_norm, c.rms_norm_eps, 0.0),
@@ -282,12 +312,12 @@ class TPModel(nn.Module):
                 cache[1][:, :, :t] = v
             if self.invariant:  # over the cache, as the decode steps: the same bits at each position
                 keys, values = cache if cache is not None else (k, v)
-                o = invariant_attention(q, keys, values, torch.zeros(b, dtype=torch.int32, device=h.device), scale)
+                o = invariant_attention(q, keys, values, torch.zeros(b, dtype=torch.int32, device=q.device), scale)
             else:
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                                    enable_gqa=s.heads != s.kv_heads)
         else:
-            rows = torch.arange(b, device=h.device)
+            rows = torch.arange(b, device=q.device)
             cache[0][rows, :, pos] = k[:, :, 0]
             cache[1][rows, :, pos] = v[:, :, 0]
             if self.invariant:
@@ -299,12 +329,22 @@ class TPModel(nn.Module):
                 o = F.scaled_dot_product_attention(q.reshape(b, s.kv_heads, group, d), cache[0], cache[1],
                                                    attn_mask=mask, scale=scale)
         o = o.reshape(b, s.heads, t, d).transpose(1, 2).reshape(b, t, s.heads * d)
-        return self._row(o, layer.o_proj)
+        return self._project(o, layer, "o_proj")
 
     def _mlp(self, layer: DecoderLayer, h: Tensor) -> Tensor:
-        gate, up = self._column(h, layer.gate_up_proj).chunk(2, dim=-1)
+        gate, up = self._project(h, layer, "gate_up_proj").chunk(2, dim=-1)
         act = F.silu(gate) if self.config.hidden_act == "silu" else F.gelu(gate, approximate="tanh")
-        return self._row(act * up, layer.down_proj)
+        return self._project(act * up, layer, "down_proj")
+
+    def _project(self, x: Tensor | Fp8Activation, layer: DecoderLayer, name: str, bias: Tensor | None = None) -> Tensor:
+        """The block's projection ``name``: o_proj and down_proj row-parallel, the others
+        column-parallel; fp8 models' on e4m3 operands (x quantized here unless the boundary
+        did it)."""
+        if self.fp8:
+            return fp8_linear(x, getattr(layer, name), getattr(layer, name + "_scale"), bias)
+        if name in ("o_proj", "down_proj"):
+            return self._row(x, getattr(layer, name))
+        return self._column(x, getattr(layer, name), bias)
 
     def _column(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         """A column-parallel projection (its whole reduction on this rank), in x's dtype."""
@@ -331,12 +371,20 @@ class TPModel(nn.Module):
             mask = (torch.arange(caches[0][0].shape[2], device=ids.device) <= pos[:, None]).view(len(pos), 1, 1, -1)
         residual = self._embed(ids)
         h = self.boundary.rms_norm(residual, self.layers[0].input_norm, eps, offset)
+        if self.fp8:
+            h = Fp8Activation(*quant_fp8(h, "token"))
+        boundary = self.boundary
+        if self.sequence_parallel and pos is None and ids.numel() % self.shard.world_size == 0:
+            # Prefill with the residual stream split over the ranks: the same bits (docs/design.md 8).
+            boundary, residual = self.boundary.sequence_parallel, self.boundary.rows_of_rank(residual)
         for i, layer in enumerate(self.layers):
             cache = None if caches is None else caches[i]
             partial = self._attention(layer, h, cos, sin, cache, pos, mask)
-            h, residual = self.boundary(partial, residual, layer.post_attention_norm, eps, offset)
-            next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
-            h, residual = self.boundary(self._mlp(layer, h), residual, next_norm, eps, offset)
+            last = i + 1 == len(self.layers)
+            # fp8: every boundary feeds an fp8 GEMM but the last one (the bf16 LM head)
+            h, residual = boundary(partial, residual, layer.post_attention_norm, eps, offset, fp8=self.fp8)
+            next_norm = self.norm if last else self.layers[i + 1].input_norm
+            h, residual = boundary(self._mlp(layer, h), residual, next_norm, eps, offset, fp8=self.fp8 and not last)
         return h
 
     def _logits(self, h: Tensor) -> Tensor:
