@@ -201,3 +201,40 @@ def test_tp2_model_matches_hugging_face_on_gpus():
     pytest.importorskip("transformers")
     failures = run_ranks(2, _against_hf, 3, backend="nccl", timeout_s=600)
     assert not any(failures), failures
+
+
+def _sequence_parallel_and_fp8(seed):
+    """The sequence-parallel model's prefill and decode logits equal the all-reduce model's
+    (rows that divide over the ranks, and rows that do not); the fp8 model's "fused" logits
+    equal "split"'s, eager, graph-replayed and compiled."""
+    import tpfuse
+    from tpfuse.models import TPModel
+
+    failures, world = [], dist.get_world_size()
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    with tpfuse.Communicator() as comm:
+        plain = TPModel.random(_config(), comm, seed=seed)
+        sp = TPModel.random(_config(), comm, seed=seed, sequence_parallel=True)
+        for batch, tokens in ((4, 512), (3, 2 * world + 1)):
+            ids = torch.randint(0, 32000, (batch, tokens), device="cuda", generator=gen)
+            for what, a, b in (("prefill", sp(ids), plain(ids)),
+                               ("decode", sp.generate(ids, 4, return_logits=True)[1],
+                                plain.generate(ids, 4, return_logits=True)[1])):
+                if not _same(a, b):
+                    failures.append(f"sequence parallel {batch} x {tokens}: {what} logits differ from the plain model's")
+        del plain, sp
+        fp8 = TPModel.random(_config(), comm, seed=seed, fp8=True)
+        ids = torch.randint(0, 32000, (8, 16), device="cuda", generator=gen)
+        fused = {"prefill": fp8(ids), "decode": fp8.generate(ids, 8, return_logits=True)[1],
+                 "compiled decode": fp8.generate(ids, 8, compile=True, return_logits=True)[1]}
+        fp8.set_boundary("split")
+        split = fp8(ids), fp8.generate(ids, 8, return_logits=True)[1]
+        for (what, a), b in zip(fused.items(), (split[0], split[1], split[1])):
+            if not _same(a, b):
+                failures.append(f"fp8 {what}: fused logits differ from split's")
+    return failures
+
+
+def test_sequence_parallel_and_fp8_models_keep_the_bits():
+    failures = run_ranks(NGPU, _sequence_parallel_and_fp8, 11, backend="nccl", timeout_s=600)
+    assert not any(failures), failures

@@ -59,6 +59,9 @@ def _options(argv):
     p.add_argument("--boundaries", default=",".join(BOUNDARIES), help="comma-separated (default: all four)")
     p.add_argument("--invariant", action="store_true",
                    help="also an invariant model of the same weights (GPU runs)")
+    p.add_argument("--fp8", action="store_true",
+                   help="the model's projections in fp8 (TPModel(fp8=True): the boundary quantizes in its kernel; "
+                        "not with --invariant)")
     p.add_argument("--out", default="bench_out", help="output folder (GPU runs)")
     p.add_argument("--plot", action="store_true", help="also write a PNG plot (needs matplotlib)")
     opts = vars(p.parse_args(argv))
@@ -75,6 +78,8 @@ def _options(argv):
     if opts["prompt"] < 1 or opts["steps"] < 1:
         p.error("--prompt and --steps must be >= 1")
     opts["batch_given"] = opts["batch"] != BATCHES
+    if opts["fp8"] and opts["invariant"]:
+        p.error("--fp8 and --invariant do not go together (an fp8 model is not invariant)")
     opts["gpu_only"] = gpu_only_flags(p, opts, ["context", "out", "plot", "invariant"])
     return opts
 
@@ -122,7 +127,7 @@ def _boundary_ms(model, batch):
     def calls(_):
         h, r = x, residual
         for _ in range(2 * c.num_layers):
-            h, r = model.boundary(x, r, weight, c.rms_norm_eps, c.norm_weight_offset)
+            h, r = model.boundary(x, r, weight, c.rms_norm_eps, c.norm_weight_offset, fp8=model.fp8)
         return h
 
     return graph_time_us(calls, calls_per_graph=1, repeats=5, min_replay_ms=20.0, agree=agreed_max,
@@ -135,7 +140,7 @@ def _measure(comm, config, opts, rank):
 
     records, failures = [], []
     t0 = time.time()
-    model = TPModel.random(config, comm, seed=0, boundary="split")
+    model = TPModel.random(config, comm, seed=0, boundary="split", fp8=opts["fp8"])
     invariant = TPModel.random(config, comm, seed=0, boundary="split", invariant=True) if opts["invariant"] else None
     floor = _floor_ms(model)
     for batch in opts["batch"]:
@@ -190,7 +195,7 @@ def _gpu_worker(rank, world, port, opts):
     init_rank(rank, world, port, "nccl")
 
     header = run_header() | {"world_size": world, "preset": opts["preset"], "prompt": opts["prompt"],
-                             "context": opts["context"], "steps": opts["steps"]}
+                             "context": opts["context"], "steps": opts["steps"], "fp8": opts["fp8"]}
     with tpfuse.Communicator() as comm:
         records, failures, floor = _measure(comm, PRESETS[opts["preset"]], opts, rank)
     if floor is not None:
@@ -201,7 +206,8 @@ def _gpu_worker(rank, world, port, opts):
     if rank == 0:
         md = _markdown(records, header, world)
         print(md)
-        name = f"decode_{opts['preset']}_tp{world}" + ("_invariant" if opts["invariant"] else "")
+        name = (f"decode_{opts['preset']}_tp{world}" + ("_invariant" if opts["invariant"] else "")
+                + ("_fp8" if opts["fp8"] else ""))
         paths = write_results(opts["out"], name, header, records, md)
         print("wrote", *paths)
         if opts["plot"]:
@@ -292,12 +298,13 @@ def _cpu_worker(rank, world, port, opts):
     if rank == 0:
         asked_symm_mem = "symm_mem" in opts["boundaries"] and opts["boundaries"] != BOUNDARIES
         gpu_only = opts["gpu_only"] + (["--boundaries symm_mem"] if asked_symm_mem else [])
-        cpu_check_intro(f"{opts['preset']}'s architecture at hidden 64, 2 layers, {world} emulated ranks; batch "
+        cpu_check_intro(f"{opts['preset']}'s architecture{' with fp8 projections' if opts['fp8'] else ''} at hidden 64, "
+                        f"2 layers, {world} emulated ranks; batch "
                         f"{', '.join(map(str, batches))}, a {opts['prompt']}-token prompt, {opts['steps']} greedy steps; "
                         "logits of each boundary against split's", gpu_only)
     failures, t0 = [], time.monotonic()
     with tpfuse.Communicator(max_bytes=1 << 18) as comm:
-        model = TPModel.random(config, comm, seed=0, boundary="split")
+        model = TPModel.random(config, comm, seed=0, boundary="split", fp8=opts["fp8"])
         for batch in batches:
             ids = torch.randint(0, config.vocab_size, (batch, opts["prompt"]), generator=torch.Generator().manual_seed(batch))
             results = {}
