@@ -7,7 +7,7 @@
 #        test_quant bench_quant test_codecs test_fp8 bench_codecs test_models bench_decode bench_decode_tp1 verify tune
 #        tune_allreduce; groups: norm,
 #        allreduce, fused, quant, codecs (one GPU: the codec kernels alone, and tpfuse.quant_fp8), models (test_models
-#        and bench_decode), linear (one GPU: tpfuse.invariant_matmul's,
+#        and bench_decode; TEST_MODELS_ARGS passes pytest arguments, e.g. -k NAME), linear (one GPU: tpfuse.invariant_matmul's,
 #        tpfuse.invariant_attention's and tpfuse.sample's tests, and scripts/bench_linear.py), all. DECODE_ARGS passes arguments to bench_decode. A device call may run 600 s, so "all" needs the largest machines' patience:
 #        pick steps per call. BENCH_ARGS passes extra arguments to every benchmark.
 #        tune (2+ GPUs; not in "all"): `tpfuse tune` at W = every GPU, the sweep under $OUT and
@@ -98,7 +98,7 @@ want test_linear && run test_linear 300 python3 -m pytest -q -x tests/test_invar
   tests/test_sampling.py
 want bench_linear && run bench_linear 300 python3 scripts/bench_linear.py --out "$OUT"
 want bench_codecs && run bench_codecs 120 python3 scripts/bench_codecs.py --out "$OUT"
-want test_models && multi test_models && run test_models 560 python3 -m pytest -q -x -m multigpu tests/test_models_gpu.py
+want test_models && multi test_models && run test_models 560 python3 -m pytest -q -x -m multigpu tests/test_models_gpu.py ${TEST_MODELS_ARGS:-}
 want tune_allreduce && multi tune_allreduce && run tune_allreduce 420 python3 scripts/tune_allreduce.py --out "$OUT" --budget-s 360 ${TUNE_ALLREDUCE_ARGS:-}
 if want fused_ab && multi fused_ab && { [ "$ngpu" -ge "${FUSED_AB_WORLD:-2}" ] \
     || { echo "== fused_ab: FUSED_AB_WORLD=${FUSED_AB_WORLD} needs as many GPUs, skipped"; status=1; false; }; }; then
