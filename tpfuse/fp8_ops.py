@@ -69,8 +69,8 @@ def quant_fp8(y: Tensor, mode: str = "token", *, scale: Tensor | None = None,
               group: int = 128) -> tuple[Tensor, Tensor]:
     """``(q, scales)``: y [..., N] (bf16, fp16 or fp32; finite) quantized to e4m3
     (``torch.float8_e4m3fn``, y's shape) for an fp8 GEMM, bitwise as
-    ``tpfuse.reference.quant_fp8`` (division by the scale in fp32, saturation at +-448,
-    rounding to nearest even).
+    ``tpfuse.reference.quant_fp8`` (each value times the correctly rounded fp32 reciprocal of
+    its scale, saturation at +-448, rounding to nearest even).
 
     mode: "tensor" (the static ``scale``, a positive fp32 tensor of one element on y's
     device, returned as ``scales``), "token" (a scale per row: scales [..., 1] fp32) or

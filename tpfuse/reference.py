@@ -443,10 +443,12 @@ def quant_fp8(y: torch.Tensor, mode: str, scale: torch.Tensor | None = None,
 
     Every value is quantized from y as it is (a bf16 y: from its rounded bf16 value, so a
     fused kernel that produces y and quantizes it gives the bits of producing, then
-    quantizing), widened to fp32: ``q = e4m3(clamp(y / s, -448, 448))``, the division in fp32
-    (correctly rounded, not a product with the reciprocal), the clamp saturating (a plain cast
-    of a value above 448 gives NaN), the cast rounding to nearest even and keeping the sign of
-    a zero. ``s`` per mode:
+    quantizing), widened to fp32: ``q = e4m3(clamp(y * r, -448, 448))`` with ``r = 1 / s``
+    the correctly rounded fp32 reciprocal of the scale (one per scale, as vLLM's and
+    FlashInfer's kernels multiply by one; a division per value would cost the fused kernels
+    more than the rest of the quantization), the product in fp32, the clamp saturating (a
+    plain cast of a value above 448 gives NaN), the cast rounding to nearest even and keeping
+    the sign of a zero. ``s`` per mode:
 
     - "tensor": the given ``scale`` (a positive fp32 tensor of one element), returned as is;
     - "token": per row, ``max(amax(|y_row|), 1e-10) / 448`` in fp32, scales [..., 1] fp32;
@@ -468,8 +470,9 @@ def quant_fp8(y: torch.Tensor, mode: str, scale: torch.Tensor | None = None,
     else:
         amax = y2.view(y2.shape[0], n // group, group).abs().amax(-1)
         s = _fp8_scale(amax)
-    per_col = s if mode != "group" else s.repeat_interleave(group, dim=-1)
-    q = (y2 / per_col).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).reshape(y.shape)
+    inv = (1.0 / s.double()).float()  # correctly rounded: a float64 quotient rounded once
+    per_col = inv if mode != "group" else inv.repeat_interleave(group, dim=-1)
+    q = (y2 * per_col).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).reshape(y.shape)
     if mode == "tensor":
         return q, scale
     if mode == "token":

@@ -54,7 +54,7 @@ from tpfuse.kernels.peer import (PeerContext, begin_collective, flag_row, poison
 from tpfuse.kernels.common import EXACT_FP, prefetch_l2, round_to, to_f32
 from tpfuse.kernels.ll import lamport_pack, lamport_word, ll_flag, ll_pack, ll_reduce, ll_wait
 from tpfuse.kernels.norm import NormConfig, norm_tile, output_amax, row_inv_rms, store_output
-from tpfuse.kernels.quant_fp8 import Fp8Output, fp8_scale
+from tpfuse.kernels.quant_fp8 import Fp8Output, fp8_reciprocal, fp8_scale
 from tpfuse.kernels.sync import begin_call, end_call, signal, wait
 
 # Operation codes of the status record; their names are in allreduce.OP_NAMES.
@@ -285,6 +285,9 @@ def rows_oneshot_all_reduce_norm_kernel(
     # between them (the PTX model alone would allow the reverse; the load is issued an L2 round
     # trip and a peer's poll before any such store, as end_call's count rests on its reads).
     res = tl.load(RES + row_offs + cols, mask=mask & (has_residual != 0), other=0.0)
+    row_scale = 1.0  # the fp8 output's: FP8 1, the static scale's reciprocal, loaded early; 2, below
+    if FP8 == 1:
+        row_scale = fp8_reciprocal(tl.load(SCALES))
     push_to_peers(table_ptr, region, lamport_pack(tl.load(X + offs, mask=pmask)), rank * slot_words + offs, pmask, rank,
           WORLD, True)
     # The last row-wise call's words (of any dtype: counted in bytes), in the rotation before
@@ -304,7 +307,6 @@ def rows_oneshot_all_reduce_norm_kernel(
     tl.store(RES_OUT + row_offs + cols, x, mask=mine)
     xf = to_f32(x)
     inv = row_inv_rms(xf * xf, N, eps)
-    row_scale = inv  # unused unless FP8 == 2
     if FP8 == 2:  # from the whole tile, which every CTA of it holds
         row_scale = fp8_scale(output_amax(xf, inv, W, cols, mask, N, weight_offset, HAS_WEIGHT, ELEM))
     # Every CTA of the tile stores the tile's scales: the same values, from the same rows.

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from tpfuse.kernels.peer import sum_in_tree_order
 from tpfuse.kernels.common import EXACT_FP, TRITON_DIVISIBILITY, round_to, to_f32
-from tpfuse.kernels.quant_fp8 import Fp8Output, fp8_scale, row_amax, store_fp8_tile
+from tpfuse.kernels.quant_fp8 import Fp8Output, fp8_reciprocal, fp8_scale, row_amax, store_fp8_tile
 
 # A row of up to 16384 elements is held in registers and read from memory once (fp32 rows of
 # 16384 in 8 KiB chunks instead reached 69% of copy bandwidth forward and 44% backward on H200,
@@ -301,7 +301,7 @@ def store_output(x, inv, row_scale, W, Y, Q, SCALES, scale_rows, rows, row_offs,
                  weight_offset, HAS_WEIGHT: tl.constexpr, CACHE: tl.constexpr, FP8: tl.constexpr,
                  GROUP: tl.constexpr, HW_E4M3: tl.constexpr):
     """The normed tile stored as y (FP8 == 0: ``store_normed``) or as fp8 to Q and SCALES
-    (``tpfuse.kernels.quant_fp8.store_fp8_tile``; row_scale: the rows' scales of FP8 == 2)."""
+    (``tpfuse.kernels.quant_fp8.store_fp8_tile``, which says what row_scale holds)."""
     if FP8 == 0:
         store_normed(x, inv, W, Y, row_offs, cols, mask, N, weight_offset, HAS_WEIGHT, CACHE)
     else:
@@ -338,6 +338,11 @@ def norm_tile(SRC, src_rows, slot_elems, RES, W, Y, RES_OUT, rows, row_mask, N, 
     ELEM: tl.constexpr = Y.dtype.element_ty
     src_offs = src_rows[:, None]
     row_offs = rows.to(tl.int64)[:, None] * N
+    # The fp8 output's scale: FP8 1, the static scale's reciprocal, loaded before the row so
+    # that the two loads' latencies overlap; 2, the rows' scales, set below; otherwise unused.
+    row_scale = 1.0
+    if FP8 == 1:
+        row_scale = fp8_reciprocal(tl.load(SCALES))
     if TAIL_N > 0:
         # The row in two pieces, BLOCK_N // 2 columns and the TAIL_N after them (see
         # NormConfig.tail_n), each reduced on its own, the head's sum first.
@@ -350,7 +355,6 @@ def norm_tile(SRC, src_rows, slot_elems, RES, W, Y, RES_OUT, rows, row_mask, N, 
         xt = to_f32(_load_norm_input(SRC, src_offs + tcols, slot_elems, RES, RES_OUT, row_offs + tcols, tmask,
                                      has_residual, store_out, SLOTS, ""))
         inv = inv_rms(tl.sum(x * x, axis=1) + tl.sum(xt * xt, axis=1), N, eps)
-        row_scale = inv  # unused unless FP8 == 2
         if FP8 == 2:
             row_scale = fp8_scale(tl.maximum(output_amax(x, inv, W, cols, mask, N, weight_offset, HAS_WEIGHT, ELEM),
                                              output_amax(xt, inv, W, tcols, tmask, N, weight_offset, HAS_WEIGHT,
@@ -371,7 +375,6 @@ def norm_tile(SRC, src_rows, slot_elems, RES, W, Y, RES_OUT, rows, row_mask, N, 
         inv = row_inv_rms(xf * xf, N, eps)
         if HOLD_NARROW:
             xf = widen_again(x)
-        row_scale = inv  # unused unless FP8 == 2
         if FP8 == 2:
             row_scale = fp8_scale(output_amax(xf, inv, W, cols, mask, N, weight_offset, HAS_WEIGHT, ELEM))
         store_output(xf, inv, row_scale, W, Y, Q, SCALES, scale_rows, rows, row_offs, 0, cols, mask, row_mask, N,
@@ -394,7 +397,6 @@ def norm_tile(SRC, src_rows, slot_elems, RES, W, Y, RES_OUT, rows, row_mask, N, 
         inv = row_inv_rms(sq, N, eps)
         if store_out:
             tl.debug_barrier()  # pass one's stores to RES_OUT are visible to every thread of the program
-        row_scale = inv  # unused unless FP8 == 2
         if FP8 == 2:  # a pass more, for the rows' amax of y before any of it is quantized
             amax = tl.zeros([src_rows.shape[0]], dtype=tl.float32)
             for c in range(NUM_CHUNKS):

@@ -4,8 +4,9 @@ contract, one row per program, in tiles of at most TILE_ELEMS columns.
 Each value is widened to fp32; the scale is the given one ("tensor"), or derived from the
 row's amax ("token": a first pass over the row's tiles) or each group's ("group": one pass,
 a tile holding whole groups), always as ``max(amax, 1e-10) / 448`` in fp32; every value is
-``clamp(y / s, -448, 448)`` rounded to e4m3 to nearest even. Both divisions are correctly
-rounded (``div_rn``: Triton's ``/`` is the approximate ``div.full.f32`` on GPUs). On GPUs of
+``clamp(y * (1 / s), -448, 448)`` rounded to e4m3 to nearest even, with ``1 / s`` one
+correctly rounded fp32 reciprocal per scale. Both divisions are correctly rounded
+(``div_rn``: Triton's ``/`` is the approximate ``div.full.f32`` on GPUs). On GPUs of
 sm_89 and newer the rounding to e4m3 is the hardware conversion (``cvt.rn.satfinite``),
 elsewhere the codecs' ``_e4m3_rne`` on the fp32 bits with the sign of a zero kept, as torch's
 cast keeps it.
@@ -46,10 +47,18 @@ def fp8_scale(amax):
 
 
 @triton.jit
-def _quantize(y, s, HW_E4M3: tl.constexpr):
-    """y / s saturated at +-448, as e4m3 bytes; a NaN stays NaN (the poison of a failed
-    collective must not come out as numbers)."""
-    v = tl.math.div_rn(y, s)
+def fp8_reciprocal(s):
+    """1 / s, correctly rounded: once per scale, so that each value costs a multiply (a
+    correctly rounded division per value made the fused boundary's fp8 output 11-40% slower
+    than the boundary without it; benchmarks/NOTES.md)."""
+    return tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+
+
+@triton.jit
+def _quantize(y, inv, HW_E4M3: tl.constexpr):
+    """y * inv (inv = ``fp8_reciprocal(s)``) saturated at +-448, as e4m3 bytes; a NaN stays NaN
+    (the poison of a failed collective must not come out as numbers)."""
+    v = y * inv
     v = tl.minimum(tl.maximum(v, -_FP8_MAX, propagate_nan=tl.PropagateNan.ALL), _FP8_MAX,
                    propagate_nan=tl.PropagateNan.ALL)
     return _e4m3_bits(v, HW_E4M3)
@@ -69,9 +78,11 @@ def store_fp8_tile(y, row_scale, Q, SCALES, scale_rows, rows, row_offs, col0, co
 
     y: [ROWS, B] fp32, the widened values of the rounded output (zero in padding lanes) of
     rows ``rows`` ([ROWS]) and columns col0 + [0, B) (``cols`` [1, B]), stored as e4m3 bytes
-    to Q at row_offs + cols where mask. FP8 (``MODE_IDS``): 1, the scale at SCALES; 2, the
-    rows' scales ``row_scale`` [ROWS] (from their amax over the whole row, which the caller
-    has), stored to SCALES[rows]; 3, a scale per GROUP columns, from this tile's groups (B is
+    to Q at row_offs + cols where mask. FP8 (``MODE_IDS``): 1, the static scale, whose
+    reciprocal ``row_scale`` is (the caller loads the scale before the row, so that the load's
+    latency overlaps the row's); 2, the rows' scales ``row_scale`` [ROWS] (from their amax over
+    the whole row, which the caller has), stored to SCALES[rows]; 3, a scale per GROUP columns,
+    from this tile's groups (B is
     whole groups), stored column-major, group g of row m at SCALES[g * scale_rows + m]. The
     scales are stored where scales_mask ([ROWS]) holds.
 
@@ -81,10 +92,10 @@ def store_fp8_tile(y, row_scale, Q, SCALES, scale_rows, rows, row_offs, col0, co
     the whole tile's layout, and so change the order of the row's sum of squares against
     the norm kernel's (tests/test_fused_layouts.py)."""
     if FP8 == 1:
-        q = _quantize(y, tl.load(SCALES), HW_E4M3)
+        q = _quantize(y, row_scale, HW_E4M3)
     elif FP8 == 2:
         tl.store(SCALES + rows, row_scale, mask=scales_mask)
-        q = _quantize(y, row_scale[:, None], HW_E4M3)
+        q = _quantize(y, fp8_reciprocal(row_scale)[:, None], HW_E4M3)
     else:
         ROWS: tl.constexpr = y.shape[0]
         B: tl.constexpr = y.shape[1]
@@ -93,7 +104,7 @@ def store_fp8_tile(y, row_scale, Q, SCALES, scale_rows, rows, row_offs, col0, co
         groups = col0 // GROUP + tl.arange(0, B // GROUP)[None, :]
         tl.store(SCALES + groups.to(tl.int64) * scale_rows + rows[:, None], group_s,
                  mask=scales_mask[:, None] & (groups * GROUP < N))
-        q = tl.reshape(_quantize(y3, group_s[:, :, None], HW_E4M3), [ROWS, B])
+        q = tl.reshape(_quantize(y3, fp8_reciprocal(group_s)[:, :, None], HW_E4M3), [ROWS, B])
     tl.store(Q + tl.max_contiguous(row_offs + cols, [1, VEC]), q, mask=mask)
 
 
@@ -131,6 +142,7 @@ def quant_fp8_kernel(Y, Q, SCALE, S_OUT, N, s_stride_row, s_stride_group,
     tile = tl.arange(0, GROUPS)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     if MODE == 1:
         s = tl.load(SCALE)
+        inv = fp8_reciprocal(s)
     elif MODE == 2:
         amax = tl.zeros([GROUPS, GROUP], tl.float32)
         for start in range(0, N, GROUPS * GROUP):
@@ -138,6 +150,7 @@ def quant_fp8_kernel(Y, Q, SCALE, S_OUT, N, s_stride_row, s_stride_group,
             amax = tl.maximum(amax, tl.abs(tl.load(Y + row * N + cols, mask=cols < N, other=0.0).to(tl.float32)))
         s = fp8_scale(tl.max(tl.max(amax, axis=1), axis=0))
         tl.store(S_OUT + row * s_stride_row, s)
+        inv = fp8_reciprocal(s)
     for start in range(0, N, GROUPS * GROUP):
         cols = start + tile
         mask = cols < N
@@ -146,9 +159,9 @@ def quant_fp8_kernel(Y, Q, SCALE, S_OUT, N, s_stride_row, s_stride_group,
             group_s = fp8_scale(tl.max(tl.abs(y), axis=1))  # [GROUPS]
             groups = start // GROUP + tl.arange(0, GROUPS)
             tl.store(S_OUT + row * s_stride_row + groups * s_stride_group, group_s, mask=groups * GROUP < N)
-            q = _quantize(y, group_s[:, None], HW_E4M3)
+            q = _quantize(y, fp8_reciprocal(group_s)[:, None], HW_E4M3)
         else:
-            q = _quantize(y, s, HW_E4M3)
+            q = _quantize(y, inv, HW_E4M3)
         tl.store(Q + row * N + cols, q, mask=mask)
 
 
