@@ -84,6 +84,7 @@ def _opcheck(seed):
              (x, residual.clone(), w, 1e-6, 0.0, name, "oneshot", "tensor", torch.tensor([0.01]), 128)),
             (torch.ops.tpfuse.reduce_scatter_add_rms_norm, (x.repeat(world, 1), residual, w, 1e-6, 0.0, name)),
             (torch.ops.tpfuse.all_gather, (residual, name)),
+            (torch.ops.tpfuse.reduce_scatter, (x.repeat(world, 1), name)),
         ]
         for op, args in cases:
             torch.library.opcheck(op, args)  # raises with the failing check's name

@@ -16,6 +16,7 @@ from tests.multiproc import no_failures, run_ranks
 from tests.test_allreduce import _assert_ok, _digest, _same_bits
 from tests.test_fused import DTYPES, _layer_inputs
 from tests.test_quant import _poisoned_empty
+from tpfuse import reference
 from tpfuse.comm import Communicator
 
 # (tokens, hidden): a row per rank, row tiles of 1 to 16 rows, a row in two pieces (5120), a
@@ -108,3 +109,52 @@ def _one_rank(x, res, w):
         want = tpfuse.add_rms_norm(x, res, w)
         ok = _same_bits(y, want[0]) and _same_bits(res_out, want[1]) and _same_bits(comm.all_gather(y), y)
     return [] if ok else ["one rank: not add_rms_norm, or all_gather not the identity"]
+
+
+def _backward(seed, dtype):
+    """Gradients through reduce_scatter_add_rms_norm and all_gather (each rank's loss uses the
+    gathered y and its own residual_out) against tpfuse.add_rms_norm's over all the rows:
+    x's and residual's bitwise (a row's backward is its own), weight's to rounding (the ranks'
+    partial dweights are summed in another order), and the whole backward run to run; then
+    reduce_scatter's and all_gather's gradients, bitwise."""
+    world, rank, failures = dist.get_world_size(), dist.get_rank(), []
+    tokens, hidden = 4 * world, 96
+    mine = slice(rank * tokens // world, (rank + 1) * tokens // world)
+    xs, residuals, weight = _layer_inputs(seed, tokens, hidden, dtype, world)
+    g = torch.Generator().manual_seed(seed + 7)
+    dy, dres = (torch.randn(tokens, hidden, generator=g).to(dtype) for _ in range(2))
+    with Communicator(max_bytes=1 << 20, timeout_s=30) as comm:  # on CPU ranks, or one GPU each
+        xs, residuals, weight, dy, dres = (
+            [t.to(comm.device) for t in xs], [t.to(comm.device) for t in residuals], weight.to(comm.device),
+            dy.to(comm.device), dres.to(comm.device))
+        grads = []
+        for _ in range(2):
+            x, res, w = (t.clone().requires_grad_() for t in (xs[rank], residuals[0][mine], weight))
+            y, res_out = comm.reduce_scatter_add_rms_norm(x, res, w)
+            ((comm.all_gather(y) * dy).sum() + (res_out * dres[mine]).sum()).backward()
+            grads.append((x.grad, res.grad, w.grad))
+        # Over all rows: the gathered y's gradient is every rank's dy, summed (exactly: W copies).
+        r, res_full, w = (t.clone().requires_grad_() for t in (comm.all_reduce(xs[rank]), residuals[0], weight))
+        y, res_out = tpfuse.add_rms_norm(r, res_full, w)
+        ((y * (dy * world)).sum() + (res_out * dres).sum()).backward()
+        dx, dresidual, dweight = grads[0]
+        if not (_same_bits(dx, r.grad) and _same_bits(dresidual, res_full.grad[mine])):
+            failures.append(f"{dtype}: x's or residual's gradient differs from add_rms_norm's over all rows")
+        if reference.rel_err(dweight, w.grad) > reference.rel_err_budget(dtype):
+            failures.append(f"{dtype}: weight's gradient {reference.rel_err(dweight, w.grad):.2e} off")
+        if not all(_same_bits(a, b) for a, b in zip(*grads)):
+            failures.append(f"{dtype}: the backward differs run to run")
+        x = xs[rank].clone().requires_grad_()
+        (comm.reduce_scatter(x) * dy[mine]).sum().backward()
+        if not _same_bits(x.grad, comm.all_gather(dy[mine])):
+            failures.append(f"{dtype}: reduce_scatter's gradient is not the all-gather")
+        if not _same_bits(comm.reduce_scatter(xs[rank]), comm.all_reduce(xs[rank])[mine]):
+            failures.append(f"{dtype}: reduce_scatter differs from the all-reduce's rows")
+    return failures
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sequence_parallel_backward_matches_add_rms_norm_over_all_rows(world):
+    no_failures(run_ranks(world, _backward, 3, torch.bfloat16, timeout_s=600))
+    if world == 2:
+        no_failures(run_ranks(world, _backward, 4, torch.float32, timeout_s=600))

@@ -87,3 +87,10 @@ def test_gpu_reduce_scatter_norm_and_all_gather_equal_the_all_reduce_rows():
 
 def test_gpu_sequence_parallel_and_fp8_graph_capture_replayed_with_new_data():
     no_failures(run_ranks(NGPU, _graph_replays, 50, backend="nccl", timeout_s=600))
+
+
+def test_gpu_sequence_parallel_backward_matches_add_rms_norm_over_all_rows():
+    from tests.test_sequence_parallel import _backward
+
+    for dtype in (torch.bfloat16, torch.float32):
+        no_failures(run_ranks(NGPU, _backward, 3, dtype, backend="nccl", timeout_s=600))

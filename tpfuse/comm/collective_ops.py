@@ -32,10 +32,14 @@ Ops (every rank of the group must call them in the same order, with the same sha
 - ``tpfuse::reduce_scatter_add_rms_norm(x, residual, weight, eps, weight_offset, group_name)
   -> (y, residual_out)``, both shaped like residual (this rank's slice of dim 0)
 - ``tpfuse::all_gather(x, group_name) -> Tensor`` of W times x's dim 0
+- ``tpfuse::reduce_scatter(x, group_name) -> Tensor`` of x's dim 0 over W
+
+The sequence-parallel ops are differentiable (``register_autograd`` below: each one's
+backward is the others' forward, and the norm's ``tpfuse::rms_norm_backward``).
 
 Their semantics are the Communicator methods' of the same names. Outputs are new contiguous
 tensors of x's shape (but the sequence-parallel ones') and dtype (fp8 values and scales:
-``tpfuse.quant_fp8``'s); none aliases an input. The ops are not differentiable.
+``tpfuse.quant_fp8``'s); none aliases an input.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from typing import Optional
 
 import torch
 
+import tpfuse.norm_ops  # noqa: F401  (tpfuse::rms_norm_backward, which the backward below calls)
 from tpfuse.fp8_ops import fp8_outputs
 
 Tensor = torch.Tensor
@@ -185,3 +190,46 @@ def all_gather(x: Tensor, group_name: str) -> Tensor:
 def _(x, group_name):
     world_size = lookup(group_name).world_size
     return x.new_empty((world_size * x.shape[0], *x.shape[1:]))
+
+
+@torch.library.custom_op("tpfuse::reduce_scatter", mutates_args=())
+def reduce_scatter(x: Tensor, group_name: str) -> Tensor:
+    return lookup(group_name)._reduce_scatter(x)
+
+
+@reduce_scatter.register_fake
+def _(x, group_name):
+    world_size = lookup(group_name).world_size
+    return x.new_empty((x.shape[0] // world_size, *x.shape[1:]))
+
+
+def _sequence_parallel_setup(ctx, inputs, output):
+    x, residual, weight, eps, weight_offset, group_name = inputs
+    ctx.eps, ctx.weight_offset, ctx.group_name = eps, weight_offset, group_name
+    ctx.save_for_backward(output[1], weight)  # the norm's input: residual_out
+
+
+def _sequence_parallel_backward(ctx, dy, dresidual_out):
+    residual_out, weight = ctx.saved_tensors
+    if dy is None:  # only residual_out was used downstream
+        dy = torch.zeros_like(residual_out)
+    drows, dweight = torch.ops.tpfuse.rms_norm_backward(dy.to(residual_out.dtype), residual_out, weight,
+                                                        dresidual_out, ctx.eps, ctx.weight_offset)
+    dx = torch.ops.tpfuse.all_gather(drows, ctx.group_name)
+    if weight is not None and ctx.needs_input_grad[2]:
+        dweight = torch.ops.tpfuse.all_reduce(dweight, ctx.group_name, "auto")
+    else:
+        dweight = None
+    return dx, drows, dweight, None, None, None
+
+
+def _group_setup(ctx, inputs, output):
+    ctx.group_name = inputs[1]
+
+
+torch.library.register_autograd("tpfuse::reduce_scatter_add_rms_norm", _sequence_parallel_backward,
+                                setup_context=_sequence_parallel_setup)
+torch.library.register_autograd("tpfuse::all_gather", lambda ctx, grad: (
+    torch.ops.tpfuse.reduce_scatter(grad.contiguous(), ctx.group_name), None), setup_context=_group_setup)
+torch.library.register_autograd("tpfuse::reduce_scatter", lambda ctx, grad: (
+    torch.ops.tpfuse.all_gather(grad.contiguous(), ctx.group_name), None), setup_context=_group_setup)

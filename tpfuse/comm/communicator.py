@@ -542,10 +542,16 @@ class Communicator:
         all-reduce bits: fp32 sums in tree order, rounded once). Messages up to the
         communicator's ``max_bytes`` (larger ones raise ValueError: no fallback that could
         change the bits). Every rank must call it in the same order with the same shapes;
-        errors as ``all_reduce``. Not differentiable.
+        errors as ``all_reduce``.
+
+        Differentiable in x, residual and weight, deterministically: the norm's backward
+        (``tpfuse.rms_norm``'s) on this rank's rows gives d residual_out; x's gradient is
+        its all-gather (every rank's x adds into every reduced row), residual's is it, and
+        weight's is the all-reduce, in tree order, of the ranks' dweight (each rank's in the
+        weight's dtype). The backward's collectives run on this communicator, in the same
+        order on every rank, as autograd runs them.
         """
         self._check_sequence_parallel_args(x, residual, weight, eps, weight_offset)
-        _check_no_grad(x, residual, weight)
         return torch.ops.tpfuse.reduce_scatter_add_rms_norm(x, residual, weight, float(eps), float(weight_offset),
                                                             self.group_name)
 
@@ -554,12 +560,23 @@ class Communicator:
         bf16/fp16/fp32, not modified) -> a new [W * R, ..., N] tensor, rank g's rows at
         g * R. The last dimension must be a multiple of 16 and the message (W * R rows) fit
         the communicator's ``max_bytes`` (ValueError otherwise). Errors as ``all_reduce``.
-        Not differentiable."""
+        Differentiable: the gradient is ``reduce_scatter``'s of the output's."""
         self._check_args(x)
         if x.dim() < 2:
             raise ValueError(f"x must be [rows, ..., N], got shape {tuple(x.shape)}")
-        _check_no_grad(x)
         return torch.ops.tpfuse.all_gather(x, self.group_name)
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over the ranks of x [T, ..., N] (bf16/fp16/fp32, not modified), this rank's
+        rows of it: a new [T / W, ..., N] tensor, rows r * T / W .. of ``all_reduce(x)`` bit
+        for bit (fp32 sums in tree order, rounded once). T a multiple of W, N of 16, the
+        message within ``max_bytes`` (ValueError otherwise). Errors as ``all_reduce``.
+        Differentiable: the gradient is ``all_gather``'s of the output's."""
+        self._check_args(x)
+        if x.dim() < 2 or x.shape[0] % self.world_size:
+            raise ValueError(f"x must be [T, ..., N] with T a multiple of the world size {self.world_size}; got "
+                             f"shape {tuple(x.shape)}")
+        return torch.ops.tpfuse.reduce_scatter(x, self.group_name)
 
     def _check_sequence_parallel_args(self, x, residual, weight, eps, weight_offset) -> None:
         self._check_open()
@@ -604,6 +621,23 @@ class Communicator:
         else:
             self._post(f"reduce_scatter_add_rms_norm of 0 {_name(x.dtype)}")
         return y.view(residual.shape), res_out.view(residual.shape)
+
+    def _reduce_scatter(self, x):
+        """``torch.ops.tpfuse.reduce_scatter``'s implementation."""
+        self._check_input(x)
+        n, rows = x.shape[-1], x.shape[0] // self.world_size
+        out = torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        if self.world_size == 1:
+            out.copy_(x)
+        elif x.numel():
+            plan = self._sequence_parallel_plan(x, out.numel() // n, "reduce_scatter")
+            reduce_scatter_norm_into(_runtime.aligned_contiguous(x.reshape(-1, n)), None, None, out.view(-1, n), None,
+                                     0.0, 0.0, plan, self._peers)
+            if _runtime.INTERPRETER:
+                self._check_usable()
+        else:
+            self._post(f"reduce_scatter of 0 {_name(x.dtype)}")
+        return out
 
     def _all_gather(self, x):
         """``torch.ops.tpfuse.all_gather``'s implementation."""

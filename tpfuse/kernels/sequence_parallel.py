@@ -1,4 +1,5 @@
-"""The sequence-parallel boundary: reduce-scatter + residual add + RMSNorm, and all-gather.
+"""The sequence-parallel boundary: reduce-scatter + residual add + RMSNorm, and all-gather
+(and a plain reduce-scatter, the all-gather's backward).
 
 With sequence parallelism a row-parallel layer's all-reduce becomes a reduce-scatter: rank r
 gets rows [r * R, (r + 1) * R) of the sum (R = T / W of the T tokens), adds its slice of the
@@ -28,10 +29,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.common import EXACT_FP
+from tpfuse.kernels.common import EXACT_FP, round_to
 from tpfuse.kernels.fused import _copy_rows, poison_outputs
 from tpfuse.kernels.norm import norm_tile
-from tpfuse.kernels.peer import PeerContext, begin_collective, flag_row, poison, push_to_peers, typed_ptr
+from tpfuse.kernels.peer import (PeerContext, begin_collective, flag_row, poison, push_to_peers, sum_in_tree_order,
+                                 typed_ptr)
 from tpfuse.kernels.quant_fp8 import Fp8Output
 from tpfuse.kernels.sync import end_call, signal, wait
 
@@ -48,10 +50,11 @@ def reduce_scatter_norm_kernel(
     table_ptr, local, status_addr, rank, timeout_ns, flags_offset, data_offset, data_bytes, slot_elems,
     BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, WORLD: tl.constexpr, PEERS: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr,
-    HW_E4M3: tl.constexpr,
+    HW_E4M3: tl.constexpr, NORM: tl.constexpr,
 ):
     """X: [W * rows_per_rank, N], this rank's contribution; RES, Y, RES_OUT: [rows_per_rank, N],
-    this rank's rows. Block b handles row tiles b, b + grid, ... of every group."""
+    this rank's rows. Block b handles row tiles b, b + grid, ... of every group. Without NORM,
+    a plain reduce-scatter: Y = the reduced rows (the all-reduce's bits), nothing else."""
     ELEM: tl.constexpr = X.dtype.element_ty
     pid, grid, ctrl, status, epoch, data, n_tiles = begin_collective(local, status_addr, data_offset, data_bytes,
                                                                       rows_per_rank, ROWS)
@@ -67,11 +70,21 @@ def reduce_scatter_norm_kernel(
         slot0 = typed_ptr(local, data, ELEM)
         for tile in range(pid, n_tiles, grid):
             rows = tile * ROWS + tl.arange(0, ROWS)
-            norm_tile(slot0, rows.to(tl.int64) * N, slot_elems, RES, W, Y, RES_OUT, rows, rows < rows_per_rank, N,
-                      eps, weight_offset, has_residual, True, Q, SCALES, scale_rows, BLOCK_N, TAIL_N, NUM_CHUNKS,
-                      HAS_WEIGHT, WORLD, FP8, GROUP, HW_E4M3)
-    else:
+            if NORM:
+                norm_tile(slot0, rows.to(tl.int64) * N, slot_elems, RES, W, Y, RES_OUT, rows, rows < rows_per_rank,
+                          N, eps, weight_offset, has_residual, True, Q, SCALES, scale_rows, BLOCK_N, TAIL_N,
+                          NUM_CHUNKS, HAS_WEIGHT, WORLD, FP8, GROUP, HW_E4M3)
+            else:
+                for c in range(NUM_CHUNKS):
+                    ccols = c * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+                    mask = (rows < rows_per_rank)[:, None] & (ccols < N)
+                    offs = rows.to(tl.int64)[:, None] * N + ccols
+                    tl.store(Y + offs, round_to(sum_in_tree_order(slot0, slot_elems, offs, mask, WORLD), ELEM),
+                             mask=mask)
+    elif NORM:
         poison_outputs(Y, RES_OUT, Q, SCALES, scale_rows, rows_per_rank, N, FP8, GROUP)
+    else:
+        poison(Y, rows_per_rank * N)
     end_call(ctrl, epoch)
 
 
@@ -128,14 +141,18 @@ def reduce_scatter_norm_into(x, weight, residual, y, residual_out, eps: float, w
                              peers: PeerContext, fp8: Fp8Output | None = None) -> None:
     """Launch the reduce-scatter + (residual add) + RMSNorm over 2-D contiguous, 16-byte
     aligned operands: x [W * R, N]; residual, y, residual_out [R, N] (residual_out may alias
-    residual; y None with ``fp8``), R = plan.rows_per_rank."""
+    residual; y None with ``fp8``), R = plan.rows_per_rank. residual_out None: a plain
+    reduce-scatter into y (weight, residual and fp8 None)."""
     if (y is None) == (fp8 is None):
         raise ValueError("reduce_scatter_norm_into: exactly one of y and fp8")
+    norm = residual_out is not None
+    if not norm and (weight is not None or residual is not None or fp8 is not None):
+        raise ValueError("reduce_scatter_norm_into: a plain reduce-scatter takes no weight, residual or fp8")
     reduce_scatter_norm_kernel[(plan.grid,)](
-        X=x, RES=residual if residual is not None else residual_out, W=weight if weight is not None else x,
-        Y=y if y is not None else residual_out, RES_OUT=residual_out, N=x.shape[1], eps=eps,
+        X=x, RES=residual if residual is not None else x, W=weight if weight is not None else x,
+        Y=y if y is not None else residual_out, RES_OUT=residual_out if norm else x, N=x.shape[1], eps=eps,
         weight_offset=weight_offset, has_residual=int(residual is not None), TAIL_N=plan.norm.tail_n,
-        HAS_WEIGHT=weight is not None, **_launch_args(plan, peers, x.element_size()),
+        HAS_WEIGHT=weight is not None, NORM=norm, **_launch_args(plan, peers, x.element_size()),
         **(fp8.kernel_args() if fp8 is not None else Fp8Output.none_args(x)), **EXACT_FP)
 
 
