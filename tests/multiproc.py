@@ -162,9 +162,6 @@ def _one_call(comm, op: str, numel: int, algo: str):
         x = x.view(2, numel // 2)
         return comm.all_reduce_add_rms_norm(x, torch.ones_like(x), torch.ones(numel // 2, device=comm.device),
                                             algo=algo)
-    if op == "fused_fp8":
-        rows = x.view(-1, 32)
-        return comm.all_reduce_add_rms_norm_fp8(rows, torch.ones_like(rows), None, eps, mode=how, group=32)[0]
     if op == "quantized":
         return comm.all_reduce(x, quant="int4", quant_min_bytes=0)
     return comm.all_reduce(x, algo=algo)

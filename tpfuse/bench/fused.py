@@ -61,14 +61,13 @@ def _methods(comm, weight, flashinfer, tokens, hidden):
     return methods
 
 
-def _measure_shape(tokens, hidden, comm, flashinfer, world, rank):
+def measure_methods(methods, compare, x, residual, comm, rank) -> list[dict]:
+    """Each method's record on the [tokens, hidden] call (x, residual): ``compare(name,
+    outputs)`` (a dict with "bitwise"), then its time. One-shot and two-shot are left out where
+    the workspace cannot serve the shape; FlashInfer where it refuses it (every rank alike)."""
     from tpfuse.comm.plan import FusedPlan
 
-    xs, residual, weight = layer_inputs(tokens, hidden, world, "cuda", seed=tokens * 100_003 + hidden)
-    x = xs[rank]
-    methods = _methods(comm, weight, flashinfer, tokens, hidden)
-    split_out = methods["split"](x, residual)
-    spec_ok = same_bits(split_out[1], reference.all_reduce_add_rms_norm(xs, residual, weight, EPS)[1])
+    tokens, hidden = x.shape
     rot = rotation(2 * x.numel() * x.element_size())
     pool = [(x.clone(), residual.clone()) for _ in range(rot)]
     records = []
@@ -79,26 +78,44 @@ def _measure_shape(tokens, hidden, comm, flashinfer, world, rank):
             except ValueError:
                 continue  # this algorithm does not serve the shape with this workspace
         try:
-            out = fn(x, residual)
-            same = [same_bits(a, b) for a, b in zip(out, split_out)]
-            peer_bits = {}  # the peer's: which outputs match split's, and y's largest difference (before replays)
-            if name == "flashinfer":
-                peer_bits = dict(y_bitwise=bool(same[0]), residual_out_bitwise=bool(same[1]),
-                                 y_max_abs_diff=(out[0].float() - split_out[0].float()).abs().max().item())
-            us = collective_graph_us(lambda i: fn(*pool[i]), rot)  # noqa: B023  (called right here)
+            rec = dict(tokens=tokens, hidden=hidden, method=name) | compare(name, fn(x, residual))
+            rec["us"] = round(collective_graph_us(lambda i: fn(*pool[i]), rot), 2)  # noqa: B023  (called right here)
         except Exception as e:  # noqa: BLE001  only the peer may refuse a shape (every rank alike)
             if name != "flashinfer":
                 raise
             if rank == 0:
                 print(f"flashinfer at {tokens} x {hidden} failed: {type(e).__name__}: {e}", flush=True)
             continue
-        bitwise = name == "nccl_torch" or (all(same) and spec_ok)
-        rec = dict(tokens=tokens, hidden=hidden, method=name, us=round(us, 2), bitwise=bool(bitwise)) | peer_bits
         if name == "auto":
             plan = FusedPlan.from_shape(tokens, hidden, x.dtype, comm.layout, comm.knobs)
             rec["algo"] = plan.algo + (f"/{plan.protocol}" if plan.algo == "oneshot" else "")
         records.append(rec)
     return records
+
+
+def method_cell(r: dict | None, binding: bool = True) -> str:
+    """A table cell: us, `x` where a binding method's outputs are not split's bits, the plan."""
+    if r is None:
+        return "-"
+    return (f"{r['us']:.1f}{'' if r['bitwise'] or not binding else ' x'}"
+            + (f" [{r['algo']}]" if "algo" in r else ""))
+
+
+def _measure_shape(tokens, hidden, comm, flashinfer, world, rank, opts):
+    xs, residual, weight = layer_inputs(tokens, hidden, world, "cuda", seed=tokens * 100_003 + hidden)
+    x = xs[rank]
+    methods = _methods(comm, weight, flashinfer, tokens, hidden)
+    split_out = methods["split"](x, residual)
+    spec_ok = same_bits(split_out[1], reference.all_reduce_add_rms_norm(xs, residual, weight, EPS)[1])
+
+    def compare(name, out):
+        same = [same_bits(a, b) for a, b in zip(out, split_out)]
+        if name == "flashinfer":  # the peer's: which outputs match split's, and y's largest difference
+            return dict(bitwise=False, y_bitwise=bool(same[0]), residual_out_bitwise=bool(same[1]),
+                        y_max_abs_diff=(out[0].float() - split_out[0].float()).abs().max().item())
+        return dict(bitwise=name == "nccl_torch" or bool(all(same) and spec_ok))
+
+    return measure_methods(methods, compare, x, residual, comm, rank)
 
 
 def _markdown(records, header, world):
@@ -112,11 +129,7 @@ def _markdown(records, header, world):
            + " | auto vs split | auto vs nccl_torch | auto vs flashinfer |\n")
     md += "|---" * (len(METHODS) + 5) + "|\n"
     for hidden, tokens in shapes:
-        cells = []
-        for m in METHODS:
-            r = by.get((tokens, hidden, m))
-            cells.append("-" if r is None else f"{r['us']:.1f}{'' if r['bitwise'] else ' x'}"
-                         + (f" [{r['algo']}]" if "algo" in r else ""))
+        cells = [method_cell(by.get((tokens, hidden, m)), m != "flashinfer") for m in METHODS]
         auto, split, base, fi = (by.get((tokens, hidden, m)) for m in ("auto", "split", "nccl_torch", "flashinfer"))
         ratio = (lambda a, b: f"{b['us'] / a['us']:.2f}x" if a and b else "-")
         md += (f"| {hidden} | {tokens} | " + " | ".join(cells)
@@ -131,17 +144,21 @@ def _markdown(records, header, world):
 
 
 def _gpu_worker(rank: int, world: int, port: int | None, opts: dict) -> None:
+    """Every shape's records, the table and the files; with opts["quant"] those of the fp8
+    output (``tpfuse.bench.fused_fp8``)."""
     from tpfuse.comm import Communicator
 
     init_rank(rank, world, port, "nccl")
-    shapes = [s for s in SHAPES if s[0] <= opts["max_tokens"]]
+    quant = opts["quant"]
+    shapes = [s for s in (fused_fp8.SHAPES if quant else SHAPES) if s[0] <= opts["max_tokens"]]
+    measure = fused_fp8.measure_shape if quant else _measure_shape
     max_bytes = max(t * h * 2 for t, h in shapes)
-    flashinfer = FlashInferAllReduce.create(torch.bfloat16)
+    flashinfer = FlashInferAllReduce.create(torch.bfloat16) if quant in (None, "tensor") else None
     try:
         records = []
         with Communicator(max_bytes=max_bytes) as comm:
             for tokens, hidden in shapes:
-                records += _measure_shape(tokens, hidden, comm, flashinfer, world, rank)
+                records += measure(tokens, hidden, comm, flashinfer, world, rank, opts)
                 if rank == 0:
                     print(f"{tokens:>6} x {hidden}: " + "  ".join(
                         f"{r['method']} {r['us']:.1f}us{'' if r['bitwise'] else '(x)'}" for r in records
@@ -150,11 +167,13 @@ def _gpu_worker(rank: int, world: int, port: int | None, opts: dict) -> None:
                  if not r["bitwise"] and r["method"] != "flashinfer"]
         if rank == 0:
             header = collective_header(comm) | {"dtype": "bf16", "tpfuse_max_bytes": max_bytes}
+            header |= fused_fp8.header(quant) if quant else {}
             if flashinfer is not None:
                 header["flashinfer"] = flashinfer.version
-            md = _markdown(records, header, world)
+            md = fused_fp8.markdown(records, header, world, quant) if quant else _markdown(records, header, world)
             print(md)
-            print("wrote " + ", ".join(write_results(opts["out"], f"fused_w{world}_bf16", header, records, md)))
+            name = f"fused_fp8_{quant}_w{world}_bf16" if quant else f"fused_w{world}_bf16"
+            print("wrote " + ", ".join(write_results(opts["out"], name, header, records, md)))
         if wrong:
             raise RuntimeError(f"rank {rank}: outputs not bitwise equal to the split path: {wrong}")
     finally:
@@ -210,9 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = fused_fp8.SHAPES if opts["quant"] else SHAPES
     opts["max_tokens"] = opts["max_tokens"] or max(t for t, _ in shapes)
     opts["gpu_only"] = gpu_only_flags(p, opts, ["out"])
-    if opts["quant"]:
-        return run_workers(fused_fp8.gpu_worker, fused_fp8.cpu_worker, opts)
-    return run_workers(_gpu_worker, _cpu_worker, opts)
+    return run_workers(_gpu_worker, fused_fp8.cpu_worker if opts["quant"] else _cpu_worker, opts)
 
 
 if __name__ == "__main__":

@@ -15,21 +15,17 @@ Per (tokens, hidden), bf16 in, W = every visible GPU (one process each), CUDA-gr
 
 Each tpfuse method's (q, scales, residual_out) are checked bitwise against split's in the same
 run; FlashInfer's q and residual_out are compared too and marked, but bind nothing. Without
-two GPUs: two CPU ranks under Triton's interpreter check the bits of every mode on a few shapes.
+two GPUs: two CPU ranks under Triton's interpreter check the bits of MODE on a few shapes.
 """
 
 from __future__ import annotations
-
-import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 import tpfuse
-from tpfuse.bench.common import (FlashInferAllReduce, collective_graph_us, collective_header, cpu_check_intro,
-                                 cpu_check_verdict, header_markdown, init_rank, layer_inputs, rotation, same_bits,
-                                 write_results)
+from tpfuse.bench.common import cpu_check_intro, cpu_check_verdict, header_markdown, init_rank, layer_inputs, same_bits
 
 SHAPES = [(t, h) for h in (4096, 8192) for t in (1, 2, 4, 8, 16, 32, 64, 128, 512, 2048)]
 METHODS = ["nccl_torch", "split", "fused", "oneshot", "twoshot", "auto", "flashinfer"]
@@ -83,40 +79,26 @@ def _compare(name, out, want) -> dict:
     return dict(bitwise=all(same_bits(a, b) for a, b in zip(out, want)))
 
 
-def _measure_shape(tokens, hidden, comm, mode, flashinfer, world, rank):
-    from tpfuse.comm.plan import FusedPlan
+def measure_shape(tokens, hidden, comm, flashinfer, world, rank, opts):
+    """``tpfuse.bench.fused``'s records of one shape, for the fp8 output of opts["quant"]."""
+    from tpfuse.bench.fused import measure_methods
 
     xs, residual, weight = layer_inputs(tokens, hidden, world, "cuda", seed=tokens * 100_003 + hidden)
-    x = xs[rank]
+    mode = opts["quant"]
     scale = torch.tensor([STATIC_SCALE], device="cuda") if mode == "tensor" else None
     methods = _methods(comm, weight, mode, scale, flashinfer, tokens, hidden)
-    want = methods["split"](x, residual)
-    rot = rotation(2 * x.numel() * x.element_size())
-    pool = [(x.clone(), residual.clone()) for _ in range(rot)]
-    records = []
-    for name, fn in methods.items():
-        if name in ("oneshot", "twoshot"):
-            try:
-                FusedPlan.from_shape(tokens, hidden, x.dtype, comm.layout, comm.knobs, name)
-            except ValueError:
-                continue  # this algorithm does not serve the shape with this workspace
-        try:
-            rec = dict(tokens=tokens, hidden=hidden, method=name) | _compare(name, fn(x, residual), want)
-            rec["us"] = round(collective_graph_us(lambda i: fn(*pool[i]), rot), 2)  # noqa: B023  (called right here)
-        except Exception as e:  # noqa: BLE001  only the peer may refuse a shape (every rank alike)
-            if name != "flashinfer":
-                raise
-            if rank == 0:
-                print(f"flashinfer at {tokens} x {hidden} failed: {type(e).__name__}: {e}", flush=True)
-            continue
-        if name == "auto":
-            plan = FusedPlan.from_shape(tokens, hidden, x.dtype, comm.layout, comm.knobs)
-            rec["algo"] = plan.algo + (f"/{plan.protocol}" if plan.algo == "oneshot" else "")
-        records.append(rec)
-    return records
+    want = methods["split"](xs[rank], residual)
+    return measure_methods(methods, lambda name, out: _compare(name, out, want), xs[rank], residual, comm, rank)
 
 
-def _markdown(records, header, world, mode):
+def header(mode: str) -> dict:
+    """The fp8 settings for a result file's header."""
+    return {"fp8": mode, "group": GROUP} | ({"static_scale": STATIC_SCALE} if mode == "tensor" else {})
+
+
+def markdown(records, header, world, mode):
+    from tpfuse.bench.fused import method_cell
+
     by = {(r["tokens"], r["hidden"], r["method"]): r for r in records}
     md = header_markdown(f"fused all-reduce + residual add + RMSNorm + fp8 per {mode}, {world} ranks, bf16 in",
                          header)
@@ -126,11 +108,7 @@ def _markdown(records, header, world, mode):
     md += "| hidden | tokens | " + " | ".join(METHODS) + " | auto / fused | split / auto | flashinfer / auto |\n"
     md += "|---" * (len(METHODS) + 5) + "|\n"
     for hidden, tokens in sorted({(r["hidden"], r["tokens"]) for r in records}):
-        cells = []
-        for m in METHODS:
-            r = by.get((tokens, hidden, m))
-            cells.append("-" if r is None else f"{r['us']:.1f}{'' if r['bitwise'] or m == 'flashinfer' else ' x'}"
-                         + (f" [{r['algo']}]" if "algo" in r else ""))
+        cells = [method_cell(by.get((tokens, hidden, m)), m != "flashinfer") for m in METHODS]
         auto, fused, split, fi = (by.get((tokens, hidden, m)) for m in ("auto", "fused", "split", "flashinfer"))
         ratio = (lambda a, b: f"{a['us'] / b['us']:.2f}" if a and b else "-")
         md += (f"| {hidden} | {tokens} | " + " | ".join(cells)
@@ -143,64 +121,26 @@ def _markdown(records, header, world, mode):
     return md
 
 
-def gpu_worker(rank: int, world: int, port: int | None, opts: dict) -> None:
-    from tpfuse.comm import Communicator
-
-    init_rank(rank, world, port, "nccl")
-    mode = opts["quant"]
-    shapes = [s for s in SHAPES if s[0] <= opts["max_tokens"]]
-    max_bytes = max(t * h * 2 for t, h in shapes)
-    flashinfer = FlashInferAllReduce.create(torch.bfloat16) if mode == "tensor" else None
-    try:
-        records = []
-        with Communicator(max_bytes=max_bytes) as comm:
-            for tokens, hidden in shapes:
-                records += _measure_shape(tokens, hidden, comm, mode, flashinfer, world, rank)
-                if rank == 0:
-                    print(f"{tokens:>6} x {hidden}: " + "  ".join(
-                        f"{r['method']} {r['us']:.1f}us{'' if r['bitwise'] else '(x)'}" for r in records
-                        if (r["tokens"], r["hidden"]) == (tokens, hidden)), flush=True)
-        wrong = [f"{r['tokens']}x{r['hidden']} {r['method']}" for r in records
-                 if not r["bitwise"] and r["method"] != "flashinfer"]
-        if rank == 0:
-            header = collective_header(comm) | {"dtype": "bf16", "fp8": mode, "group": GROUP, "tpfuse_max_bytes": max_bytes}
-            if mode == "tensor":
-                header["static_scale"] = STATIC_SCALE
-            if flashinfer is not None:
-                header["flashinfer"] = flashinfer.version
-            md = _markdown(records, header, world, mode)
-            print(md)
-            print("wrote " + ", ".join(write_results(opts["out"], f"fused_fp8_{mode}_w{world}_bf16", header, records, md)))
-        if wrong:
-            raise RuntimeError(f"rank {rank}: outputs not bitwise equal to the split path: {wrong}")
-    finally:
-        try:
-            if flashinfer is not None:
-                flashinfer.close()
-        finally:
-            dist.destroy_process_group()
-
-
 def cpu_worker(rank: int, world: int, port: int, opts: dict) -> None:
     from tpfuse.comm import Communicator
 
     shapes = [(t, h) for t, h in CPU_SHAPES if t <= opts["max_tokens"]] or [(opts["max_tokens"], 1024)]
-    modes = ["tensor", "token", "group"]
+    mode = opts["quant"]
     init_rank(rank, world, port, "gloo")
     if rank == 0:
-        cpu_check_intro(f"fused + fp8 one-shot, two-shot and auto, per {', '.join(modes)}, at "
+        cpu_check_intro(f"fused + fp8 per {mode} one-shot, two-shot and auto, at "
                         f"{', '.join(f'{t} x {h}' for t, h in shapes)} (tokens x hidden), bf16, {world} emulated ranks, "
                         "bitwise against the split path", opts["gpu_only"])
     rows = []
     with Communicator(timeout_s=60) as comm:
-        for i, (tokens, hidden) in enumerate(shapes):
-            mode = modes[i % len(modes)]
+        for tokens, hidden in shapes:
             xs, residual, weight = layer_inputs(tokens, hidden, world, "cpu", seed=tokens)
             scale = torch.tensor([STATIC_SCALE]) if mode == "tensor" else None
             methods = _methods(comm, weight, mode, scale, None, tokens, hidden)
             want = methods["split"](xs[rank], residual)
             for name in ("oneshot", "twoshot", "auto"):
-                rows.append((tokens, hidden, mode, name, _compare(name, methods[name](xs[rank], residual), want)["bitwise"]))
+                good = _compare(name, methods[name](xs[rank], residual), want)["bitwise"]
+                rows.append((tokens, hidden, mode, name, good))
     dist.destroy_process_group()
     ok = all(good for *_, good in rows)
     if rank == 0:
@@ -210,9 +150,3 @@ def cpu_worker(rank: int, world: int, port: int, opts: dict) -> None:
         cpu_check_verdict(ok)
     if not ok:
         raise RuntimeError(f"rank {rank}: a fused fp8 result differs from the split path")
-
-
-if __name__ == "__main__":
-    from tpfuse.bench.fused import main
-
-    sys.exit(main(["--quant", "token"] + sys.argv[1:]))
