@@ -296,7 +296,7 @@ def guard_reductions(case: dict) -> dict:
     ttgir = _ttgir(kernel, kwargs)
     aliases = dict(re.findall(r"^(#[\w.]+) = (.*)$", ttgir, re.M))
     spans = []
-    for operands in _reductions(0).findall(ttgir):
+    for _, operands in _reductions(0).findall(ttgir):
         for alias in re.findall(r"tensor<%dxi32, (#[\w.]+)>" % CTA_LANES.value, operands):
             per_thread, per_warp, warps = (int(re.search(r"%s = \[(\d+)\]" % key, aliases[alias]).group(1))
                                            for key in ("sizePerThread", "threadsPerWarp", "warpsPerCTA"))

@@ -125,6 +125,12 @@ def _fused_fp8_vs_split(shapes, seed):
                         failures.append(f"{what}: {name} differs from the split path")
                 if inplace != (res_out.data_ptr() == res_in.data_ptr()) or (not inplace and not _same_bits(res_in, residual)):
                     failures.append(f"{what}: inplace={inplace} broken")
+                if mode == "group":  # the whole storage, the padding rows too (zero), as the reference's
+                    ref_scales = reference.quant_fp8(y, mode, None, group)[1]
+                    whole = (hidden // group, reference.fp8_scale_rows(tokens))
+                    if not _same_bits(scales.as_strided(whole, (scales.stride(1), 1)),
+                                      ref_scales.as_strided(whole, (ref_scales.stride(1), 1))):
+                        failures.append(f"{what}: the scales' storage differs from the reference's")
                 dequant = reference.dequant_fp8(q, scales, mode, group)
                 if mode != "tensor" and reference.rel_err(dequant, y) > 0.08:
                     failures.append(f"{what}: q * scales is {reference.rel_err(dequant, y):.3f} off y")

@@ -93,12 +93,11 @@ def measure_methods(methods, compare, x, residual, comm, rank) -> list[dict]:
     return records
 
 
-def method_cell(r: dict | None, binding: bool = True) -> str:
-    """A table cell: us, `x` where a binding method's outputs are not split's bits, the plan."""
+def method_cell(r: dict | None) -> str:
+    """A table cell: us, `x` where the outputs are not split's bits, the plan."""
     if r is None:
         return "-"
-    return (f"{r['us']:.1f}{'' if r['bitwise'] or not binding else ' x'}"
-            + (f" [{r['algo']}]" if "algo" in r else ""))
+    return f"{r['us']:.1f}{'' if r['bitwise'] else ' x'}" + (f" [{r['algo']}]" if "algo" in r else "")
 
 
 def _measure_shape(tokens, hidden, comm, flashinfer, world, rank, opts):
@@ -110,10 +109,11 @@ def _measure_shape(tokens, hidden, comm, flashinfer, world, rank, opts):
 
     def compare(name, out):
         same = [same_bits(a, b) for a, b in zip(out, split_out)]
+        bitwise = name == "nccl_torch" or bool(all(same) and spec_ok)
         if name == "flashinfer":  # the peer's: which outputs match split's, and y's largest difference
-            return dict(bitwise=False, y_bitwise=bool(same[0]), residual_out_bitwise=bool(same[1]),
+            return dict(bitwise=bitwise, y_bitwise=bool(same[0]), residual_out_bitwise=bool(same[1]),
                         y_max_abs_diff=(out[0].float() - split_out[0].float()).abs().max().item())
-        return dict(bitwise=name == "nccl_torch" or bool(all(same) and spec_ok))
+        return dict(bitwise=bitwise)
 
     return measure_methods(methods, compare, x, residual, comm, rank)
 
@@ -129,7 +129,7 @@ def _markdown(records, header, world):
            + " | auto vs split | auto vs nccl_torch | auto vs flashinfer |\n")
     md += "|---" * (len(METHODS) + 5) + "|\n"
     for hidden, tokens in shapes:
-        cells = [method_cell(by.get((tokens, hidden, m)), m != "flashinfer") for m in METHODS]
+        cells = [method_cell(by.get((tokens, hidden, m))) for m in METHODS]
         auto, split, base, fi = (by.get((tokens, hidden, m)) for m in ("auto", "split", "nccl_torch", "flashinfer"))
         ratio = (lambda a, b: f"{b['us'] / a['us']:.2f}x" if a and b else "-")
         md += (f"| {hidden} | {tokens} | " + " | ".join(cells)

@@ -72,7 +72,9 @@ def _compare(name, out, want) -> dict:
     """Which outputs equal split's (q, scales, residual_out; FlashInfer: q, residual_out)."""
     if name == "flashinfer":
         q, residual_out = out
-        return dict(bitwise=False, q_bitwise=same_bits(q, want[0]), residual_out_bitwise=same_bits(residual_out, want[2]),
+        q_bitwise, residual_out_bitwise = same_bits(q, want[0]), same_bits(residual_out, want[2])
+        return dict(bitwise=q_bitwise and residual_out_bitwise, q_bitwise=q_bitwise,
+                    residual_out_bitwise=residual_out_bitwise,
                     q_differ=int((q.view(torch.uint8) != want[0].view(torch.uint8)).sum().item()))
     if name in ("nccl_torch", "fused"):
         return dict(bitwise=True)  # another contract (torch's; no quantization): not compared
@@ -108,7 +110,7 @@ def markdown(records, header, world, mode):
     md += "| hidden | tokens | " + " | ".join(METHODS) + " | auto / fused | split / auto | flashinfer / auto |\n"
     md += "|---" * (len(METHODS) + 5) + "|\n"
     for hidden, tokens in sorted({(r["hidden"], r["tokens"]) for r in records}):
-        cells = [method_cell(by.get((tokens, hidden, m)), m != "flashinfer") for m in METHODS]
+        cells = [method_cell(by.get((tokens, hidden, m))) for m in METHODS]
         auto, fused, split, fi = (by.get((tokens, hidden, m)) for m in ("auto", "fused", "split", "flashinfer"))
         ratio = (lambda a, b: f"{a['us'] / b['us']:.2f}" if a and b else "-")
         md += (f"| {hidden} | {tokens} | " + " | ".join(cells)

@@ -54,7 +54,7 @@ from tpfuse.kernels.peer import (PeerContext, begin_collective, flag_row, poison
 from tpfuse.kernels.common import EXACT_FP, prefetch_l2, round_to, to_f32
 from tpfuse.kernels.ll import lamport_pack, lamport_word, ll_flag, ll_pack, ll_reduce, ll_wait
 from tpfuse.kernels.norm import NormConfig, norm_tile, output_amax, row_inv_rms, store_output
-from tpfuse.kernels.quant_fp8 import Fp8Output, fp8_reciprocal, fp8_scale
+from tpfuse.kernels.quant_fp8 import Fp8Output, fp8_scale, zero_scale_padding
 from tpfuse.kernels.sync import begin_call, end_call, signal, wait
 
 # Operation codes of the status record; their names are in allreduce.OP_NAMES.
@@ -116,6 +116,7 @@ def oneshot_all_reduce_norm_kernel(
     ELEM: tl.constexpr = X.dtype.element_ty
     pid, grid, ctrl, status, epoch, data, n_tiles = begin_collective(
         local, status_addr, data_offset, data_bytes, n_rows, ROWS)
+    zero_scale_padding(SCALES, n_rows, scale_rows, N, FP8, GROUP)
     for tile in range(pid, n_tiles, grid):
         rows = tile * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK_N)[None, :]
@@ -189,6 +190,7 @@ def ll_oneshot_all_reduce_norm_kernel(
     is a whole tile, and the CTA that sums it normalises it without the count."""
     ELEM: tl.constexpr = X.dtype.element_ty
     PACK: tl.constexpr = 1 if LAMPORT else 32 // ELEM.primitive_bitwidth  # elements per word
+    zero_scale_padding(SCALES, n_rows, scale_rows, N, FP8, GROUP)
     WORD: tl.constexpr = lamport_word(ELEM) if LAMPORT else tl.uint64
     pid, grid, ctrl, status, epoch, region, n_tiles = begin_collective(
         local, status_addr, ll_offset, ll_bytes, n_rows, ROWS)
@@ -263,6 +265,7 @@ def rows_oneshot_all_reduce_norm_kernel(
     ELEM: tl.constexpr = X.dtype.element_ty
     WORD: tl.constexpr = lamport_word(ELEM)
     pid = tl.program_id(0)
+    zero_scale_padding(SCALES, n_rows, scale_rows, N, FP8, GROUP)
     ctrl = local.to(tl.pointer_type(tl.int64))
     status = status_addr.to(tl.pointer_type(tl.int64))
     epoch = begin_call(ctrl)
@@ -285,9 +288,9 @@ def rows_oneshot_all_reduce_norm_kernel(
     # between them (the PTX model alone would allow the reverse; the load is issued an L2 round
     # trip and a peer's poll before any such store, as end_call's count rests on its reads).
     res = tl.load(RES + row_offs + cols, mask=mask & (has_residual != 0), other=0.0)
-    row_scale = 1.0  # the fp8 output's: FP8 1, the static scale's reciprocal, loaded early; 2, below
+    row_scale = 1.0  # the fp8 output's: FP8 1, the static scale, loaded early; 2, below
     if FP8 == 1:
-        row_scale = fp8_reciprocal(tl.load(SCALES))
+        row_scale = tl.load(SCALES)
     push_to_peers(table_ptr, region, lamport_pack(tl.load(X + offs, mask=pmask)), rank * slot_words + offs, pmask, rank,
           WORLD, True)
     # The last row-wise call's words (of any dtype: counted in bytes), in the rotation before
@@ -327,6 +330,7 @@ def twoshot_all_reduce_norm_kernel(
     ELEM: tl.constexpr = X.dtype.element_ty
     pid, grid, ctrl, status, epoch, data, n_tiles = begin_collective(local, status_addr, data_offset, data_bytes,
                                                            rows_per_group, ROWS)
+    zero_scale_padding(SCALES, n_rows, scale_rows, N, FP8, GROUP)
     cols = tl.arange(0, BLOCK_N)[None, :]
     # Reduce-scatter, part 1: group g of my rows into scatter slot `rank` of rank g.
     for tile in range(pid, n_tiles, grid):

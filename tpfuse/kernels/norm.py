@@ -33,7 +33,7 @@ import triton.language as tl
 
 from tpfuse.kernels.peer import sum_in_tree_order
 from tpfuse.kernels.common import EXACT_FP, TRITON_DIVISIBILITY, round_to, to_f32
-from tpfuse.kernels.quant_fp8 import Fp8Output, fp8_reciprocal, fp8_scale, row_amax, store_fp8_tile
+from tpfuse.kernels.quant_fp8 import Fp8Output, fp8_scale, row_amax, store_fp8_tile, zero_scale_padding
 
 # A row of up to 16384 elements is held in registers and read from memory once (fp32 rows of
 # 16384 in 8 KiB chunks instead reached 69% of copy bandwidth forward and 44% backward on H200,
@@ -338,11 +338,11 @@ def norm_tile(SRC, src_rows, slot_elems, RES, W, Y, RES_OUT, rows, row_mask, N, 
     ELEM: tl.constexpr = Y.dtype.element_ty
     src_offs = src_rows[:, None]
     row_offs = rows.to(tl.int64)[:, None] * N
-    # The fp8 output's scale: FP8 1, the static scale's reciprocal, loaded before the row so
-    # that the two loads' latencies overlap; 2, the rows' scales, set below; otherwise unused.
+    # The fp8 output's scale: FP8 1, the static scale, loaded before the row so that the two
+    # loads' latencies overlap; 2, the rows' scales, set below; otherwise unused.
     row_scale = 1.0
     if FP8 == 1:
-        row_scale = fp8_reciprocal(tl.load(SCALES))
+        row_scale = tl.load(SCALES)
     if TAIL_N > 0:
         # The row in two pieces, BLOCK_N // 2 columns and the TAIL_N after them (see
         # NormConfig.tail_n), each reduced on its own, the head's sum first.
@@ -445,6 +445,7 @@ def rms_norm_fwd_kernel(
     """Y = rms_norm(X) or, with has_residual, RES_OUT = round(X + RES), Y = rms_norm(RES_OUT);
     with FP8, y quantized to Q and SCALES instead (``norm_tile``). All operands are
     [n_rows, N] contiguous; one program per tile of ROWS rows."""
+    zero_scale_padding(SCALES, n_rows, scale_rows, N, FP8, GROUP)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     norm_tile(X, rows.to(tl.int64) * N, 0, RES, W, Y, RES_OUT, rows, rows < n_rows, N, eps, weight_offset,
               has_residual, has_residual, Q, SCALES, scale_rows, BLOCK_N, TAIL_N, NUM_CHUNKS, HAS_WEIGHT, 0, FP8,

@@ -78,9 +78,10 @@ def store_fp8_tile(y, row_scale, Q, SCALES, scale_rows, rows, row_offs, col0, co
 
     y: [ROWS, B] fp32, the widened values of the rounded output (zero in padding lanes) of
     rows ``rows`` ([ROWS]) and columns col0 + [0, B) (``cols`` [1, B]), stored as e4m3 bytes
-    to Q at row_offs + cols where mask. FP8 (``MODE_IDS``): 1, the static scale, whose
-    reciprocal ``row_scale`` is (the caller loads the scale before the row, so that the load's
-    latency overlaps the row's); 2, the rows' scales ``row_scale`` [ROWS] (from their amax over
+    to Q at row_offs + cols where mask. FP8 (``MODE_IDS``): 1, the static scale ``row_scale``
+    (the caller loads it before the row, so that the load's latency overlaps the row's, and it
+    is inverted only here: a division right after the load stalled every warp on it, 0.5 us
+    a call); 2, the rows' scales ``row_scale`` [ROWS] (from their amax over
     the whole row, which the caller has), stored to SCALES[rows]; 3, a scale per GROUP columns,
     from this tile's groups (B is
     whole groups), stored column-major, group g of row m at SCALES[g * scale_rows + m]. The
@@ -92,7 +93,7 @@ def store_fp8_tile(y, row_scale, Q, SCALES, scale_rows, rows, row_offs, col0, co
     the whole tile's layout, and so change the order of the row's sum of squares against
     the norm kernel's (tests/test_fused_layouts.py)."""
     if FP8 == 1:
-        q = _quantize(y, row_scale, HW_E4M3)
+        q = _quantize(y, fp8_reciprocal(row_scale), HW_E4M3)
     elif FP8 == 2:
         tl.store(SCALES + rows, row_scale, mask=scales_mask)
         q = _quantize(y, fp8_reciprocal(row_scale)[:, None], HW_E4M3)
@@ -106,6 +107,22 @@ def store_fp8_tile(y, row_scale, Q, SCALES, scale_rows, rows, row_offs, col0, co
                  mask=scales_mask[:, None] & (groups * GROUP < N))
         q = tl.reshape(_quantize(y3, fp8_reciprocal(group_s)[:, :, None], HW_E4M3), [ROWS, B])
     tl.store(Q + tl.max_contiguous(row_offs + cols, [1, VEC]), q, mask=mask)
+
+
+@triton.jit
+def zero_scale_padding(SCALES, n_rows, scale_rows, N, FP8: tl.constexpr, GROUP: tl.constexpr):
+    """Per-group scales (FP8 3) only, by program 0: the padding rows n_rows .. scale_rows - 1 of
+    every group's column (at most 3, ``reference.fp8_scale_rows``) set to zero, as the
+    reference's. In the kernel, not by a torch fill before it: a fill is one more launch per
+    call (at 1 token of 4096 it made the fused fp8 output 1.45x the fused kernel, against
+    1.13x per token; benchmarks/NOTES.md)."""
+    if FP8 == 3:
+        if tl.program_id(0) == 0:
+            pad = n_rows + tl.arange(0, 4)[None, :]
+            for start in range(0, N // GROUP, 256):
+                groups = start + tl.arange(0, 256)[:, None]
+                tl.store(SCALES + groups.to(tl.int64) * scale_rows + pad, tl.zeros([256, 4], tl.float32),
+                         mask=(groups < N // GROUP) & (pad < scale_rows))
 
 
 @dataclass(frozen=True)
@@ -139,6 +156,8 @@ def quant_fp8_kernel(Y, Q, SCALE, S_OUT, N, s_stride_row, s_stride_group,
     S_OUT at row * s_stride_row + group * s_stride_group; for MODE 1 (token) the row's scale
     goes to S_OUT at row * s_stride_row; MODE 0 (tensor) reads its scale from SCALE."""
     row = tl.program_id(0).to(tl.int64)
+    if MODE == 3:
+        zero_scale_padding(S_OUT, tl.num_programs(0), s_stride_group, N, MODE, GROUP)
     tile = tl.arange(0, GROUPS)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     if MODE == 1:
         s = tl.load(SCALE)

@@ -34,7 +34,7 @@ from tpfuse.kernels.fused import _copy_rows, poison_outputs
 from tpfuse.kernels.norm import norm_tile
 from tpfuse.kernels.peer import (PeerContext, begin_collective, flag_row, poison, push_to_peers, sum_in_tree_order,
                                  typed_ptr)
-from tpfuse.kernels.quant_fp8 import Fp8Output
+from tpfuse.kernels.quant_fp8 import Fp8Output, zero_scale_padding
 from tpfuse.kernels.sync import end_call, signal, wait
 
 # Operation codes of the status record; their names are in allreduce.OP_NAMES.
@@ -58,6 +58,7 @@ def reduce_scatter_norm_kernel(
     ELEM: tl.constexpr = X.dtype.element_ty
     pid, grid, ctrl, status, epoch, data, n_tiles = begin_collective(local, status_addr, data_offset, data_bytes,
                                                                       rows_per_rank, ROWS)
+    zero_scale_padding(SCALES, rows_per_rank, scale_rows, N, FP8, GROUP)
     for tile in range(pid, n_tiles, grid):
         local_rows = tile * ROWS + tl.arange(0, ROWS)
         for g in tl.static_range(WORLD):
