@@ -185,7 +185,7 @@ def layouts_for(case: dict) -> dict:
         kernel, kwargs = _launch_args(lambda: all_reduce_norm_into(  # noqa: B023  (called right here)
             x, weight, res, y, res_out, 1e-6, 0.0, plan, peers(layout), fp8))
         out[name] = row_reduction_layouts(_ttgir(kernel, kwargs))
-    if n % 16 == 0:  # the sequence-parallel reduce-scatter + norm (hidden sizes of the fused kernels)
+    if n % 16 == 0 and case.get("reduce_scatter", True):  # the sequence-parallel reduce-scatter + norm
         sp_layout = WorkspaceLayout(world, 1 << 30, 128)  # room for every case's rows
         sp_plan = SequenceParallelPlan.from_shape(rows, n, dtype, sp_layout, default_knobs(world))
         kernel, kwargs = _launch_args(lambda: reduce_scatter_norm_into(
