@@ -241,13 +241,14 @@ MISMATCHES = {
     "fused eps differs": (("fused", 64 * 32, "float32", "auto", 1e-6), ("fused", 64 * 32, "float32", "auto", 1e-5)),
     "fp8 per token against per group": (("fused_fp8", 64 * 32, "bfloat16", "token"),
                                         ("fused_fp8", 64 * 32, "bfloat16", "group")),
+    "sequence-parallel eps differs": (("sp", 64 * 32, "float32", "", 1e-6), ("sp", 64 * 32, "float32", "", 1e-5)),
 }
 
 
 def _described_call(comm, op: str, numel: int, dtype: str, how: str, eps: float = 1e-6):
     """A call of MISMATCHES: an all-reduce (how: the algo), a quantized one (how: the codec),
     or a fused one over rows of 32 (how: the algo; for "fused_fp8", the fp8 mode, in groups
-    of 32); its output."""
+    of 32; "sp": the reduce-scatter + norm); its output."""
     import torch
 
     x = torch.randn(numel, device=comm.device).to(getattr(torch, dtype))
@@ -257,6 +258,10 @@ def _described_call(comm, op: str, numel: int, dtype: str, how: str, eps: float 
     if op == "fused_fp8":
         rows = x.view(-1, 32)
         return comm.all_reduce_add_rms_norm_fp8(rows, torch.ones_like(rows), None, eps, mode=how, group=32)[0]
+    if op == "sp":  # reduce-scatter + norm of rows of 32
+        rows = x.view(-1, 32)
+        return comm.reduce_scatter_add_rms_norm(rows, torch.ones_like(rows[:rows.shape[0] // comm.world_size]), None,
+                                                eps)[0]
     if op == "quantized":
         return comm.all_reduce(x, quant=how, quant_min_bytes=0)
     return comm.all_reduce(x, algo=how)

@@ -237,6 +237,19 @@ def _sequence_parallel_prefill(seed):
                                 plain.generate(ids, 3, return_logits=True)[1])):
                 if not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
                     failures.append(f"{batch} x {tokens}: {what} differ from the all-reduce model's")
+        try:
+            sp.set_boundary("torch")
+            failures.append("a sequence-parallel model took boundary 'torch'")
+        except ValueError:
+            pass
+    # A workspace of 2 KiB slots: 2 x 16 rows of 64 bf16 fit (sequence parallel), 3 x 16 do not
+    # (the all-reduce boundary): the same bits either way, and no error.
+    with Communicator(max_bytes=4096) as comm:
+        plain, sp = TPModel.from_hf(hf, comm), TPModel.from_hf(hf, comm, sequence_parallel=True)
+        for batch in (2, 3):
+            ids = torch.randint(0, TINY["vocab_size"], (batch, 16), generator=torch.Generator().manual_seed(batch))
+            if not torch.equal(sp(ids).view(torch.uint8), plain(ids).view(torch.uint8)):
+                failures.append(f"{batch} x 16 with a small workspace: logits differ from the all-reduce model's")
     return failures, _digest(a)
 
 

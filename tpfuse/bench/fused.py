@@ -227,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(tpfuse.bench.fused_fp8)")
     opts = vars(p.parse_args(argv))
     shapes = fused_fp8.SHAPES if opts["quant"] else SHAPES
-    opts["max_tokens"] = opts["max_tokens"] or max(t for t, _ in shapes)
+    if opts["max_tokens"] is None:
+        opts["max_tokens"] = max(t for t, _ in shapes)
     opts["gpu_only"] = gpu_only_flags(p, opts, ["out"])
     return run_workers(_gpu_worker, fused_fp8.cpu_worker if opts["quant"] else _cpu_worker, opts)
 

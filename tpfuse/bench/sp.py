@@ -110,6 +110,9 @@ def _gpu_worker(rank: int, world: int, port: int | None, opts: dict) -> None:
 
     init_rank(rank, world, port, "nccl")
     shapes = [(t, h) for t, h in SHAPES if t <= opts["max_tokens"] and t % world == 0]
+    if not shapes:
+        raise ValueError(f"no shape of at most {opts['max_tokens']} tokens divides over {world} ranks "
+                         f"(shapes: {SHAPES})")
     max_bytes = max(t * h * 2 for t, h in shapes)
     try:
         records = []

@@ -37,9 +37,9 @@ Ops (every rank of the group must call them in the same order, with the same sha
 The sequence-parallel ops are differentiable (``register_autograd`` below: each one's
 backward is the others' forward, and the norm's ``tpfuse::rms_norm_backward``).
 
-Their semantics are the Communicator methods' of the same names. Outputs are new contiguous
-tensors of x's shape (but the sequence-parallel ones') and dtype (fp8 values and scales:
-``tpfuse.quant_fp8``'s); none aliases an input.
+Their semantics are the Communicator methods' of the same names. Outputs are new tensors of
+x's shape (but the sequence-parallel ones') and dtype, contiguous (fp8 values and scales:
+``tpfuse.quant_fp8``'s, the per-group scales a column-major view); none aliases an input.
 """
 
 from __future__ import annotations
@@ -199,8 +199,9 @@ def reduce_scatter(x: Tensor, group_name: str) -> Tensor:
 
 @reduce_scatter.register_fake
 def _(x, group_name):
-    world_size = lookup(group_name).world_size
-    return x.new_empty((x.shape[0] // world_size, *x.shape[1:]))
+    comm = lookup(group_name)
+    comm._check_rows_divide(x)
+    return x.new_empty((x.shape[0] // comm.world_size, *x.shape[1:]))
 
 
 def _sequence_parallel_setup(ctx, inputs, output):

@@ -457,7 +457,9 @@ class Communicator:
         allocation and the errors are ``all_reduce_add_rms_norm``'s; group: a power of two
         from 16 to 1024 dividing N. Every rank must pass the same mode and group (a
         mismatch raises ``CallMismatchError`` on every rank, as any other). A failed call
-        returns NaN in q (and in the scales it derives) and in residual_out.
+        returns NaN in q (e4m3's 0x7F) and in residual_out; the scales it derives are NaN or,
+        on GPUs where only the values carried the poison (the kernels over LL, Lamport and
+        row-wise words), the floor's (the maxima skip NaN there): q is what says it failed.
         """
         self._check_args(x, residual, weight, eps, weight_offset, norm=True)
         check_fp8_args(x, mode, scale, group)
@@ -573,18 +575,20 @@ class Communicator:
         message within ``max_bytes`` (ValueError otherwise). Errors as ``all_reduce``.
         Differentiable: the gradient is ``all_gather``'s of the output's."""
         self._check_args(x)
+        self._check_rows_divide(x)
+        return torch.ops.tpfuse.reduce_scatter(x, self.group_name)
+
+    def _check_rows_divide(self, x: torch.Tensor) -> None:
+        """x is [T, ..., N] with T a multiple of the world size (a reduce-scatter's input)."""
         if x.dim() < 2 or x.shape[0] % self.world_size:
             raise ValueError(f"x must be [T, ..., N] with T a multiple of the world size {self.world_size}; got "
                              f"shape {tuple(x.shape)}")
-        return torch.ops.tpfuse.reduce_scatter(x, self.group_name)
 
     def _check_sequence_parallel_args(self, x, residual, weight, eps, weight_offset) -> None:
         self._check_open()
         check_norm_args(residual, weight, eps, weight_offset)
         _runtime.check_float_tensor(x, "x")
-        if x.dim() < 2 or x.shape[0] % self.world_size:
-            raise ValueError(f"x must be [T, ..., N] with T a multiple of the world size {self.world_size}; got "
-                             f"shape {tuple(x.shape)}")
+        self._check_rows_divide(x)
         want = (x.shape[0] // self.world_size, *x.shape[1:])
         if tuple(residual.shape) != want:
             raise ValueError(f"residual has shape {tuple(residual.shape)}; this rank's slice of x {tuple(x.shape)} "
@@ -595,10 +599,12 @@ class Communicator:
         if x.device != self.device and self.world_size > 1:
             raise ValueError(f"x is on {x.device}, but this communicator serves {self.device}")
 
-    def _sequence_parallel_plan(self, x: torch.Tensor, rows_per_rank: int, op: str) -> SequenceParallelPlan:
+    def _sequence_parallel_plan(self, x: torch.Tensor, rows_per_rank: int, op: str, norm: str = "") -> SequenceParallelPlan:
+        """The call's plan, posted to the ledger as every rank must make it (``norm``: the
+        norm's arguments, which every rank must pass alike too)."""
         n = x.shape[-1]
         plan = SequenceParallelPlan.from_shape(rows_per_rank, n, x.dtype, self.layout, self.knobs)
-        self._post(f"{op} of {rows_per_rank * self.world_size} x {n} {_name(x.dtype)}: {plan.grid} CTAs")
+        self._post(f"{op} of {rows_per_rank * self.world_size} x {n} {_name(x.dtype)}{norm}: {plan.grid} CTAs")
         self._follow_last_call()
         return plan
 
@@ -614,7 +620,9 @@ class Communicator:
         if self.world_size == 1:
             rms_norm_fwd(x2, w, y, float(eps), float(weight_offset), res2, res_out)
         elif x.numel():
-            plan = self._sequence_parallel_plan(x, res2.shape[0], "reduce_scatter_add_rms_norm")
+            norm = (f", weight {None if weight is None else _name(weight.dtype)}, eps {eps!r}, weight_offset "
+                    f"{weight_offset!r}")
+            plan = self._sequence_parallel_plan(x, res2.shape[0], "reduce_scatter_add_rms_norm", norm)
             reduce_scatter_norm_into(x2, w, res2, y, res_out, float(eps), float(weight_offset), plan, self._peers)
             if _runtime.INTERPRETER:
                 self._check_usable()
@@ -625,6 +633,7 @@ class Communicator:
     def _reduce_scatter(self, x):
         """``torch.ops.tpfuse.reduce_scatter``'s implementation."""
         self._check_input(x)
+        self._check_rows_divide(x)
         n, rows = x.shape[-1], x.shape[0] // self.world_size
         out = torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device=x.device)
         if self.world_size == 1:

@@ -152,9 +152,10 @@ class Fp8Output:
 def quant_fp8_kernel(Y, Q, SCALE, S_OUT, N, s_stride_row, s_stride_group,
                      MODE: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr, HW_E4M3: tl.constexpr):
     """Row ``program_id`` of Y [M, N] into Q [M, N] (e4m3 bytes), in tiles of GROUPS x GROUP
-    columns: for MODE 2 (group) GROUP is the scale group, and each group's scale goes to
-    S_OUT at row * s_stride_row + group * s_stride_group; for MODE 1 (token) the row's scale
-    goes to S_OUT at row * s_stride_row; MODE 0 (tensor) reads its scale from SCALE."""
+    columns (MODE: ``MODE_IDS``): for MODE 3 (group) GROUP is the scale group, and each
+    group's scale goes to S_OUT at row * s_stride_row + group * s_stride_group; for MODE 2
+    (token) the row's scale goes to S_OUT at row * s_stride_row; MODE 1 (tensor) reads its
+    scale from SCALE."""
     row = tl.program_id(0).to(tl.int64)
     if MODE == 3:
         zero_scale_padding(S_OUT, tl.num_programs(0), s_stride_group, N, MODE, GROUP)

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tpfuse.comm.plan import SequenceParallelPlan
 from tpfuse.fp8_ops import quant_fp8
 from tpfuse.models.fp8 import Fp8Activation
 from tpfuse.norm_ops import add_rms_norm, rms_norm
@@ -175,6 +176,19 @@ class Boundary:
         rows = x.reshape(-1, x.shape[-1])
         share = rows.shape[0] // self.world_size
         return rows[self.comm.rank * share:(self.comm.rank + 1) * share]
+
+    def serves_sequence_parallel(self, x: Tensor) -> bool:
+        """Whether the sequence-parallel boundary serves x's rows ([..., hidden]): they divide
+        over the ranks and fit the communicator's workspace (``SequenceParallelPlan``)."""
+        n = x.shape[-1]
+        rows = x.numel() // n
+        if self.name != "fused" or self.world_size == 1 or rows % self.world_size:
+            return False
+        try:
+            SequenceParallelPlan.from_shape(rows // self.world_size, n, x.dtype, self.comm.layout, self.comm.knobs)
+        except ValueError:
+            return False
+        return True
 
     def sequence_parallel(self, partial: Tensor, residual: Tensor, weight: Tensor, eps: float, offset: float,
                           fp8: bool = False) -> tuple[Tensor, Tensor]:

@@ -108,7 +108,8 @@ class TPModel(nn.Module):
             sequence parallelism): each boundary a reduce-scatter + residual add + RMSNorm of
             the rank's rows and an all-gather (``Communicator.reduce_scatter_add_rms_norm``,
             ``all_gather``), where the prompt's B * T rows divide over the world size; decode
-            steps, and prompts whose rows do not divide, run the all-reduce boundary. The
+            steps, and prompts whose rows do not divide or exceed the communicator's
+            ``max_bytes``, run the all-reduce boundary. The
             logits have the bits of the model without it. boundary "fused" only, not invariant.
         fp8: the projections in e4m3 (``tpfuse.models.fp8``: weights scaled per output row
             when loaded, activations per token), the boundary quantizing its normed output
@@ -161,6 +162,8 @@ class TPModel(nn.Module):
         """Switch the layer boundary (drops captured decode graphs; collective on the group)."""
         if self.invariant:
             _check_invariant(self.config, self.shard.world_size, name, self.dtype)
+        if self.sequence_parallel and name != "fused":
+            raise ValueError(f"a sequence_parallel model runs boundary 'fused' only, got {name!r}")
         self.boundary = Boundary(name, self.comm)
         self._drop_session()
 
@@ -236,6 +239,8 @@ class TPModel(nn.Module):
         the Hugging Face tensor of that name; ``lm_head`` is [vocab, hidden]."""
         c, s, r = self.config, self.shard, self.shard.rank
         d = c.head_dim
+        if self.fp8 and self.layers[0].qkv_proj.dtype == torch.float8_e4m3fn:
+            raise RuntimeError("an fp8 model's weights are loaded once (from_hf or random): build a new model")
 
         def rows(t, n):  # rank r's block of n rows
             return t[r * n:(r + 1) * n]
@@ -374,7 +379,7 @@ class TPModel(nn.Module):
         if self.fp8:
             h = Fp8Activation(*quant_fp8(h, "token"))
         boundary = self.boundary
-        if self.sequence_parallel and pos is None and ids.numel() % self.shard.world_size == 0:
+        if self.sequence_parallel and pos is None and self.boundary.serves_sequence_parallel(residual):
             # Prefill with the residual stream split over the ranks: the same bits (docs/design.md 8).
             boundary, residual = self.boundary.sequence_parallel, self.boundary.rows_of_rank(residual)
         for i, layer in enumerate(self.layers):
