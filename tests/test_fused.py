@@ -439,6 +439,7 @@ def test_fused_inplace_shapes_strides_and_no_weight(world):
 FP8_SHAPES = [(1, 64), (3, 208), (2, 5120), (17, 256), (2, 20000), (1, 50000)]
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("world", [2])
 def test_fused_fp8_is_bitwise_equal_to_split(world):
     _assert_ok(run_ranks(world, _fused_fp8_vs_split, FP8_SHAPES, 7 * world, timeout_s=600))
