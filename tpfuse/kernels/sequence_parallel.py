@@ -44,6 +44,13 @@ OP_ALL_GATHER = tl.constexpr(8)
 _UNSPECIALISED = ["rows_per_rank", "has_residual", "rank", "timeout_ns", "scale_rows"]
 
 
+@triton.jit
+def _chunk(rows, c, n_rows, N, BLOCK_N: tl.constexpr):
+    """Column chunk c of the [ROWS] rows of a [n_rows, N] operand: (mask, element offsets)."""
+    ccols = c * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    return (rows < n_rows)[:, None] & (ccols < N), rows.to(tl.int64)[:, None] * N + ccols
+
+
 @triton.jit(do_not_specialize=_UNSPECIALISED)
 def reduce_scatter_norm_kernel(
     X, RES, W, Y, RES_OUT, Q, SCALES, scale_rows, rows_per_rank, N, eps, weight_offset, has_residual,
@@ -77,9 +84,7 @@ def reduce_scatter_norm_kernel(
                           NUM_CHUNKS, HAS_WEIGHT, WORLD, FP8, GROUP, HW_E4M3)
             else:
                 for c in range(NUM_CHUNKS):
-                    ccols = c * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-                    mask = (rows < rows_per_rank)[:, None] & (ccols < N)
-                    offs = rows.to(tl.int64)[:, None] * N + ccols
+                    mask, offs = _chunk(rows, c, rows_per_rank, N, BLOCK_N)
                     tl.store(Y + offs, round_to(sum_in_tree_order(slot0, slot_elems, offs, mask, WORLD), ELEM),
                              mask=mask)
     elif NORM:
@@ -100,13 +105,10 @@ def all_gather_kernel(
     ELEM: tl.constexpr = X.dtype.element_ty
     pid, grid, ctrl, status, epoch, data, n_tiles = begin_collective(local, status_addr, data_offset, data_bytes,
                                                                       rows_per_rank, ROWS)
-    cols = tl.arange(0, BLOCK_N)[None, :]
     for tile in range(pid, n_tiles, grid):
         rows = tile * ROWS + tl.arange(0, ROWS)
         for c in range(NUM_CHUNKS):
-            ccols = c * BLOCK_N + cols
-            mask = (rows < rows_per_rank)[:, None] & (ccols < N)
-            offs = rows.to(tl.int64)[:, None] * N + ccols
+            mask, offs = _chunk(rows, c, rows_per_rank, N, BLOCK_N)
             push_to_peers(table_ptr, data, tl.load(X + offs, mask=mask), rank * slot_elems + offs, mask, rank, WORLD,
                           True)
     signal(table_ptr, flags_offset + (pid * WORLD + rank) * 8, epoch, WORLD, PEERS)
@@ -115,13 +117,11 @@ def all_gather_kernel(
         for tile in range(pid, n_tiles, grid):
             rows = tile * ROWS + tl.arange(0, ROWS)
             for c in range(NUM_CHUNKS):
-                ccols = c * BLOCK_N + cols
-                mask = (rows < rows_per_rank)[:, None] & (ccols < N)
-                offs = rows.to(tl.int64)[:, None] * N + ccols
+                mask, offs = _chunk(rows, c, rows_per_rank, N, BLOCK_N)
                 for g in tl.static_range(WORLD):  # unrolled: the W slots' loads are in flight together
                     # written by peers: read through L2, as sum_in_tree_order reads
                     vals = tl.load(slot0 + g * slot_elems + offs, mask=mask, cache_modifier=".cg")
-                    tl.store(OUT + (g * rows_per_rank + rows).to(tl.int64)[:, None] * N + ccols, vals, mask=mask)
+                    tl.store(OUT + (g * rows_per_rank).to(tl.int64) * N + offs, vals, mask=mask)
     else:
         poison(OUT, WORLD * rows_per_rank * N)
     end_call(ctrl, epoch)
