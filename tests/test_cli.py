@@ -82,7 +82,6 @@ def test_the_module_runs_as_a_command_and_exits_zero_on_help():
     (["allreduce", "--max-bytes", "4096"], "| 4 KiB | auto | yes |"),
     (["allreduce", "--quant", "--dtype", "bf16"], "| 64 KiB | int4 | yes |"),
     (["fused", "--max-tokens", "1"], "| 1 x 4096 | auto | yes |"),
-    (["fused", "--quant", "tensor", "--max-tokens", "1"], "| 1 x 4096 | tensor | auto | yes |"),
     (["decode", "--batch", "1", "--steps", "2", "--boundaries", "fused,symm_mem"], "batch 1 fused compiled: logits bitwise"),
 ])
 def test_each_collective_benchmark_passes_its_cpu_check(argv, checked):

@@ -153,8 +153,8 @@ def _backward(seed, dtype):
     return failures
 
 
-@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.smoke), 4])
-def test_sequence_parallel_backward_matches_add_rms_norm_over_all_rows(world):
-    no_failures(run_ranks(world, _backward, 3, torch.bfloat16, timeout_s=600))
-    if world == 2:
-        no_failures(run_ranks(world, _backward, 4, torch.float32, timeout_s=600))
+@pytest.mark.smoke
+def test_sequence_parallel_backward_matches_add_rms_norm_over_all_rows():
+    """W=2 (the forward's tree order at W=4 is the test above's; the GPU suite runs every W)."""
+    no_failures(run_ranks(2, _backward, 3, torch.bfloat16, timeout_s=600))
+    no_failures(run_ranks(2, _backward, 4, torch.float32, timeout_s=600))

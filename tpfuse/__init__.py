@@ -9,13 +9,17 @@ Where to start:
 - ``tpfuse.rms_norm(x, weight)`` and ``tpfuse.add_rms_norm(x, residual, weight)``, or the
   module ``tpfuse.RMSNorm``: one GPU (or CPU), differentiable.
 - ``tpfuse.Communicator()``: every rank of a single-node process group makes one, then calls
-  ``comm.all_reduce(x)`` or the fused ``comm.all_reduce_add_rms_norm(x, residual, weight)``.
+  ``comm.all_reduce(x)`` or the fused ``comm.all_reduce_add_rms_norm(x, residual, weight)``
+  (``..._fp8``: its output quantized for an fp8 GEMM; ``reduce_scatter_add_rms_norm`` and
+  ``all_gather``: the sequence-parallel boundary, differentiable).
 - ``tpfuse.models.TPModel``: a tensor-parallel Llama-family model that uses them
-  (``TPModel.from_hf(hf_model, comm)``).
+  (``TPModel.from_hf(hf_model, comm)``; ``invariant=True``: the same logits at any batch and
+  TP size; ``sequence_parallel=True``, ``fp8=True``).
 - ``tpfuse.quant_fp8(y, mode)``: activations to fp8 (e4m3) for fp8 GEMMs, per tensor, token
   or group of 128.
 - ``tpfuse.reference``: the contract in plain torch.
-- On the command line: ``tpfuse bench`` (CPU checks without a GPU), ``tpfuse tune``.
+- On the command line: ``tpfuse bench`` (CPU checks without a GPU), ``tpfuse tune``,
+  ``tpfuse verify``.
 
 Without CUDA, the kernels run on CPU tensors under Triton's interpreter (set up on import).
 """
