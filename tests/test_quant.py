@@ -507,7 +507,7 @@ def test_quantized_all_reduce_special_groups(world):
     _assert_ok(run_ranks(world, _special_values))
 
 
-@pytest.mark.parametrize("world, calls", [(2, 60), (4, 20)])
+@pytest.mark.parametrize("world, calls", [(2, 40), (4, 14)])  # (2, 60), (4, 20) until 2026-11-28 (CI's budget)
 def test_quantized_changing_sizes_codecs_and_paths_without_barriers(world, calls):
     results = run_ranks(world, _changing_sizes, calls, world, 1 << 16, timeout_s=300)
     _assert_ok(results)
