@@ -22,6 +22,8 @@
 #        of LL_ABLATION_RUNS (default "base:16777216"), in that order, with LL_ABLATION_ARGS
 #        (e.g. --sizes 4096 1048576).
 #        bench_ab (2+ GPUs; not in "all"): see below.
+#        fp8_ab (2+ GPUs; not in "all"): scripts/fp8_epilogue_ab.py per variant of FP8_AB_VARIANTS (default
+#        all), then the norm kernel alone under ncu (the report, its details and its SASS with stalls).
 #        nvlink_probe (2+ GPUs; not in "all"): scripts/nvlink_probe.py, the copy engines' and
 #        SM kernels' rates between GPUs 0 and 1.
 #        AB_TREES (fused_ab, ll_ablation): the package trees to time side by side, each item
@@ -113,6 +115,18 @@ if want fused_ab && multi fused_ab && { [ "$ngpu" -ge "${FUSED_AB_WORLD:-2}" ] \
       done
     done
   done
+fi
+if want fp8_ab && multi fp8_ab; then
+  for variant in ${FP8_AB_VARIANTS:-base approx_reciprocal no_clamp truncate bytes_only}; do
+    run "fp8_ab_$variant" 150 torchrun --nproc-per-node 2 scripts/fp8_epilogue_ab.py --variant "$variant" --out "$OUT"
+  done
+  # The norm kernel alone, with and without the fp8 epilogue, through Nsight Compute's
+  # counters (instruction-level stalls; --clock-control none leaves the clocks alone).
+  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+  run fp8_ab_ncu 240 "$ncu" --clock-control none --set full --import-source yes -k regex:rms_norm_fwd_kernel \
+    --launch-skip 4 --launch-count 11 -f -o "$OUT/fp8_norm" python3 scripts/fp8_epilogue_ab.py --ncu
+  "$ncu" -i "$OUT/fp8_norm.ncu-rep" --page details > "$OUT/fp8_norm_details.txt" 2>&1
+  "$ncu" -i "$OUT/fp8_norm.ncu-rep" --page source --print-source sass --csv > "$OUT/fp8_norm_sass.csv" 2>&1
 fi
 if want ll_ablation && multi ll_ablation; then
   i=0
