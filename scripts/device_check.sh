@@ -23,7 +23,8 @@
 #        (e.g. --sizes 4096 1048576).
 #        bench_ab (2+ GPUs; not in "all"): see below.
 #        fp8_ab (2+ GPUs; not in "all"): scripts/fp8_epilogue_ab.py per variant of FP8_AB_VARIANTS (default
-#        all), then the norm kernel alone under ncu (the report, its details and its SASS with stalls).
+#        all); fp8_ab_ncu (not in "all"): the norm kernel alone under ncu, with and without the fp8
+#        output (the report, its details and its SASS with stalls).
 #        nvlink_probe (2+ GPUs; not in "all"): scripts/nvlink_probe.py, the copy engines' and
 #        SM kernels' rates between GPUs 0 and 1.
 #        AB_TREES (fused_ab, ll_ablation): the package trees to time side by side, each item
@@ -120,6 +121,8 @@ if want fp8_ab && multi fp8_ab; then
   for variant in ${FP8_AB_VARIANTS:-base approx_reciprocal no_clamp truncate bytes_only}; do
     run "fp8_ab_$variant" 150 torchrun --nproc-per-node 2 scripts/fp8_epilogue_ab.py --variant "$variant" --out "$OUT"
   done
+fi
+if want fp8_ab_ncu; then
   # The norm kernel alone, with and without the fp8 epilogue, through Nsight Compute's
   # counters (instruction-level stalls; --clock-control none leaves the clocks alone).
   ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)

@@ -25,6 +25,21 @@ def round_to(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def round_to_bf16_f32(x):
+    """``to_f32(round_to(x, tl.bfloat16))`` for fp32 x: rounded to bf16 and widened again,
+    where the rounded value is only used widened (an fp8 output quantizes y's rounded value).
+    Written as that, it compiles to a conversion per value (F2F.BF16.F32, a quarter-rate
+    instruction) and a shift back; here a packed conversion (cvt.rn.bf16x2.f32, the same
+    rounding) takes two values at a time and two integer operations widen them: 1 token of
+    4096 on one H200, the fp8 output's extra time over y's (benchmarks/NOTES.md)."""
+    if _INTERPRETER:
+        return to_f32(round_to(x, tl.bfloat16))
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t; cvt.rn.bf16x2.f32 t, $3, $2; shl.b32 $0, t, 16; and.b32 $1, t, 0xffff0000; }",
+        "=r,=r,r,r", [x], dtype=tl.float32, is_pure=True, pack=2)
+
+
+@triton.jit
 def prefetch_l2(ptrs):
     """Ask L2 for the lines holding ``ptrs`` (``prefetch.global.L2``): a hint, no result.
     Addresses must be valid. The interpreter has no cache, so there it does nothing."""

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from tpfuse.kernels.peer import sum_in_tree_order
-from tpfuse.kernels.common import EXACT_FP, TRITON_DIVISIBILITY, round_to, to_f32
+from tpfuse.kernels.common import EXACT_FP, TRITON_DIVISIBILITY, round_to, round_to_bf16_f32, to_f32
 from tpfuse.kernels.quant_fp8 import Fp8Output, fp8_scale, row_amax, store_fp8_tile, zero_scale_padding
 
 # A row of up to 16384 elements is held in registers and read from memory once (fp32 rows of
@@ -293,7 +293,10 @@ def store_normed(x, inv, W, Y, row_offs, cols, mask, N, weight_offset, HAS_WEIGH
 @triton.jit
 def rounded_normed(x, inv, W, cols, N, weight_offset, HAS_WEIGHT: tl.constexpr, ELEM: tl.constexpr):
     """``normed`` rounded to ELEM (y's dtype) and widened again: the y an fp8 output quantizes."""
-    return to_f32(round_to(normed(x, inv, W, cols, N, weight_offset, HAS_WEIGHT), ELEM))
+    y = normed(x, inv, W, cols, N, weight_offset, HAS_WEIGHT)
+    if ELEM == tl.bfloat16:
+        return round_to_bf16_f32(y)
+    return to_f32(round_to(y, ELEM))
 
 
 @triton.jit

@@ -57,10 +57,13 @@ def fp8_reciprocal(s):
 @triton.jit
 def _quantize(y, inv, HW_E4M3: tl.constexpr):
     """y * inv (inv = ``fp8_reciprocal(s)``) saturated at +-448, as e4m3 bytes; a NaN stays NaN
-    (the poison of a failed collective must not come out as numbers)."""
+    (the poison of a failed collective must not come out as numbers). The hardware conversion
+    saturates by itself (``cvt.rn.satfinite``: out-of-range values and infinities to +-448, NaN
+    to NaN), so the clamp, two instructions per value, is only the software path's."""
     v = y * inv
-    v = tl.minimum(tl.maximum(v, -_FP8_MAX, propagate_nan=tl.PropagateNan.ALL), _FP8_MAX,
-                   propagate_nan=tl.PropagateNan.ALL)
+    if not HW_E4M3:
+        v = tl.minimum(tl.maximum(v, -_FP8_MAX, propagate_nan=tl.PropagateNan.ALL), _FP8_MAX,
+                       propagate_nan=tl.PropagateNan.ALL)
     return _e4m3_bits(v, HW_E4M3)
 
 
