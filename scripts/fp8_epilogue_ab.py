@@ -5,6 +5,10 @@ without the fp8 epilogue, and the epilogue with one of its parts swapped out, ti
     torchrun --nproc-per-node 2 scripts/fp8_epilogue_ab.py --variant base --out DIR
     ncu ... python scripts/fp8_epilogue_ab.py --ncu   (one GPU: the norm kernel alone, eager)
 
+With --profile, each method's graph of 20 calls at 1 token is replayed under torch.profiler
+instead, and rank 0 lists the kernels it ran per call and their mean GPU time: what of a
+call's replayed time is the kernel's own.
+
 One variant per process (Triton refuses a kernel whose globals changed after it compiled):
   base              the kernels as they are (every fp8 output checked against split's bits);
   approx_reciprocal fp8_reciprocal is Triton's approximate ``1.0 / s``, not ``div_rn``;
@@ -100,11 +104,33 @@ def _ncu():
         torch.cuda.nvtx.range_pop()
 
 
+def _profile(fn, rot) -> list[dict]:
+    """Kernels per call of ``fn`` replayed in a graph of 20 calls, with their mean GPU time."""
+    for i in range(3):
+        fn(i % rot)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        for i in range(20):
+            fn(i % rot)
+    dist.barrier()
+    graph.replay()
+    torch.cuda.synchronize()
+    replays = 50
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    return [{"kernel": e.key[:60], "per_call": e.count / (20 * replays), "us": round(e.device_time, 2)}
+            for e in prof.key_averages() if e.device_time > 0 and e.count >= replays]
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--variant", choices=VARIANTS, default="base")
     p.add_argument("--out", default=".")
     p.add_argument("--ncu", action="store_true", help="one GPU, eager norm calls only (see the docstring)")
+    p.add_argument("--profile", action="store_true", help="kernels per call under torch.profiler (1 token)")
     opts = p.parse_args()
     if VARIANTS[opts.variant] is not None:
         module, name, fn = VARIANTS[opts.variant]
@@ -130,6 +156,14 @@ def main():
                                                                   scale=scale if mode == "tensor" else None)
             methods = {"fused": lambda i: comm.all_reduce_add_rms_norm(*pool[i], weight, EPS),
                        **{mode: fp8(mode) for mode in MODES}}
+            if opts.profile:
+                if tokens == 1:
+                    for method, fn in {**methods, **_norm_methods(residual, weight, scale)}.items():
+                        rows.append({"variant": opts.variant, "method": method, "tokens": tokens, "hidden": hidden,
+                                     "kernels": _profile(fn, rot)})
+                        if rank == 0:
+                            print(json.dumps(rows[-1]), flush=True)
+                continue
             y, _ = tpfuse.add_rms_norm(comm.all_reduce(x), residual, weight, EPS)
             for method, fn in methods.items():
                 exact = None
@@ -144,7 +178,7 @@ def main():
             if rank == 0:
                 print(json.dumps([r for r in rows if r["tokens"] == tokens and r["hidden"] == hidden]), flush=True)
     if rank == 0:
-        with open(os.path.join(opts.out, f"fp8_epilogue_ab_{opts.variant}.json"), "w") as f:
+        with open(os.path.join(opts.out, f"fp8_epilogue_ab_{opts.variant}{'_profile' if opts.profile else ''}.json"), "w") as f:
             json.dump(dict(header=run_header(), records=rows), f, indent=1)
     dist.destroy_process_group()
 
