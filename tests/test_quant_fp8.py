@@ -7,10 +7,13 @@ e4m3 rounding is the hardware conversion)."""
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import tpfuse
 from tests.conftest import DEVICE, ON_GPU
 from tpfuse import reference
+from tpfuse.kernels.common import round_to_bf16_f32
 from tpfuse.kernels.quant_fp8 import quant_fp8_into
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -65,6 +68,31 @@ def test_saturation_ties_and_zeros():
     for mode in ("token", "group"):
         q, s = _check(z, mode)
         assert torch.all(s == torch.tensor(1e-10) / 448.0) and not _bytes(q).any()
+
+
+@triton.jit
+def _round_kernel(X, Y, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(Y + offs, round_to_bf16_f32(tl.load(X + offs)))
+
+
+def test_y_rounded_in_pairs_is_the_cast():
+    # The fp8 output quantizes y rounded to bf16 (round_to_bf16_f32: on GPUs, two values per
+    # cvt.rn.bf16x2.f32): the same bits as torch's cast and widening, in either position of
+    # a pair, for ties to even, values that round up into the next binade or to infinity,
+    # subnormals, signed zeros and infinities; NaN stays NaN.
+    special = [1 + 2.0**-8, 1 + 3 * 2.0**-8, -(1 + 2.0**-8), 2.0 - 2.0**-9, 3.3961e38, -3.4e38, 2.0**-130,
+               3 * 2.0**-134, -(2.0**-149), 2.0**-127 * (1 + 2.0**-8), 0.0, -0.0, float("inf"), float("-inf"),
+               float("nan"), 448.0]
+    g = torch.Generator().manual_seed(3)
+    x = torch.cat([torch.tensor(special + special[::-1]), torch.randn(1024 - 2 * len(special), generator=g)])
+    x = x.to(DEVICE)
+    y = torch.full_like(x, 7.0)
+    _round_kernel[(1,)](x, y, BLOCK=1024)
+    want = x.to(torch.bfloat16).float()
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(y), nan)
+    assert torch.equal(y[~nan].view(torch.int32), want[~nan].view(torch.int32))
 
 
 def test_dynamic_scales_are_the_correctly_rounded_quotient():
