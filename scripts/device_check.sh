@@ -118,7 +118,7 @@ if want fused_ab && multi fused_ab && { [ "$ngpu" -ge "${FUSED_AB_WORLD:-2}" ] \
   done
 fi
 if want fp8_ab && multi fp8_ab; then
-  for variant in ${FP8_AB_VARIANTS:-base approx_reciprocal no_clamp truncate bytes_only}; do
+  for variant in ${FP8_AB_VARIANTS:-base approx_reciprocal truncate bytes_only}; do
     run "fp8_ab_$variant" 150 torchrun --nproc-per-node 2 scripts/fp8_epilogue_ab.py --variant "$variant" --out "$OUT"
   done
 fi
@@ -126,10 +126,14 @@ if want fp8_ab_ncu; then
   # The norm kernel alone, with and without the fp8 epilogue, through Nsight Compute's
   # counters (instruction-level stalls; --clock-control none leaves the clocks alone).
   ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
-  run fp8_ab_ncu 240 "$ncu" --clock-control none --set full --import-source yes -k regex:rms_norm_fwd_kernel \
-    --launch-skip 4 --launch-count 11 -f -o "$OUT/fp8_norm" python3 scripts/fp8_epilogue_ab.py --ncu
-  "$ncu" -i "$OUT/fp8_norm.ncu-rep" --page details > "$OUT/fp8_norm_details.txt" 2>&1
-  "$ncu" -i "$OUT/fp8_norm.ncu-rep" --page source --print-source sass --csv > "$OUT/fp8_norm_sass.csv" 2>&1
+  if [ -z "$ncu" ]; then
+    echo "== fp8_ab_ncu: no ncu on this machine"; status=1
+  else
+    run fp8_ab_ncu 240 "$ncu" --clock-control none --set full --import-source yes -k regex:rms_norm_fwd_kernel \
+      --launch-skip 4 --launch-count 11 -f -o "$OUT/fp8_norm" python3 scripts/fp8_epilogue_ab.py --ncu
+    "$ncu" -i "$OUT/fp8_norm.ncu-rep" --page details > "$OUT/fp8_norm_details.txt" 2>&1
+    "$ncu" -i "$OUT/fp8_norm.ncu-rep" --page source --print-source sass --csv > "$OUT/fp8_norm_sass.csv" 2>&1
+  fi
 fi
 if want ll_ablation && multi ll_ablation; then
   i=0

@@ -12,7 +12,8 @@ call's replayed time is the kernel's own.
 One variant per process (Triton refuses a kernel whose globals changed after it compiled):
   base              the kernels as they are (every fp8 output checked against split's bits);
   approx_reciprocal fp8_reciprocal is Triton's approximate ``1.0 / s``, not ``div_rn``;
-  no_clamp          _quantize without the saturation at +-448;
+  no_clamp          _quantize without the saturation at +-448 (measured at 200a52e; since
+                    a023c46 the hardware path has no clamp, and this is base there);
   truncate          _e4m3_bits is the fp32's top byte, not the conversion to e4m3;
   bytes_only        store_fp8_tile stores the top byte of y's fp32 bits and nothing else: no
                     scale, reciprocal, clamp, conversion or scale store.

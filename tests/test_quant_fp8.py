@@ -73,14 +73,16 @@ def test_saturation_ties_and_zeros():
 @triton.jit
 def _round_kernel(X, Y, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
-    tl.store(Y + offs, round_to_bf16_f32(tl.load(X + offs)))
+    tl.store(Y + offs, round_to_bf16_f32(tl.load(X + offs), True))
 
 
 def test_y_rounded_in_pairs_is_the_cast():
     # The fp8 output quantizes y rounded to bf16 (round_to_bf16_f32: on GPUs, two values per
     # cvt.rn.bf16x2.f32): the same bits as torch's cast and widening, in either position of
-    # a pair, for ties to even, values that round up into the next binade or to infinity,
-    # subnormals, signed zeros and infinities; NaN stays NaN.
+    # a pair (pairs are consecutive elements; each special value sits at an even and at an odd
+    # index), for ties to even, values that round up into the next binade, to bf16's largest
+    # value (3.3961e38) or to infinity (-3.4e38), subnormals, signed zeros and infinities; NaN
+    # stays NaN.
     special = [1 + 2.0**-8, 1 + 3 * 2.0**-8, -(1 + 2.0**-8), 2.0 - 2.0**-9, 3.3961e38, -3.4e38, 2.0**-130,
                3 * 2.0**-134, -(2.0**-149), 2.0**-127 * (1 + 2.0**-8), 0.0, -0.0, float("inf"), float("-inf"),
                float("nan"), 448.0]

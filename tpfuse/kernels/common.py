@@ -25,14 +25,16 @@ def round_to(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def round_to_bf16_f32(x):
+def round_to_bf16_f32(x, PACKED: tl.constexpr):
     """``to_f32(round_to(x, tl.bfloat16))`` for fp32 x: rounded to bf16 and widened again,
     where the rounded value is only used widened (an fp8 output quantizes y's rounded value).
     Written as that, it compiles to a conversion per value (F2F.BF16.F32, a quarter-rate
-    instruction) and a shift back; here a packed conversion (cvt.rn.bf16x2.f32, the same
-    rounding) takes two values at a time and two integer operations widen them: 1 token of
-    4096 on one H200, the fp8 output's extra time over y's (benchmarks/NOTES.md)."""
-    if _INTERPRETER:
+    instruction) and a shift back; with PACKED (a GPU of sm_80 or newer) a packed conversion
+    (cvt.rn.bf16x2.f32, the same rounding) takes two values at a time and two integer
+    operations widen them. On one H200 that cut the fp8 output's cost in the norm kernel at
+    1 x 4096 from 0.26 to 0.13 us a call (benchmarks/NOTES.md, 2026-11-28 seventh session)."""
+    tl.static_assert(x.dtype == tl.float32, "round_to_bf16_f32 takes fp32 values (two registers per pair)")
+    if _INTERPRETER or not PACKED:
         return to_f32(round_to(x, tl.bfloat16))
     return tl.inline_asm_elementwise(
         "{ .reg .b32 t; cvt.rn.bf16x2.f32 t, $3, $2; shl.b32 $0, t, 16; and.b32 $1, t, 0xffff0000; }",

@@ -311,7 +311,7 @@ def rows_oneshot_all_reduce_norm_kernel(
     xf = to_f32(x)
     inv = row_inv_rms(xf * xf, N, eps)
     if FP8 == 2:  # from the whole tile, which every CTA of it holds
-        row_scale = fp8_scale(output_amax(xf, inv, W, cols, mask, N, weight_offset, HAS_WEIGHT, ELEM))
+        row_scale = fp8_scale(output_amax(xf, inv, W, cols, mask, N, weight_offset, HAS_WEIGHT, ELEM, HW_E4M3))
     # Every CTA of the tile stores the tile's scales: the same values, from the same rows.
     store_output(xf, inv, row_scale, W, Y, Q, SCALES, scale_rows, rows, row_offs, 0, cols, mine, rows < n_rows, N,
                  weight_offset, HAS_WEIGHT, "", FP8, GROUP, HW_E4M3)

@@ -291,11 +291,13 @@ def store_normed(x, inv, W, Y, row_offs, cols, mask, N, weight_offset, HAS_WEIGH
 
 
 @triton.jit
-def rounded_normed(x, inv, W, cols, N, weight_offset, HAS_WEIGHT: tl.constexpr, ELEM: tl.constexpr):
-    """``normed`` rounded to ELEM (y's dtype) and widened again: the y an fp8 output quantizes."""
+def rounded_normed(x, inv, W, cols, N, weight_offset, HAS_WEIGHT: tl.constexpr, ELEM: tl.constexpr,
+                   HW_E4M3: tl.constexpr):
+    """``normed`` rounded to ELEM (y's dtype) and widened again: the y an fp8 output quantizes
+    (bf16 in packed pairs on GPUs with the hardware e4m3 conversion, sm_89 and newer)."""
     y = normed(x, inv, W, cols, N, weight_offset, HAS_WEIGHT)
     if ELEM == tl.bfloat16:
-        return round_to_bf16_f32(y)
+        return round_to_bf16_f32(y, HW_E4M3)
     return to_f32(round_to(y, ELEM))
 
 
@@ -308,15 +310,16 @@ def store_output(x, inv, row_scale, W, Y, Q, SCALES, scale_rows, rows, row_offs,
     if FP8 == 0:
         store_normed(x, inv, W, Y, row_offs, cols, mask, N, weight_offset, HAS_WEIGHT, CACHE)
     else:
-        y = rounded_normed(x, inv, W, cols, N, weight_offset, HAS_WEIGHT, Y.dtype.element_ty)
+        y = rounded_normed(x, inv, W, cols, N, weight_offset, HAS_WEIGHT, Y.dtype.element_ty, HW_E4M3)
         store_fp8_tile(y, row_scale, Q, SCALES, scale_rows, rows, row_offs, col0, cols, mask, row_mask, N, FP8, GROUP,
                        HW_E4M3, 128 // Y.dtype.element_ty.primitive_bitwidth)
 
 
 @triton.jit
-def output_amax(x, inv, W, cols, mask, N, weight_offset, HAS_WEIGHT: tl.constexpr, ELEM: tl.constexpr):
+def output_amax(x, inv, W, cols, mask, N, weight_offset, HAS_WEIGHT: tl.constexpr, ELEM: tl.constexpr,
+                HW_E4M3: tl.constexpr):
     """[ROWS]: max |y| of the rounded output over the tile's lanes in mask (for FP8 == 2)."""
-    return row_amax(rounded_normed(x, inv, W, cols, N, weight_offset, HAS_WEIGHT, ELEM), mask)
+    return row_amax(rounded_normed(x, inv, W, cols, N, weight_offset, HAS_WEIGHT, ELEM, HW_E4M3), mask)
 
 
 @triton.jit
@@ -359,9 +362,9 @@ def norm_tile(SRC, src_rows, slot_elems, RES, W, Y, RES_OUT, rows, row_mask, N, 
                                      has_residual, store_out, SLOTS, ""))
         inv = inv_rms(tl.sum(x * x, axis=1) + tl.sum(xt * xt, axis=1), N, eps)
         if FP8 == 2:
-            row_scale = fp8_scale(tl.maximum(output_amax(x, inv, W, cols, mask, N, weight_offset, HAS_WEIGHT, ELEM),
-                                             output_amax(xt, inv, W, tcols, tmask, N, weight_offset, HAS_WEIGHT,
-                                                         ELEM)))
+            row_scale = fp8_scale(tl.maximum(
+                output_amax(x, inv, W, cols, mask, N, weight_offset, HAS_WEIGHT, ELEM, HW_E4M3),
+                output_amax(xt, inv, W, tcols, tmask, N, weight_offset, HAS_WEIGHT, ELEM, HW_E4M3)))
         store_output(x, inv, row_scale, W, Y, Q, SCALES, scale_rows, rows, row_offs, 0, cols, mask, row_mask, N,
                      weight_offset, HAS_WEIGHT, "", FP8, GROUP, HW_E4M3)
         store_output(xt, inv, row_scale, W, Y, Q, SCALES, scale_rows, rows, row_offs, BLOCK_N // 2, tcols, tmask,
@@ -379,7 +382,7 @@ def norm_tile(SRC, src_rows, slot_elems, RES, W, Y, RES_OUT, rows, row_mask, N, 
         if HOLD_NARROW:
             xf = widen_again(x)
         if FP8 == 2:
-            row_scale = fp8_scale(output_amax(xf, inv, W, cols, mask, N, weight_offset, HAS_WEIGHT, ELEM))
+            row_scale = fp8_scale(output_amax(xf, inv, W, cols, mask, N, weight_offset, HAS_WEIGHT, ELEM, HW_E4M3))
         store_output(xf, inv, row_scale, W, Y, Q, SCALES, scale_rows, rows, row_offs, 0, cols, mask, row_mask, N,
                      weight_offset, HAS_WEIGHT, "", FP8, GROUP, HW_E4M3)
     else:
@@ -407,7 +410,8 @@ def norm_tile(SRC, src_rows, slot_elems, RES, W, Y, RES_OUT, rows, row_mask, N, 
                 mask = row_mask[:, None] & (ccols < N)
                 x = _chunk_again(SRC, src_offs, slot_elems, RES, RES_OUT, row_offs, ccols, mask, has_residual,
                                  store_out, SLOTS, KEEP)
-                amax = tl.maximum(amax, output_amax(x, inv, W, ccols, mask, N, weight_offset, HAS_WEIGHT, ELEM))
+                amax = tl.maximum(amax, output_amax(x, inv, W, ccols, mask, N, weight_offset, HAS_WEIGHT, ELEM,
+                                                    HW_E4M3))
             row_scale = fp8_scale(amax)
         for c in range(NUM_CHUNKS):
             ccols = c * BLOCK_N + cols

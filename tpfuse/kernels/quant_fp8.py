@@ -33,7 +33,9 @@ _AMAX_FLOOR = tl.constexpr(1e-10)
 
 @triton.jit
 def _e4m3_bits(v, HW_E4M3: tl.constexpr):
-    """fp32 v (|v| <= 448, or NaN) -> the e4m3fn byte (uint8) torch's cast gives (NaN: 0x7F)."""
+    """fp32 v -> the e4m3fn byte (uint8) torch's cast gives, NaN to a NaN byte. The software
+    path takes |v| <= 448 or NaN (``_quantize`` clamps first; NaN comes out 0x7F); the
+    hardware conversion saturates any v at +-448 itself."""
     if HW_E4M3:
         return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     sign = tl.where(v.to(tl.int32, bitcast=True) < 0, 0x80, 0)
