@@ -33,10 +33,11 @@ from tpfuse.kernels.codecs import dequantize, quantize
 from tpfuse.linear_ops import invariant_matmul
 from tpfuse.nn import RMSNorm
 from tpfuse.norm_ops import add_rms_norm, rms_norm
+from tpfuse.rope_ops import rope_and_cache
 from tpfuse.sampling_ops import sample, token_log_probs
 
 __all__ = ["rms_norm", "add_rms_norm", "RMSNorm", "Communicator", "CommError", "CommTimeoutError",
            "CallMismatchError", "reference",
-           "quantize", "dequantize", "quant_fp8", "invariant_matmul", "invariant_attention",
+           "quantize", "dequantize", "quant_fp8", "invariant_matmul", "invariant_attention", "rope_and_cache",
            "token_log_probs", "sample"]
 __version__ = "0.1.0"

@@ -362,6 +362,26 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Te
     return torch.softmax(scores.masked_fill(keys > positions, float("-inf")), dim=-1) @ vd
 
 
+def rope_and_cache(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's rotate-half rotary embedding, op for op in qk's dtype, of the query and
+    key heads of qk [B, T, H + Hkv, D], token t of sequence b at position start[b] + t (rows
+    of the [P, D] tables cos and sin); the rotated keys and v [B, T, Hkv, D] written into
+    k_cache and v_cache [B, Hkv, S, D] at those positions; returns the rotated queries [B, H,
+    T, D]. ``tpfuse.rope_and_cache`` gives these bits: each product and the sum rounded to
+    the dtype once, as torch's elementwise ops round them."""
+    b, t, _, d = qk.shape
+    n_kv = v.shape[2]
+    pos = start.to(torch.int64)[:, None] + torch.arange(t, device=qk.device)  # [B, T]
+    c, s = cos[pos][:, :, None], sin[pos][:, :, None]  # [B, T, 1, D]
+    rotated = torch.cat((-qk[..., d // 2:], qk[..., :d // 2]), dim=-1)
+    out = qk * c + rotated * s
+    rows = torch.arange(b, device=qk.device)[:, None]
+    k_cache[rows, :, pos] = out[:, :, -n_kv:]  # [B, T, Hkv, D] at (b, :, pos[b, t])
+    v_cache[rows, :, pos] = v
+    return out[:, :, :-n_kv].transpose(1, 2).contiguous()
+
+
 def token_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """log softmax(logits)[target] per row in float64 (logits [N, V], targets [N]): what
     ``tpfuse.token_log_probs`` approximates in fp32, held to an absolute error budget. Its bits

@@ -40,6 +40,7 @@ from tpfuse.fp8_ops import quant_fp8
 from tpfuse.models.boundary import Boundary
 from tpfuse.models.config import ModelConfig
 from tpfuse.models.fp8 import PROJECTIONS, Fp8Activation, fp8_linear, quantize_weight
+from tpfuse.rope_ops import rope_and_cache
 from tpfuse.sampling_ops import sample, token_log_probs
 
 Tensor = torch.Tensor
@@ -293,12 +294,14 @@ class TPModel(nn.Module):
             h = h * torch.tensor(self.config.hidden_size ** 0.5, dtype=h.dtype)
         return h
 
-    def _attention(self, layer: DecoderLayer, h: Tensor, cos: Tensor, sin: Tensor, cache, pos, mask) -> Tensor:
-        """Attention's partial sum for this rank's heads. Prefill (pos None): causal over h's
-        own tokens, written into ``cache`` ([B, kv_heads, S, head_dim] k and v) when given.
-        Decode (pos: [B] int64, each sequence's position; h: [B, 1, hidden]; mask: [B, 1, 1, S]
-        bool, each sequence's positions up to its pos): writes k, v at pos and attends to the
-        cache under the mask."""
+    def _attention(self, layer: DecoderLayer, h: Tensor, cos: Tensor, sin: Tensor, cache, pos, mask,
+                   start: Tensor) -> Tensor:
+        """Attention's partial sum for this rank's heads; cos and sin: the rope tables, row p for
+        position p. Prefill (pos None): causal over h's own tokens (positions from 0), written
+        into ``cache`` ([B, kv_heads, S, head_dim] k and v) when given. Decode (pos: [B] int64,
+        each sequence's position; h: [B, 1, hidden]; mask: [B, 1, 1, S] bool, each sequence's
+        positions up to its pos): writes k, v at pos and attends to the cache under the mask.
+        start: [B], pos or (prefill) zeros."""
         c, s = self.config, self.shard
         b, t, _ = h.shape
         d = c.head_dim
@@ -307,32 +310,21 @@ class TPModel(nn.Module):
         if layer.q_norm is not None:
             qk = torch.cat([self.boundary.rms_norm(qk[:, :, :s.heads], layer.q_norm, c.rms_norm_eps, 0.0),
                             self.boundary.rms_norm(qk[:, :, s.heads:], layer.k_norm, c.rms_norm_eps, 0.0)], dim=2)
-        # q and k rotated together: the same elementwise ops, half the kernels.
-        qk = _apply_rope(qk.transpose(1, 2), cos, sin)
-        q, k, v = qk[:, :s.heads], qk[:, s.heads:], v.transpose(1, 2)
+        # q and k rotated and k, v written at their positions, in one kernel (torch's ops' bits).
+        keys, values = cache if cache is not None else (qk.new_empty(b, s.kv_heads, t, d) for _ in range(2))
+        q = rope_and_cache(qk, v, cos, sin, start, keys, values)
         scale = d ** -0.5
-        if pos is None:
-            if cache is not None:
-                cache[0][:, :, :t] = k
-                cache[1][:, :, :t] = v
-            if self.invariant:  # over the cache, as the decode steps: the same bits at each position
-                keys, values = cache if cache is not None else (k, v)
-                o = invariant_attention(q, keys, values, torch.zeros(b, dtype=torch.int32, device=q.device), scale)
-            else:
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                                   enable_gqa=s.heads != s.kv_heads)
+        if self.invariant:  # over the cache in prefill too, as the decode steps: the same bits at each position
+            o = invariant_attention(q, keys, values, start, scale)
+        elif pos is None:
+            o = F.scaled_dot_product_attention(q, keys[:, :, :t], values[:, :, :t], is_causal=True, scale=scale,
+                                               enable_gqa=s.heads != s.kv_heads)
         else:
-            rows = torch.arange(b, device=q.device)
-            cache[0][rows, :, pos] = k[:, :, 0]
-            cache[1][rows, :, pos] = v[:, :, 0]
-            if self.invariant:
-                o = invariant_attention(q, cache[0], cache[1], pos.to(torch.int32), scale)
-            else:
-                # One query token: each kv head's query heads become its "query rows", so the
-                # cache is read once per kv head, with no expansion to every query head.
-                group = s.heads // s.kv_heads
-                o = F.scaled_dot_product_attention(q.reshape(b, s.kv_heads, group, d), cache[0], cache[1],
-                                                   attn_mask=mask, scale=scale)
+            # One query token: each kv head's query heads become its "query rows", so the
+            # cache is read once per kv head, with no expansion to every query head.
+            group = s.heads // s.kv_heads
+            o = F.scaled_dot_product_attention(q.reshape(b, s.kv_heads, group, d), keys, values, attn_mask=mask,
+                                               scale=scale)
         o = o.reshape(b, s.heads, t, d).transpose(1, 2).reshape(b, t, s.heads * d)
         return self._project(o, layer, "o_proj")
 
@@ -374,6 +366,7 @@ class TPModel(nn.Module):
         mask = None
         if pos is not None:  # decode: each sequence's cache positions up to its pos, for every layer
             mask = (torch.arange(caches[0][0].shape[2], device=ids.device) <= pos[:, None]).view(len(pos), 1, 1, -1)
+        start = pos if pos is not None else torch.zeros(ids.shape[0], dtype=torch.int64, device=ids.device)
         residual = self._embed(ids)
         h = self.boundary.rms_norm(residual, self.layers[0].input_norm, eps, offset)
         if self.fp8:
@@ -384,7 +377,7 @@ class TPModel(nn.Module):
             boundary, residual = self.boundary.sequence_parallel, self.boundary.rows_of_rank(residual)
         for i, layer in enumerate(self.layers):
             cache = None if caches is None else caches[i]
-            partial = self._attention(layer, h, cos, sin, cache, pos, mask)
+            partial = self._attention(layer, h, cos, sin, cache, pos, mask, start)
             last = i + 1 == len(self.layers)
             # fp8: every boundary feeds an fp8 GEMM but the last one (the bf16 LM head)
             h, residual = boundary(partial, residual, layer.post_attention_norm, eps, offset, fp8=self.fp8)
@@ -534,13 +527,6 @@ def _check_invariant(config: ModelConfig, world: int, boundary: str, dtype: torc
                              f"{world} ranks (TP sizes dividing {chunks} keep the bits)")
 
 
-def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Hugging Face's rotate-half rotary embedding, op for op (x: [B, H, T, D]; cos, sin: [T, D])."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 class DecodeSession:
     """Greedy decode state of a ``TPModel``: the KV cache ([B, kv_heads, seq_len, head_dim]
     per layer, zero-initialised) and the decode step, captured as a CUDA graph when
@@ -577,8 +563,7 @@ class DecodeSession:
 
     def _eager_step(self, tokens: Tensor, pos: Tensor) -> Tensor:
         m = self.model
-        cos, sin = self.cos[pos][:, None, None], self.sin[pos][:, None, None]  # [B, 1, 1, D]: per sequence
-        h = m._hidden(tokens[:, None], cos, sin, self.caches, pos)
+        h = m._hidden(tokens[:, None], self.cos, self.sin, self.caches, pos)  # the rope rows of each pos
         return m._logits(h[:, 0])
 
     def _capture(self) -> torch.cuda.CUDAGraph:
