@@ -70,14 +70,39 @@ def test_matches_the_models_torch_ops():
     assert torch.equal(v_cache[rows, :, start], v[:, 0])
 
 
+def test_signed_zeros_special_values_and_any_start():
+    # A zero's sign as torch's ops give it (the rotated half negates the partner: -(+0) is
+    # -0), infinities, NaN and subnormals; start as int32 and as a strided view.
+    qk, v, cos, sin, _, (k_cache, v_cache, k_want, v_want) = _case((2, 2, 2, 1, 8, 6), torch.bfloat16, True, 5)
+    # Column d's partner is d + 4 mod 8: -0 beside +0 gives -0 * 1 + -(+0) * 1 = -0.
+    special = torch.tensor([-0.0, 0.0, float("inf"), 1e-40, 0.0, -0.0, float("nan"), -1e-40])
+    qk = qk.clone()
+    qk[0, 0, 0] = special.to(qk.dtype)
+    qk[1, 1, 1] = special.flip(0).to(qk.dtype)
+    cos.fill_(1.0)
+    sin.fill_(1.0)
+    k_want.copy_(k_cache)
+    v_want.copy_(v_cache)
+    for start in (torch.tensor([1, 3], dtype=torch.int32, device=DEVICE),
+                  torch.tensor([[1, 9], [3, 9]], device=DEVICE)[:, 0]):
+        q = tpfuse.rope_and_cache(qk, v, cos, sin, start, k_cache, v_cache)
+        q_want = reference.rope_and_cache(qk, v, cos, sin, start, k_want, v_want)
+        for got, want in ((q, q_want), (k_cache, k_want), (v_cache, v_want)):
+            assert torch.equal(got.isnan(), want.isnan())
+            assert torch.equal(got[~got.isnan()].view(torch.int16), want[~want.isnan()].view(torch.int16))
+
+
 def test_argument_errors():
     qk, v, cos, sin, start, (k_cache, v_cache, _, _) = _case((2, 3, 4, 2, 32, 8), torch.bfloat16, False, 1)
     ok = (qk, v, cos, sin, start, k_cache, v_cache)
     bad = [
         ((qk.float(),) + ok[1:], TypeError, "one dtype"),
         ((qk, v[:, :2]) + ok[2:], ValueError, "do not match"),
-        ((qk[:, :, :2], v) + ok[2:], ValueError, "at least one query head"),
+        ((qk[:, :, :2], v) + ok[2:], ValueError, "at least one head"),
+        ((qk[..., :31], v[..., :31], cos[:, :31], sin[:, :31], start, k_cache[..., :31], v_cache[..., :31]),
+         ValueError, "must be even"),
         (ok[:2] + (cos[:, :16], sin[:, :16]) + ok[4:], ValueError, r"\[P, D\] tables"),
+        (ok[:3] + (sin[:4],) + ok[4:], ValueError, r"\[P, D\] tables"),
         (ok[:5] + (k_cache[:1], v_cache[:1]), ValueError, "caches must be"),
         (ok[:4] + (start.float(),) + ok[5:], ValueError, "start must be"),
         (ok[:4] + (start[:1],) + ok[5:], ValueError, "start must be"),
@@ -90,5 +115,4 @@ def test_argument_errors():
 
 def test_custom_op_passes_opcheck():
     qk, v, cos, sin, start, (k_cache, v_cache, _, _) = _case((2, 2, 4, 2, 32, 8), torch.bfloat16, True, 3)
-    torch.library.opcheck(torch.ops.tpfuse.rope_and_cache.default, (qk, v, cos, sin, start, k_cache, v_cache),
-                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.tpfuse.rope_and_cache.default, (qk, v, cos, sin, start, k_cache, v_cache))

@@ -26,8 +26,8 @@ def _check_args(qk: Tensor, v: Tensor, cos: Tensor, sin: Tensor, start: Tensor, 
     b, _, heads_qk, d = qk.shape
     n_kv = v.shape[2]
     if n_kv == 0 or heads_qk <= n_kv or d % 2:
-        raise ValueError(f"qk must hold at least one query head before its {n_kv} key heads, and D must be even; got "
-                         f"qk {tuple(qk.shape)} and v {tuple(v.shape)}")
+        raise ValueError("v must hold at least one head, qk its query heads then as many key heads, and D must be "
+                         f"even; got qk {tuple(qk.shape)} and v {tuple(v.shape)}")
     if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[1] != d or cos.stride() != sin.stride():
         raise ValueError(f"cos and sin must be [P, D] tables of one layout, got {tuple(cos.shape)} and "
                          f"{tuple(sin.shape)}")
@@ -50,7 +50,7 @@ def _rope_and_cache_op(qk: Tensor, v: Tensor, cos: Tensor, sin: Tensor, start: T
     b, t, heads_qk, d = qk.shape
     q = torch.empty(b, heads_qk - v.shape[2], t, d, dtype=qk.dtype, device=qk.device)
     if q.numel():
-        rope_and_cache_into(qk, v, cos, sin, start, k_cache, v_cache, q)
+        rope_and_cache_into(qk, v, cos, sin, start.contiguous(), k_cache, v_cache, q)
     return q
 
 

@@ -29,7 +29,9 @@ def _rotated(x, xp, c, s, d, HALF: tl.constexpr):
     torch's three elementwise ops); xp is x at d's partner column (d + HALF) mod D."""
     ELEM: tl.constexpr = x.dtype
     r = to_f32(xp)
-    r = tl.where(d < HALF, -r, r)  # negated in fp32 (exact; the interpreter cannot negate bf16)
+    # Negated as torch negates, a zero's sign too (Triton writes -r as 0 - r, which gives +0
+    # for +0), and in fp32: the interpreter cannot negate bf16.
+    r = tl.where(d < HALF, r * -1.0, r)
     return round_to(to_f32(round_to(to_f32(x) * to_f32(c), ELEM)) + to_f32(round_to(r * to_f32(s), ELEM)), ELEM)
 
 
@@ -42,12 +44,13 @@ def rope_and_cache_kernel(QK, V, COS, SIN, START, Q, K_CACHE, V_CACHE, T, n_head
     program_id(1) * HEADS + [0, HEADS) of the H + 2 Hkv: the first H + Hkv (queries, keys)
     rotated from QK, the last Hkv (values) copied from V; queries to Q [B, H, T, D]
     (contiguous), keys and values into the caches at the position. Strides in elements; the
-    last dimension of every operand is contiguous."""
+    last dimension of every operand is contiguous, and START [B] too. Offsets in int64: one
+    sequence's cache may hold more than 2^31 elements."""
     token = tl.program_id(0)
     b = (token // T).to(tl.int64)
-    t = token % T
+    t = (token % T).to(tl.int64)
     pos = tl.load(START + b).to(tl.int64) + t
-    h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)[:, None]
+    h = (tl.program_id(1) * HEADS + tl.arange(0, HEADS)[:, None]).to(tl.int64)
     d = tl.arange(0, BLOCK_D)[None, :]
     col = d < D
     rotate = (h < n_heads + n_kv) & col
@@ -70,7 +73,7 @@ def rope_and_cache_into(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, si
                         k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor) -> None:
     """Launch on checked operands (``tpfuse.rope_ops``): qk [B, T, H + Hkv, D], v [B, T, Hkv,
     D], cos and sin [P, D] (one stride), start [B] int, the caches [B, Hkv, S, D], q [B, H, T,
-    D] contiguous; the last dimension of each contiguous."""
+    D] contiguous; the last dimension of each contiguous, start contiguous."""
     b, t, heads_qk, d = qk.shape
     n_kv = v.shape[2]
     all_heads = heads_qk + n_kv
