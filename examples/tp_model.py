@@ -33,7 +33,7 @@ hf = LlamaForCausalLM(config).to(device=device, dtype=torch.bfloat16).eval()
 prompt = torch.randint(0, config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(1)).to(device)
 with tpfuse.Communicator() as comm:
     model = TPModel.from_hf(hf, comm, boundary="fused")  # this rank's shard
-    tokens = model.generate(prompt, 16)                    # greedy, the same tokens on every rank
+    tokens = model.generate(prompt, 8)                     # greedy, the same tokens on every rank
     logits = model(prompt)                                  # prefill logits [1, 8, vocab]
     if dist.get_rank() == 0:
         print("generated:", tokens[0, 8:].tolist(), "- prefill logits", tuple(logits.shape))
