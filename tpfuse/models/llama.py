@@ -301,7 +301,7 @@ class TPModel(nn.Module):
         into ``cache`` ([B, kv_heads, S, head_dim] k and v) when given. Decode (pos: [B] int64,
         each sequence's position; h: [B, 1, hidden]; mask: [B, 1, 1, S] bool, each sequence's
         positions up to its pos): writes k, v at pos and attends to the cache under the mask.
-        start: [B], pos or (prefill) zeros."""
+        start: [B] int32, pos or (prefill) zeros."""
         c, s = self.config, self.shard
         b, t, _ = h.shape
         d = c.head_dim
@@ -366,7 +366,9 @@ class TPModel(nn.Module):
         mask = None
         if pos is not None:  # decode: each sequence's cache positions up to its pos, for every layer
             mask = (torch.arange(caches[0][0].shape[2], device=ids.device) <= pos[:, None]).view(len(pos), 1, 1, -1)
-        start = pos if pos is not None else torch.zeros(ids.shape[0], dtype=torch.int64, device=ids.device)
+        # Each sequence's first position, int32 once per call (the attention op would cast per layer).
+        start = pos.to(torch.int32) if pos is not None else torch.zeros(ids.shape[0], dtype=torch.int32,
+                                                                         device=ids.device)
         residual = self._embed(ids)
         h = self.boundary.rms_norm(residual, self.layers[0].input_norm, eps, offset)
         if self.fp8:
