@@ -14,7 +14,7 @@ from tpfuse import reference
 SHAPES = [(256, 96, 8), (2048, 64, 8), (512, 40, 4)] + (
     [(4096, 3072, 8), (4096, 7168, 8), (7168, 4096, 4), (2048, 4096, 4)] if ON_GPU else [])
 BATCHES = [1, 5, 16, 24, 64] + ([100, 256] if ON_GPU else [])
-"""1 to 4 row blocks per CTA (``row_blocks_per_cta``), and more than one row group."""
+"""1 to 4 row blocks per CTA (``LinearConfig.row_blocks``), and more than one row group."""
 ROWS = (0, 3, 17, 40, 63, 99)
 
 
@@ -75,6 +75,28 @@ def test_rows_in_slices_keep_their_bits(monkeypatch):
     assert torch.equal(tpfuse.invariant_matmul(x, w, 8, torch.float32), whole)
 
 
+def test_a_kept_counters_buffer_is_left_zero_and_changes_no_bit(monkeypatch):
+    """One counters buffer over calls of other shapes, chunks and row slices: each call's bits
+    are those without it (its own zeroed counts), and the buffer is zero after every call (a
+    count left behind would keep the next call's tiles from ever being summed)."""
+    from tpfuse.kernels import linear
+
+    monkeypatch.setattr(linear, "PARTIAL_BYTES", 8 * 96 * 4 * 16)  # 16 rows a launch: slices share it
+    shapes = [(256, 96, 8, 40), (512, 40, 4, 3), (256, 96, 2, 70), (256, 96, 8, 1)]
+    counters = torch.zeros(max(linear.counters_for(n, k, c) for k, n, c, _ in shapes), dtype=torch.int32,
+                           device=DEVICE)
+    for i, (k, n, chunks, m) in enumerate(shapes * 2):
+        x, w = _operands(k, n, m, 20 + i)
+        want = tpfuse.invariant_matmul(x, w, chunks, torch.float32)
+        assert torch.equal(tpfuse.invariant_matmul(x, w, chunks, torch.float32, counters), want), (k, n, chunks, m)
+        assert not counters.any(), (k, n, chunks, m)
+    # Too small for the launch: the call zeroes counts of its own, the same bits.
+    x, w = _operands(256, 96, 40, 9)
+    assert torch.equal(tpfuse.invariant_matmul(x, w, 8, None, counters[:1]), tpfuse.invariant_matmul(x, w, 8))
+    with pytest.raises(ValueError, match="counters must be"):
+        tpfuse.invariant_matmul(x, w, 8, None, counters.long())
+
+
 def test_layer_chunks_are_served():
     from tpfuse.kernels.linear import check_chunks, layer_chunks
 
@@ -96,7 +118,9 @@ def test_custom_op_compiles_and_passes_opcheck():
     x, w = _operands(256, 48, 5, 5)
     f = torch.compile(lambda a: tpfuse.invariant_matmul(a, w, 8, torch.float32), fullgraph=True)
     assert torch.equal(f(x), tpfuse.invariant_matmul(x, w, 8, torch.float32))
-    torch.library.opcheck(torch.ops.tpfuse.invariant_matmul, (x, w, 8, torch.float32))
+    torch.library.opcheck(torch.ops.tpfuse.invariant_matmul, (x, w, 8, torch.float32, None))
+    counters = torch.zeros(8, dtype=torch.int32, device=DEVICE)
+    torch.library.opcheck(torch.ops.tpfuse.invariant_matmul, (x, w, 8, torch.float32, counters))
 
 
 def test_argument_errors():

@@ -5,13 +5,16 @@ element's reduction order is fixed by K and ``chunks`` only, never by M or N (fo
 architecture and Triton version: a tensor core's sum inside one instruction is its own, and
 the interpreter's differs from a GPU's):
 
-- one launch configuration for every shape (``LinearConfig``, from the chunk's length
-  alone): 16-row blocks, so that a row is summed by the same tensor-core instruction whether
-  it is alone or one of many, and no split of K chosen from the shape;
+- 16-row blocks, each its own dot (mma.m16n8k16, never a wgmma tile), so that a row is
+  summed by the same tensor-core instructions whether it is alone or one of many, and no
+  split of K chosen from the shape; the rest of the launch configuration (``LinearConfig``)
+  changes no bit;
 - K is cut into ``chunks`` equal chunks; a CTA sums one chunk of one (row block, column
   block) tile in BLOCK_K steps, in order, into an fp32 accumulator, and the chunks' fp32
   partials are added over the pairwise tree (``peer.tree_sum``) by the last CTA of the tile
-  to arrive (an acq_rel count per tile: the deterministic last-CTA pattern, one launch).
+  to arrive (an acq_rel count per tile: the deterministic last-CTA pattern, one launch),
+  which also sets the tile's count back to zero: a caller's counters buffer
+  (``counters_for``) serves every later launch without a zeroing kernel of its own.
 
 The tree is what makes the result TP-invariant: a row-parallel layer over t ranks gives each
 rank a contiguous 1/t of K, so with ``chunks = G / t`` (G chunks in all, a power of two), a
@@ -21,7 +24,7 @@ rank's result is a subtree of the G-chunk tree, and the all-reduce's tree over t
 
 The chunks also spread a decode-sized product (M of 1 to 16) over enough CTAs to stream the
 weights: G = 8 gives N / 64 * 8 CTAs. For larger M a CTA applies each weight block it loads
-to up to 4 row blocks, each its own 16-row dot (``row_blocks_per_cta``).
+to up to 4 row blocks, each its own 16-row dot (``LinearConfig.row_blocks``).
 """
 
 from __future__ import annotations
@@ -45,22 +48,42 @@ would otherwise take GBs for an LM head); more rows go through in slices."""
 
 @dataclass(frozen=True)
 class LinearConfig:
-    """The launch configuration of ``invariant_matmul``, from the chunk length alone."""
+    """The launch configuration of one ``invariant_matmul`` launch. None of it changes a bit:
+    every row block is its own 16-row dot summing its chunk in order, whatever the blocks
+    around it (the tests compare rows alone and in batches, and calls of every M)."""
 
     block_n: int
     block_k: int
+    row_blocks: int
+    """Row blocks a CTA sums with each weight block it loads: how often the weights are read."""
     num_warps: int
+    num_stages: int
 
     @classmethod
-    def for_chunk(cls, chunk_k: int) -> "LinearConfig":
-        return cls(block_n=64, block_k=min(128, chunk_k), num_warps=4)
+    def for_shape(cls, m: int, chunk_k: int) -> "LinearConfig":
+        """From M and the chunk's length: up to 4 row blocks (64 rows) a CTA."""
+        return cls(block_n=64, block_k=min(128, chunk_k), row_blocks=min(4, triton.next_power_of_2(
+            triton.cdiv(m, BLOCK_M))), num_warps=4, num_stages=3)
 
 
-def row_blocks_per_cta(m: int) -> int:
-    """Row blocks a CTA sums with each weight block it loads: up to 4 (64 rows). Chosen from M,
-    which it may be: every row block is its own 16-row dot, so it changes how often the weights
-    are read, never how a row is summed (the tests compare rows alone and in batches)."""
-    return min(4, triton.next_power_of_2(triton.cdiv(m, BLOCK_M)))
+def _slice_rows(n: int, chunks: int) -> int:
+    """The most rows one launch takes: its fp32 partials within PARTIAL_BYTES."""
+    return max(BLOCK_M, PARTIAL_BYTES // (4 * chunks * n) // BLOCK_M * BLOCK_M)
+
+
+def _tiles(m: int, n: int, cfg: LinearConfig) -> tuple[int, int]:
+    """The launch grid's (row groups, column blocks) over m rows and n columns."""
+    return triton.cdiv(m, BLOCK_M * cfg.row_blocks), triton.cdiv(n, cfg.block_n)
+
+
+def counters_for(n: int, k: int, chunks: int) -> int:
+    """The int32 counters a product with an [n, k] weight in ``chunks`` chunks needs at any M
+    (one per tile of its largest launch; 0 with one chunk): the size of a ``counters`` buffer."""
+    if chunks == 1:
+        return 0
+    rows = _slice_rows(n, chunks)
+    groups, blocks = _tiles(rows, n, LinearConfig.for_shape(rows, check_chunks(k, chunks)))
+    return groups * blocks
 
 
 def _served(k: int, chunks: int) -> bool:
@@ -125,7 +148,7 @@ def invariant_matmul_kernel(X, Wt, OUT, PARTIAL, COUNTS, M, N, K,
                             CHUNKS: tl.constexpr, CHUNK_K: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCKS: tl.constexpr):
     """Grid (groups of ROW_BLOCKS row blocks, column blocks, chunks). PARTIAL: fp32 [CHUNKS, M,
-    N]; COUNTS: int32 zeros, one per (row group, column block) tile. Each row block is its own
+    N]; COUNTS: int32 zeros, one per (row group, column block) tile, left zero. Each row block is its own
     16-row dot with the same weight block: ROW_BLOCKS changes how often the weights are read,
     never a bit of a row."""
     pid_m, pid_n, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -143,6 +166,9 @@ def invariant_matmul_kernel(X, Wt, OUT, PARTIAL, COUNTS, M, N, K,
         tl.debug_barrier()  # every thread's partials precede the count (release)
         counter = COUNTS + pid_m * tl.num_programs(1) + pid_n
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == CHUNKS - 1:
+            # Every chunk has counted: nothing else touches the count in this launch, and the
+            # next launch on the stream starts after this one ends.
+            tl.store(counter, 0)
             for rb in tl.static_range(ROW_BLOCKS):
                 offs, mask = _tile(rows0 + rb * BLOCK_M, cols, M, N)
                 parts = ()
@@ -151,26 +177,31 @@ def invariant_matmul_kernel(X, Wt, OUT, PARTIAL, COUNTS, M, N, K,
                 tl.store(OUT + offs, round_to(tree_sum(parts), OUT.dtype.element_ty), mask=mask)
 
 
-def _launch(x2: torch.Tensor, w: torch.Tensor, out: torch.Tensor, chunks: int, chunk_k: int, cfg: LinearConfig) -> None:
+def _launch(x2: torch.Tensor, w: torch.Tensor, out: torch.Tensor, chunks: int, chunk_k: int,
+            counters: torch.Tensor | None) -> None:
     """One launch over the rows of x2 [m, K] into out [m, N] (contiguous row slices)."""
     (m, k), n = x2.shape, w.shape[0]
-    row_blocks = row_blocks_per_cta(m)
-    grid = (triton.cdiv(m, BLOCK_M * row_blocks), triton.cdiv(n, cfg.block_n), chunks)
+    cfg = LinearConfig.for_shape(m, chunk_k)
+    groups, blocks = _tiles(m, n, cfg)
     partial = torch.empty((chunks, m, n) if chunks > 1 else (1,), dtype=torch.float32, device=x2.device)
-    counts = torch.zeros(grid[0] * grid[1] if chunks > 1 else 1, dtype=torch.int32, device=x2.device)
-    invariant_matmul_kernel[grid](X=x2, Wt=w, OUT=out, PARTIAL=partial, COUNTS=counts, M=m, N=n, K=k, CHUNKS=chunks,
-                                  CHUNK_K=chunk_k, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                                  ROW_BLOCKS=row_blocks, num_warps=cfg.num_warps, **EXACT_FP)
+    tiles = groups * blocks if chunks > 1 else 1
+    if counters is None or counters.numel() < tiles:
+        counters = torch.zeros(tiles, dtype=torch.int32, device=x2.device)
+    invariant_matmul_kernel[(groups, blocks, chunks)](
+        X=x2, Wt=w, OUT=out, PARTIAL=partial, COUNTS=counters, M=m, N=n, K=k, CHUNKS=chunks, CHUNK_K=chunk_k,
+        BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROW_BLOCKS=cfg.row_blocks,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **EXACT_FP)
 
 
-def invariant_matmul_into(x2: torch.Tensor, w: torch.Tensor, out: torch.Tensor, chunks: int) -> None:
+def invariant_matmul_into(x2: torch.Tensor, w: torch.Tensor, out: torch.Tensor, chunks: int,
+                          counters: torch.Tensor | None = None) -> None:
     """x2 [m, K] @ w.T into out [m, N] (all contiguous; arguments checked by the caller,
     ``tpfuse.linear_ops``), rows in slices whose fp32 partials take at most PARTIAL_BYTES (a
-    row's bits do not depend on its slice)."""
+    row's bits do not depend on its slice). ``counters``: int32 zeros, at least
+    ``counters_for(N, K, chunks)`` of them, left zero (else each launch zeroes its own)."""
     (m, k), n = x2.shape, w.shape[0]
     chunk_k = check_chunks(k, chunks)
-    cfg = LinearConfig.for_chunk(chunk_k)
-    rows = max(BLOCK_M, PARTIAL_BYTES // (4 * chunks * n) // BLOCK_M * BLOCK_M) if chunks > 1 else max(m, 1)
+    rows = _slice_rows(n, chunks) if chunks > 1 else max(m, 1)
     for start in range(0, m, rows):
         part = slice(start, min(m, start + rows))
-        _launch(x2[part], w, out[part], chunks, chunk_k, cfg)
+        _launch(x2[part], w, out[part], chunks, chunk_k, counters)

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpfuse.attention_ops import invariant_attention
-from tpfuse.kernels.linear import check_chunks, layer_chunks
+from tpfuse.kernels.linear import check_chunks, counters_for, layer_chunks
 from tpfuse.linear_ops import invariant_matmul
 from tpfuse.fp8_ops import quant_fp8
 from tpfuse.models.boundary import Boundary
@@ -100,7 +100,7 @@ class TPModel(nn.Module):
             the row-parallel ones (o_proj, down_proj) as fp32 partial sums of G / W of their
             layer's G chunks, all-reduced in fp32 over the ranks' tree and rounded once before
             the residual add (the "split" composition, whatever ``boundary`` says: the fused
-            kernel takes one dtype), and attention through ``tpfuse.invariant_attention``
+            kernel takes one dtype; at one rank the GEMM rounds, the same bits), and attention through ``tpfuse.invariant_attention``
             (1.3), over the KV cache in prefill as in decode. The logits then have the same bits
             at every TP size, alone and in a batch, and from a prefill as from the decode steps
             (tests/test_models.py, on CPU). ``boundary`` must be "split" or "fused". bf16 or
@@ -151,6 +151,13 @@ class TPModel(nn.Module):
         self.norm = _param(config.hidden_size, dtype=dtype, device=device)
         self.lm_head = _param(s.vocab, config.hidden_size, dtype=dtype, device=device)
         self.inv_freq = torch.empty(config.head_dim // 2, dtype=torch.float32, device=device)
+        # The invariant GEMMs' per-tile counts, one buffer for every call (each leaves it zero):
+        # no zeroing kernel per projection.
+        self._counters = None
+        if invariant:
+            weights = [(getattr(self.layers[0], name), name) for name in PROJECTIONS] + [(self.lm_head, "lm_head")]
+            size = max(counters_for(*w.shape, self._chunks(w, name)) for w, name in weights)
+            self._counters = torch.zeros(size, dtype=torch.int32, device=device)
         self.rope_scaling = 1.0  # cos and sin are multiplied by it (Hugging Face's attention_scaling)
         self._rope_cache: tuple[int, Tensor, Tensor] | None = None
         self._session: DecodeSession | None = None
@@ -340,24 +347,32 @@ class TPModel(nn.Module):
         if self.fp8:
             return fp8_linear(x, getattr(layer, name), getattr(layer, name + "_scale"), bias)
         if name in ("o_proj", "down_proj"):
-            return self._row(x, getattr(layer, name))
-        return self._column(x, getattr(layer, name), bias)
+            return self._row(x, getattr(layer, name), name)
+        return self._column(x, getattr(layer, name), bias, name)
 
-    def _column(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    def _chunks(self, weight: Tensor, name: str) -> int:
+        """The invariant GEMM's chunks of projection ``name``: its layer's G, of which a
+        row-parallel shard holds G / W."""
+        world = self.shard.world_size if name in ("o_proj", "down_proj") else 1
+        return layer_chunks(weight.shape[1] * world) // world
+
+    def _column(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, name: str = "column") -> Tensor:
         """A column-parallel projection (its whole reduction on this rank), in x's dtype."""
         if not self.invariant:
             return F.linear(x, weight, bias)
+        chunks = self._chunks(weight, name)
         if bias is None:
-            return invariant_matmul(x, weight, layer_chunks(weight.shape[1]))
+            return invariant_matmul(x, weight, chunks, counters=self._counters)
         # The bias added in fp32 and the sum rounded once, as F.linear does.
-        return (invariant_matmul(x, weight, layer_chunks(weight.shape[1]), torch.float32) + bias.float()).to(x.dtype)
+        return (invariant_matmul(x, weight, chunks, torch.float32, self._counters) + bias.float()).to(x.dtype)
 
-    def _row(self, x: Tensor, weight: Tensor) -> Tensor:
-        """A row-parallel projection: this rank's partial sum (invariant: fp32, G / W chunks)."""
+    def _row(self, x: Tensor, weight: Tensor, name: str) -> Tensor:
+        """A row-parallel projection: this rank's partial sum (invariant: fp32, G / W chunks,
+        for the all-reduce to round once; at one rank rounded here, the same rounding)."""
         if not self.invariant:
             return F.linear(x, weight)
-        world = self.shard.world_size
-        return invariant_matmul(x, weight, layer_chunks(weight.shape[1] * world) // world, torch.float32)
+        out_dtype = torch.float32 if self.shard.world_size > 1 else x.dtype
+        return invariant_matmul(x, weight, self._chunks(weight, name), out_dtype, self._counters)
 
     def _hidden(self, ids: Tensor, cos: Tensor, sin: Tensor, caches, pos) -> Tensor:
         """The final-normed hidden states [B, T, hidden] of ``ids`` [B, T]."""
