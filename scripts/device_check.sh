@@ -25,6 +25,8 @@
 #        fp8_ab (2+ GPUs; not in "all"): scripts/fp8_epilogue_ab.py per variant of FP8_AB_VARIANTS (default
 #        all); fp8_ab_ncu (not in "all"): the norm kernel alone under ncu, with and without the fp8
 #        output (the report, its details and its SASS with stalls).
+#        tune_linear (one GPU; not in "all"): scripts/tune_linear.py, tpfuse.invariant_matmul's launch
+#        configurations checked bit for bit and timed, with TUNE_LINEAR_ARGS (e.g. --batches 1 16).
 #        nvlink_probe (2+ GPUs; not in "all"): scripts/nvlink_probe.py, the copy engines' and
 #        SM kernels' rates between GPUs 0 and 1.
 #        AB_TREES (fused_ab, ll_ablation): the package trees to time side by side, each item
@@ -82,7 +84,8 @@ tree_commit() {  # an AB_TREES item's commit
   if [[ "$1" == *:* ]]; then echo "${1##*:}"; elif [ "$1" = . ]; then echo "$TPFUSE_COMMIT"; else echo unknown; fi
 }
 multi() { [ "$ngpu" -ge 2 ] || { echo "== $1: needs 2+ GPUs, skipped"; return 1; }; }
-want test_norm && run test_norm 300 python3 -m pytest -q -x tests/test_rms_norm.py tests/test_rms_norm_module.py
+want test_norm && run test_norm 400 python3 -m pytest -q -x tests/test_rms_norm.py tests/test_rms_norm_module.py \
+  tests/test_fused_layouts.py
 want bench_norm && run bench_norm 540 python3 -m tpfuse.cli bench norm --out "$OUT" --plot ${BENCH_ARGS:-}
 want test_allreduce && multi test_allreduce && run test_allreduce 270 python3 -m pytest -q -x -m multigpu tests/test_allreduce_gpu.py
 want bench_allreduce && multi bench_allreduce && run bench_allreduce 290 python3 -m tpfuse.cli bench allreduce --out "$OUT" --plot ${BENCH_ARGS:-}
@@ -100,6 +103,7 @@ want test_fp8 && run test_fp8 240 python3 -m pytest -q -x tests/test_quant_fp8.p
 want test_linear && run test_linear 300 python3 -m pytest -q -x tests/test_invariant_matmul.py tests/test_invariant_attention.py \
   tests/test_sampling.py tests/test_rope.py
 want bench_linear && run bench_linear 300 python3 scripts/bench_linear.py --out "$OUT"
+want tune_linear && run tune_linear 540 python3 scripts/tune_linear.py --out "$OUT" ${TUNE_LINEAR_ARGS:-}
 want bench_codecs && run bench_codecs 120 python3 scripts/bench_codecs.py --out "$OUT"
 want test_models && multi test_models && run test_models 560 python3 -m pytest -q -x -m multigpu tests/test_models_gpu.py ${TEST_MODELS_ARGS:-}
 want tune_allreduce && multi tune_allreduce && run tune_allreduce 420 python3 scripts/tune_allreduce.py --out "$OUT" --budget-s 360 ${TUNE_ALLREDUCE_ARGS:-}

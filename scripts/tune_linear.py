@@ -1,0 +1,143 @@
+"""Time tpfuse.invariant_matmul's launch configurations on one GPU, to choose
+``LinearConfig.for_shape`` (tpfuse/kernels/linear.py). Not part of the library: it patches
+``for_shape``.
+
+    python scripts/tune_linear.py [--out DIR] [--batches 1 64] [--jobs 16]
+
+Per Llama-3-8B layer (TP=1, and TP=2's row-parallel shards, whose chunks and fp32 partials
+differ), per M: every configuration of the grid below, each checked bit for bit against the
+library's own configuration (a configuration changes no bit, LinearConfig says: this is where
+that is measured) and timed graph-replayed, beside cuBLAS's F.linear. The kernels are
+compiled first in --jobs processes (into Triton's cache; N is only specialised by its
+divisibility, so small stand-ins of the weights serve), then timed in this one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+
+import torch
+import torch.nn.functional as F
+
+import tpfuse
+from tpfuse.bench.common import graph_time_us, header_markdown, rotation, run_header, write_results
+from tpfuse.kernels import linear
+
+LIBRARY = linear.LinearConfig.for_shape
+# (TP, layer, K, N, chunks, out dtype): TP=1's layers (the row-parallel ones rounded by the GEMM
+# at one rank), TP=2's row-parallel shards (fp32 partials, half the chunks).
+LAYERS = [(1, "qkv", 4096, 6144, 8, torch.bfloat16), (1, "o_proj", 4096, 4096, 8, torch.bfloat16),
+          (1, "gate_up", 4096, 28672, 8, torch.bfloat16), (1, "down_proj", 14336, 4096, 8, torch.bfloat16),
+          (1, "lm_head", 4096, 128256, 8, torch.bfloat16),
+          (2, "o_proj", 2048, 4096, 4, torch.float32), (2, "down_proj", 7168, 4096, 4, torch.float32)]
+
+
+def grid(m: int) -> list[dict]:
+    """The configurations tried at M = m (fields of LinearConfig but block_k's cap)."""
+    if m <= 16:
+        return [dict(block_n=bn, block_k=bk, row_blocks=1, num_warps=w, num_stages=st)
+                for bn, bk, w, st in itertools.product((32, 64, 128), (128, 256), (4, 8), (2, 3, 4, 5))]
+    return [dict(block_n=bn, block_k=bk, row_blocks=rb, num_warps=w, num_stages=st)
+            for rb, bn, bk, w, st in itertools.product((2, 4), (64, 128), (64, 128), (4, 8), (2, 3, 4))]
+
+
+def use(fields: dict | None) -> None:
+    """Patch for_shape: ``fields`` (block_k capped at the chunk), or the library's own."""
+    if fields is None:
+        linear.LinearConfig.for_shape = LIBRARY
+        return
+
+    def for_shape(m, chunk_k):
+        return dataclasses.replace(LIBRARY(m, chunk_k), **{**fields, "block_k": min(fields["block_k"], chunk_k)})
+    linear.LinearConfig.for_shape = staticmethod(for_shape)
+
+
+def _compile(work: list[tuple]) -> int:
+    """Compile each (fields, K, chunks, out dtype, M) on small stand-ins (a worker process)."""
+    done = 0
+    for fields, k, chunks, out_dtype, m in work:
+        use(fields)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(256, k, device="cuda", dtype=torch.bfloat16)
+        try:
+            tpfuse.invariant_matmul(x, w, chunks, out_dtype)
+            done += 1
+        except Exception as e:  # a configuration Triton cannot build (shared memory): timed as missing
+            print(f"compile {fields} K={k}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+    torch.cuda.synchronize()
+    return done
+
+
+def measure(batches: list[int], jobs: int) -> list[dict]:
+    work = [(f, k, c, o, m) for m in batches for f in grid(m) for k, c, o in {(k, c, o) for _, _, k, _, c, o in LAYERS}]
+    with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as pool:
+        compiled = sum(pool.map(_compile, [work[i::jobs] for i in range(jobs)]))
+    print(f"compiled {compiled} of {len(work)}", flush=True)
+    records = []
+    for tp, name, k, n, chunks, out_dtype in LAYERS:
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(rotation(n * k * 2))]
+        for m in batches:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            use(None)
+            want = tpfuse.invariant_matmul(x, ws[0], chunks, out_dtype)
+            base = dict(tp=tp, layer=name, k=k, n=n, chunks=chunks, m=m)
+            torch_us = graph_time_us(lambda i: F.linear(x, ws[i % len(ws)]))
+            library = dataclasses.asdict(LIBRARY(m, k // chunks))
+            for fields in [None] + grid(m):
+                use(fields)
+                try:
+                    out = torch.full_like(want, float("nan"))
+                    out.copy_(tpfuse.invariant_matmul(x, ws[0], chunks, out_dtype))
+                    us = graph_time_us(lambda i: tpfuse.invariant_matmul(x, ws[i % len(ws)], chunks, out_dtype))
+                except Exception as e:
+                    print(f"{name} m={m} {fields}: {type(e).__name__}", flush=True)
+                    continue
+                records.append({**base, "config": fields or library, "library": fields is None, "us": us,
+                                "gbps": n * k * 2 / us / 1e3, "torch_us": torch_us,
+                                "same_bits": bool(torch.equal(out, want))})
+            use(None)
+            mine = [r for r in records if r["layer"] == name and r["tp"] == tp and r["m"] == m]
+            best = min(mine, key=lambda r: r["us"])
+            print(f"TP={tp} {name} m={m}: library {mine[0]['us']:.1f} us, best {best['us']:.1f} us {best['config']}, "
+                  f"torch {torch_us:.1f} us; all same bits: {all(r['same_bits'] for r in mine)}", flush=True)
+    return records
+
+
+def markdown(header: dict, records: list[dict]) -> str:
+    lines = [header_markdown("invariant_matmul's launch configurations, one GPU, graph replay", header), "",
+             "Per layer and M: the library's configuration, the fastest of the grid, cuBLAS; `bits` says "
+             "whether every configuration gave the library's bits.", "",
+             "| TP | layer | K x N | M | library us | best us | best GB/s | best config | torch us | bits |",
+             "|" + "---|" * 10]
+    keys = sorted({(r["tp"], r["layer"], r["m"]) for r in records}, key=lambda t: (t[0], t[1], t[2]))
+    for tp, name, m in keys:
+        mine = [r for r in records if (r["tp"], r["layer"], r["m"]) == (tp, name, m)]
+        lib, best = mine[0], min(mine, key=lambda r: r["us"])
+        cfg = ", ".join(f"{k}={v}" for k, v in best["config"].items())
+        lines.append(f"| {tp} | {name} | {lib['k']} x {lib['n']} | {m} | {lib['us']:.1f} | {best['us']:.1f} | "
+                     f"{best['gbps']:.0f} | {cfg} | {lib['torch_us']:.1f} | "
+                     f"{'same' if all(r['same_bits'] for r in mine) else 'DIFFER'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=".")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1))
+    args = p.parse_args()
+    header = {**run_header(), "batches": args.batches}
+    records = measure(args.batches, args.jobs)
+    write_results(args.out, "tune_linear", header, records, markdown(header, records))
+    print(open(os.path.join(args.out, "tune_linear.md")).read())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
