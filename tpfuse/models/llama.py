@@ -100,8 +100,8 @@ class TPModel(nn.Module):
             the row-parallel ones (o_proj, down_proj) as fp32 partial sums of G / W of their
             layer's G chunks, all-reduced in fp32 over the ranks' tree and rounded once before
             the residual add (the "split" composition, whatever ``boundary`` says: the fused
-            kernel takes one dtype; at one rank the GEMM rounds, the same bits), and attention through ``tpfuse.invariant_attention``
-            (1.3), over the KV cache in prefill as in decode. The logits then have the same bits
+            kernel takes one dtype; at one rank the GEMM rounds, the same bits), and attention
+            through ``tpfuse.invariant_attention`` (1.3), over the KV cache in prefill as in decode. The logits then have the same bits
             at every TP size, alone and in a batch, and from a prefill as from the decode steps
             (tests/test_models.py, on CPU). ``boundary`` must be "split" or "fused". bf16 or
             fp16 weights.
@@ -470,8 +470,8 @@ class TPModel(nn.Module):
         batch (with an invariant model's logits). With ``return_logits``, also the logits
         [B, max_new_tokens, vocab] each new token was picked from. The decode step runs as a
         captured CUDA graph (``cuda_graph``, default on CUDA) and, with ``compile``, compiled by
-        ``torch.compile(fullgraph=True)`` (True: inductor; a string names another backend). A new (batch, length, cuda_graph, compile) or boundary
-        captures a new step; the same arguments reuse it. A compiled step stays in
+        ``torch.compile(fullgraph=True)`` (True: inductor; a string names another backend). A
+        new (batch, length, cuda_graph, compile) or boundary captures a new step; the same arguments reuse it. A compiled step stays in
         torch.compile's cache, and with it its KV cache, until ``torch._dynamo.reset()``."""
         t = self._check_ids(input_ids, max_new_tokens)
         if max_new_tokens < 1:
