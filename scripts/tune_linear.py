@@ -39,12 +39,15 @@ LAYERS = [(1, "qkv", 4096, 6144, 8, torch.bfloat16), (1, "o_proj", 4096, 4096, 8
 
 
 def grid(m: int) -> list[dict]:
-    """The configurations tried at M = m (fields of LinearConfig but block_k's cap)."""
-    if m <= 16:
-        return [dict(block_n=bn, block_k=bk, row_blocks=1, num_warps=w, num_stages=st)
-                for bn, bk, w, st in itertools.product((32, 64, 128), (128, 256), (4, 8), (2, 3, 4, 5))]
-    return [dict(block_n=bn, block_k=bk, row_blocks=rb, num_warps=w, num_stages=st)
-            for rb, bn, bk, w, st in itertools.product((2, 4), (64, 128), (64, 128), (4, 8), (2, 3, 4))]
+    """The configurations tried at M = m (block_k capped at the chunk): 16-row dots (the
+    library's instruction, mma.m16n8k16) and 64-row ones (a wgmma tile on sm_90: other bits,
+    the same for every M if one tile serves every M; ``row0_alone`` says)."""
+    rows16 = [dict(block_m=16, block_n=bn, block_k=bk, row_blocks=rb, num_warps=w, num_stages=st)
+              for bn, bk, w, st in itertools.product((64, 128), (64, 128, 256), (4, 8), (2, 3, 4))
+              for rb in ((1,) if m <= 16 else (2, 4))]
+    rows64 = [dict(block_m=64, block_n=bn, block_k=bk, row_blocks=1, num_warps=w, num_stages=st)
+              for bn, bk, w, st in itertools.product((64, 128), (64, 128), (4, 8), (3, 4))]
+    return rows16 + rows64
 
 
 def use(fields: dict | None) -> None:
@@ -53,8 +56,9 @@ def use(fields: dict | None) -> None:
         linear.LinearConfig.for_shape = LIBRARY
         return
 
-    def for_shape(m, chunk_k):
-        return dataclasses.replace(LIBRARY(m, chunk_k), **{**fields, "block_k": min(fields["block_k"], chunk_k)})
+    def for_shape(m, n, chunks, chunk_k):
+        return dataclasses.replace(LIBRARY(m, n, chunks, chunk_k),
+                                   **{**fields, "block_k": min(fields["block_k"], chunk_k)})
     linear.LinearConfig.for_shape = staticmethod(for_shape)
 
 
@@ -88,41 +92,50 @@ def measure(batches: list[int], jobs: int) -> list[dict]:
             want = tpfuse.invariant_matmul(x, ws[0], chunks, out_dtype)
             base = dict(tp=tp, layer=name, k=k, n=n, chunks=chunks, m=m)
             torch_us = graph_time_us(lambda i: F.linear(x, ws[i % len(ws)]))
-            library = dataclasses.asdict(LIBRARY(m, k // chunks))
+            library = dataclasses.asdict(LIBRARY(m, n, chunks, k // chunks))
             for fields in [None] + grid(m):
                 use(fields)
                 try:
-                    out = torch.full_like(want, float("nan"))
-                    out.copy_(tpfuse.invariant_matmul(x, ws[0], chunks, out_dtype))
+                    out = tpfuse.invariant_matmul(x, ws[0], chunks, out_dtype)
+                    alone = tpfuse.invariant_matmul(x[:1], ws[0], chunks, out_dtype)
                     us = graph_time_us(lambda i: tpfuse.invariant_matmul(x, ws[i % len(ws)], chunks, out_dtype))
                 except Exception as e:
                     print(f"{name} m={m} {fields}: {type(e).__name__}", flush=True)
                     continue
                 records.append({**base, "config": fields or library, "library": fields is None, "us": us,
                                 "gbps": n * k * 2 / us / 1e3, "torch_us": torch_us,
-                                "same_bits": bool(torch.equal(out, want))})
+                                "same_bits": bool(torch.equal(out, want)),
+                                "row0_alone": bool(torch.equal(out[:1], alone))})
             use(None)
             mine = [r for r in records if r["layer"] == name and r["tp"] == tp and r["m"] == m]
             best = min(mine, key=lambda r: r["us"])
             print(f"TP={tp} {name} m={m}: library {mine[0]['us']:.1f} us, best {best['us']:.1f} us {best['config']}, "
-                  f"torch {torch_us:.1f} us; all same bits: {all(r['same_bits'] for r in mine)}", flush=True)
+                  f"torch {torch_us:.1f} us; 16-row dots all the library's bits: "
+                  f"{all(r['same_bits'] for r in mine if r['config']['block_m'] == 16)}", flush=True)
     return records
 
 
 def markdown(header: dict, records: list[dict]) -> str:
     lines = [header_markdown("invariant_matmul's launch configurations, one GPU, graph replay", header), "",
-             "Per layer and M: the library's configuration, the fastest of the grid, cuBLAS; `bits` says "
-             "whether every configuration gave the library's bits.", "",
-             "| TP | layer | K x N | M | library us | best us | best GB/s | best config | torch us | bits |",
-             "|" + "---|" * 10]
-    keys = sorted({(r["tp"], r["layer"], r["m"]) for r in records}, key=lambda t: (t[0], t[1], t[2]))
+             "Per layer and M: the library's configuration, the fastest of the grid's 16-row dots (`bits`: whether "
+             "every 16-row configuration gave the library's bits), the fastest 64-row dots (wgmma; `row 0`: whether "
+             "every 64-row configuration gave row 0 the bits of the row alone), cuBLAS.", "",
+             "| TP | layer | K x N | M | library us | best 16-row us | config | bits | best 64-row us | config | "
+             "row 0 | torch us |", "|" + "---|" * 12]
+    keys = sorted({(r["tp"], r["layer"], r["m"]) for r in records})
     for tp, name, m in keys:
         mine = [r for r in records if (r["tp"], r["layer"], r["m"]) == (tp, name, m)]
-        lib, best = mine[0], min(mine, key=lambda r: r["us"])
-        cfg = ", ".join(f"{k}={v}" for k, v in best["config"].items())
-        lines.append(f"| {tp} | {name} | {lib['k']} x {lib['n']} | {m} | {lib['us']:.1f} | {best['us']:.1f} | "
-                     f"{best['gbps']:.0f} | {cfg} | {lib['torch_us']:.1f} | "
-                     f"{'same' if all(r['same_bits'] for r in mine) else 'DIFFER'} |")
+        cells = [f"{tp}", name, f"{mine[0]['k']} x {mine[0]['n']}", f"{m}", f"{mine[0]['us']:.1f}"]
+        for block_m, flag in ((16, "same_bits"), (64, "row0_alone")):
+            family = [r for r in mine if r["config"]["block_m"] == block_m and not r["library"]]
+            if not family:
+                cells += ["-", "-", "-"]
+                continue
+            best = min(family, key=lambda r: r["us"])
+            c = best["config"]
+            cells += [f"{best['us']:.1f}", f"n{c['block_n']} k{c['block_k']} rb{c['row_blocks']} w{c['num_warps']} "
+                      f"s{c['num_stages']}", "yes" if all(r[flag] for r in family) else "NO"]
+        lines.append("| " + " | ".join(cells + [f"{mine[0]['torch_us']:.1f}"]) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -40,6 +40,8 @@ from tpfuse.kernels.peer import tree_sum
 
 BLOCK_M = 16
 """Rows per tile: one mma.m16n8k16 row block on sm_80+, for every M (never a wgmma tile)."""
+MIN_BLOCK_N = 64
+"""The narrowest column block ``LinearConfig.for_shape`` picks."""
 MAX_CHUNKS = 8
 PARTIAL_BYTES = 256 << 20
 """The most bytes of fp32 chunk partials one launch writes (a prefill of thousands of rows
@@ -52,6 +54,8 @@ class LinearConfig:
     every row block is its own 16-row dot summing its chunk in order, whatever the blocks
     around it (the tests compare rows alone and in batches, and calls of every M)."""
 
+    block_m: int
+    """Rows of one dot: BLOCK_M (16), one mma.m16n8k16 row block."""
     block_n: int
     block_k: int
     row_blocks: int
@@ -60,10 +64,18 @@ class LinearConfig:
     num_stages: int
 
     @classmethod
-    def for_shape(cls, m: int, chunk_k: int) -> "LinearConfig":
-        """From M and the chunk's length: up to 4 row blocks (64 rows) a CTA."""
-        return cls(block_n=64, block_k=min(128, chunk_k), row_blocks=min(4, triton.next_power_of_2(
-            triton.cdiv(m, BLOCK_M))), num_warps=4, num_stages=3)
+    def for_shape(cls, m: int, n: int, chunks: int, chunk_k: int) -> "LinearConfig":
+        """Up to 16 rows (decode): 64 columns a CTA, the chunk in steps of 128, the fastest
+        at M = 1 within 2% (scripts/tune_linear.py, benchmarks/NOTES.md). More rows: up to 4
+        row blocks a CTA, and 128 columns in steps of 64 where that leaves 256 CTAs or more
+        (16% off a TP=1 step's GEMMs at M = 64; with fewer, TP=2's row-parallel shards, it
+        was slower). Under the interpreter, which sums a dot's K in one numpy product (its
+        bits follow BLOCK_K), the blocks never change."""
+        row_blocks = min(4, triton.next_power_of_2(triton.cdiv(m, BLOCK_M)))
+        wide = (row_blocks > 1 and not _INTERPRETER
+                and triton.cdiv(m, BLOCK_M * row_blocks) * triton.cdiv(n, 128) * chunks >= 256)
+        return cls(block_m=BLOCK_M, block_n=128 if wide else MIN_BLOCK_N, block_k=min(64 if wide else 128, chunk_k),
+                   row_blocks=row_blocks, num_warps=4, num_stages=3)
 
 
 def _slice_rows(n: int, chunks: int) -> int:
@@ -73,7 +85,7 @@ def _slice_rows(n: int, chunks: int) -> int:
 
 def _tiles(m: int, n: int, cfg: LinearConfig) -> tuple[int, int]:
     """The launch grid's (row groups, column blocks) over m rows and n columns."""
-    return triton.cdiv(m, BLOCK_M * cfg.row_blocks), triton.cdiv(n, cfg.block_n)
+    return triton.cdiv(m, cfg.block_m * cfg.row_blocks), triton.cdiv(n, cfg.block_n)
 
 
 def counters_for(n: int, k: int, chunks: int) -> int:
@@ -81,9 +93,9 @@ def counters_for(n: int, k: int, chunks: int) -> int:
     (one per tile of its largest launch; 0 with one chunk): the size of a ``counters`` buffer."""
     if chunks == 1:
         return 0
-    rows = _slice_rows(n, chunks)
-    groups, blocks = _tiles(rows, n, LinearConfig.for_shape(rows, check_chunks(k, chunks)))
-    return groups * blocks
+    rows = _slice_rows(n, chunks)  # the most row groups; column blocks of MIN_BLOCK_N, the most
+    cfg = LinearConfig.for_shape(rows, n, chunks, check_chunks(k, chunks))
+    return triton.cdiv(rows, cfg.block_m * cfg.row_blocks) * triton.cdiv(n, MIN_BLOCK_N)
 
 
 def _served(k: int, chunks: int) -> bool:
@@ -181,7 +193,7 @@ def _launch(x2: torch.Tensor, w: torch.Tensor, out: torch.Tensor, chunks: int, c
             counters: torch.Tensor | None) -> None:
     """One launch over the rows of x2 [m, K] into out [m, N] (contiguous row slices)."""
     (m, k), n = x2.shape, w.shape[0]
-    cfg = LinearConfig.for_shape(m, chunk_k)
+    cfg = LinearConfig.for_shape(m, n, chunks, chunk_k)
     groups, blocks = _tiles(m, n, cfg)
     partial = torch.empty((chunks, m, n) if chunks > 1 else (1,), dtype=torch.float32, device=x2.device)
     tiles = groups * blocks if chunks > 1 else 1
@@ -189,7 +201,7 @@ def _launch(x2: torch.Tensor, w: torch.Tensor, out: torch.Tensor, chunks: int, c
         counters = torch.zeros(tiles, dtype=torch.int32, device=x2.device)
     invariant_matmul_kernel[(groups, blocks, chunks)](
         X=x2, Wt=w, OUT=out, PARTIAL=partial, COUNTS=counters, M=m, N=n, K=k, CHUNKS=chunks, CHUNK_K=chunk_k,
-        BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROW_BLOCKS=cfg.row_blocks,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROW_BLOCKS=cfg.row_blocks,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **EXACT_FP)
 
 
