@@ -51,11 +51,14 @@ would otherwise take GBs for an LM head); more rows go through in slices."""
 @dataclass(frozen=True)
 class LinearConfig:
     """The launch configuration of one ``invariant_matmul`` launch. None of it changes a bit:
-    every row block is its own 16-row dot summing its chunk in order, whatever the blocks
-    around it (the tests compare rows alone and in batches, and calls of every M)."""
+    every row block is its own 16-row dot chaining its chunk's k16 mma steps in order, whatever
+    the blocks around it or BLOCK_K (the GPU tests compare rows alone and in batches, which
+    take other configurations; scripts/tune_linear.py compared 52-88 configurations per
+    layer and M on an H200: every one gave the library's bits)."""
 
     block_m: int
-    """Rows of one dot: BLOCK_M (16), one mma.m16n8k16 row block."""
+    """Rows of one dot: BLOCK_M (16), one mma.m16n8k16 row block. (64, a wgmma tile, would
+    be another instruction: scripts/tune_linear.py measures it, the library never picks it.)"""
     block_n: int
     block_k: int
     row_blocks: int
@@ -65,14 +68,14 @@ class LinearConfig:
 
     @classmethod
     def for_shape(cls, m: int, n: int, chunks: int, chunk_k: int) -> "LinearConfig":
-        """Up to 16 rows (decode): 64 columns a CTA, the chunk in steps of 128, the fastest
-        at M = 1 within 2% (scripts/tune_linear.py, benchmarks/NOTES.md). More rows: up to 4
-        row blocks a CTA, and 128 columns in steps of 64 where that leaves 256 CTAs or more
+        """64 columns a CTA, the chunk in steps of 128: within 2% of the fastest at M = 1 and
+        32 (scripts/tune_linear.py, benchmarks/NOTES.md). A CTA takes up to 4 row blocks; with
+        4 (more than 32 rows), 128 columns in steps of 64 where that leaves 256 CTAs or more
         (16% off a TP=1 step's GEMMs at M = 64; with fewer, TP=2's row-parallel shards, it
         was slower). Under the interpreter, which sums a dot's K in one numpy product (its
         bits follow BLOCK_K), the blocks never change."""
         row_blocks = min(4, triton.next_power_of_2(triton.cdiv(m, BLOCK_M)))
-        wide = (row_blocks > 1 and not _INTERPRETER
+        wide = (row_blocks == 4 and not _INTERPRETER
                 and triton.cdiv(m, BLOCK_M * row_blocks) * triton.cdiv(n, 128) * chunks >= 256)
         return cls(block_m=BLOCK_M, block_n=128 if wide else MIN_BLOCK_N, block_k=min(64 if wide else 128, chunk_k),
                    row_blocks=row_blocks, num_warps=4, num_stages=3)
