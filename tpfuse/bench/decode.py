@@ -3,8 +3,8 @@
 A tensor-parallel ``TPModel`` (a preset's shapes, seeded random weights, bf16) over every
 visible GPU (one process each, or torchrun's ranks). Per batch size: a prompt of
 ``--prompt`` random tokens, then ``--steps`` greedy decode steps, each step one CUDA-graph
-replay, with a KV cache of ``--context`` positions (attention spans all of them, masked
-beyond the filled ones: the cost of a context that long). Per boundary (``tpfuse.models.
+replay, with a KV cache of ``--context`` positions (decode attention reads the filled ones
+alone, ``tpfuse.invariant_attention``, in every model). Per boundary (``tpfuse.models.
 boundary``: "torch", "symm_mem", "split", "fused", and "torch"/"fused" under
 ``torch.compile`` at ``--compile-batches``): ms per decode step (median over the steps,
 slowest rank), tokens per second, and the share of the step spent at the layer boundary

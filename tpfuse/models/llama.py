@@ -4,8 +4,9 @@ Megatron-style tensor parallelism over a ``tpfuse.Communicator`` of W ranks, eve
 holding 1/W of each block:
 
 - attention: q, k and v in one column-parallel projection (rank r holds query heads
-  [r * H/W, (r + 1) * H/W) and the matching kv heads), rotary embedding, causal attention
-  with grouped-query heads, then the row-parallel o_proj, which leaves a partial sum;
+  [r * H/W, (r + 1) * H/W) and the matching kv heads), rotary embedding and the KV-cache
+  write in one kernel, causal attention with grouped-query heads (decode steps over the
+  filled cache positions alone), then the row-parallel o_proj, which leaves a partial sum;
 - MLP: gate and up in one column-parallel projection, the activation, the row-parallel
   down_proj (a partial sum);
 - each partial sum goes through the layer boundary (``tpfuse.models.boundary``: all-reduce,
@@ -101,10 +102,13 @@ class TPModel(nn.Module):
             layer's G chunks, all-reduced in fp32 over the ranks' tree and rounded once before
             the residual add (the "split" composition, whatever ``boundary`` says: the fused
             kernel takes one dtype; at one rank the GEMM rounds, the same bits), and attention
-            through ``tpfuse.invariant_attention`` (1.3), over the KV cache in prefill as in decode. The logits then have the same bits
-            at every TP size, alone and in a batch, and from a prefill as from the decode steps
-            (tests/test_models.py, on CPU). ``boundary`` must be "split" or "fused". bf16 or
-            fp16 weights.
+            through ``tpfuse.invariant_attention`` (1.3) in prefill too, over the KV cache as
+            in decode. The logits then have the same bits at every TP size, alone and in a
+            batch, and from a prefill as from the decode steps (tests/test_models.py).
+            ``boundary`` must be "split" or "fused". bf16 or fp16 weights. (Every bf16 or fp16
+            model's decode steps attend through ``tpfuse.invariant_attention``, over the filled
+            cache positions alone; a plain model's prefill, and an fp32 model's decode, through
+            torch's SDPA.)
         sequence_parallel: prefill with the residual stream split over the ranks (Megatron's
             sequence parallelism): each boundary a reduce-scatter + residual add + RMSNorm of
             the rank's rows and an all-gather (``Communicator.reduce_scatter_add_rms_norm``,
@@ -306,9 +310,9 @@ class TPModel(nn.Module):
         """Attention's partial sum for this rank's heads; cos and sin: the rope tables, row p for
         position p. Prefill (pos None): causal over h's own tokens (positions from 0), written
         into ``cache`` ([B, kv_heads, S, head_dim] k and v) when given. Decode (pos: [B] int64,
-        each sequence's position; h: [B, 1, hidden]; mask: [B, 1, 1, S] bool, each sequence's
-        positions up to its pos): writes k, v at pos and attends to the cache under the mask.
-        start: [B] int32, pos or (prefill) zeros."""
+        each sequence's position; h: [B, 1, hidden]): writes k, v at pos and attends to each
+        sequence's cache positions up to its pos (an fp32 model under ``mask``, [B, 1, 1, S]
+        bool). start: [B] int32, pos or (prefill) zeros."""
         c, s = self.config, self.shard
         b, t, _ = h.shape
         d = c.head_dim
@@ -321,14 +325,18 @@ class TPModel(nn.Module):
         keys, values = cache if cache is not None else (qk.new_empty(b, s.kv_heads, t, d) for _ in range(2))
         q = rope_and_cache(qk, v, cos, sin, start, keys, values)
         scale = d ** -0.5
-        if self.invariant:  # over the cache in prefill too, as the decode steps: the same bits at each position
+        if self.invariant or (pos is not None and mask is None):
+            # Decode: tpfuse's attention over the filled positions only (SDPA would read the
+            # whole cache under a mask: 4x its time at batch 1). An invariant model's prefill
+            # too, over the cache as the decode steps: the same bits at each position.
             o = invariant_attention(q, keys, values, start, scale)
         elif pos is None:
             o = F.scaled_dot_product_attention(q, keys[:, :, :t], values[:, :, :t], is_causal=True, scale=scale,
                                                enable_gqa=s.heads != s.kv_heads)
         else:
-            # One query token: each kv head's query heads become its "query rows", so the
-            # cache is read once per kv head, with no expansion to every query head.
+            # An fp32 model's decode (tpfuse's attention takes bf16 and fp16): the whole cache,
+            # masked. Each kv head's query heads become its "query rows", so the cache is read
+            # once per kv head, with no expansion to every query head.
             group = s.heads // s.kv_heads
             o = F.scaled_dot_product_attention(q.reshape(b, s.kv_heads, group, d), keys, values, attn_mask=mask,
                                                scale=scale)
@@ -379,7 +387,7 @@ class TPModel(nn.Module):
         c = self.config
         eps, offset = c.rms_norm_eps, c.norm_weight_offset
         mask = None
-        if pos is not None:  # decode: each sequence's cache positions up to its pos, for every layer
+        if pos is not None and self.dtype == torch.float32:  # each sequence's cache positions up to its pos
             mask = (torch.arange(caches[0][0].shape[2], device=ids.device) <= pos[:, None]).view(len(pos), 1, 1, -1)
         # Each sequence's first position, int32 once per call (the attention op would cast per layer).
         start = pos.to(torch.int32) if pos is not None else torch.zeros(ids.shape[0], dtype=torch.int32,
@@ -471,8 +479,9 @@ class TPModel(nn.Module):
         [B, max_new_tokens, vocab] each new token was picked from. The decode step runs as a
         captured CUDA graph (``cuda_graph``, default on CUDA) and, with ``compile``, compiled by
         ``torch.compile(fullgraph=True)`` (True: inductor; a string names another backend). A
-        new (batch, length, cuda_graph, compile) or boundary captures a new step; the same arguments reuse it. A compiled step stays in
-        torch.compile's cache, and with it its KV cache, until ``torch._dynamo.reset()``."""
+        new (batch, length, cuda_graph, compile) or boundary captures a new step; the same
+        arguments reuse it. A compiled step stays in torch.compile's cache, and with it its KV
+        cache, until ``torch._dynamo.reset()``."""
         t = self._check_ids(input_ids, max_new_tokens)
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
