@@ -5,8 +5,8 @@
     python scripts/tune_linear.py [--out DIR] [--batches 1 64] [--jobs 16]
 
 Per Llama-3-8B layer (TP=1, and TP=2's row-parallel shards, whose chunks and fp32 partials
-differ), per M: every configuration of the grid below, each checked bit for bit against the
-library's own configuration (a configuration changes no bit, LinearConfig says: this is where
+differ), per M: every configuration of the grid below, each checked bit for bit (fp32 sums)
+against the library's own configuration (a configuration changes no bit, LinearConfig says: this is where
 that is measured) and timed graph-replayed, beside cuBLAS's F.linear. The kernels are
 compiled first in --jobs processes (into Triton's cache; N is only specialised by its
 divisibility, so small stand-ins of the weights serve), then timed in this one.
@@ -79,7 +79,8 @@ def _compile(work: list[tuple]) -> int:
 
 
 def measure(batches: list[int], jobs: int) -> list[dict]:
-    work = [(f, k, c, o, m) for m in batches for f in grid(m) for k, c, o in {(k, c, o) for _, _, k, _, c, o in LAYERS}]
+    keys = {(k, c, d) for _, _, k, _, c, o in LAYERS for d in (o, torch.float32)}  # fp32: the bits check
+    work = [(f, k, c, o, m) for m in batches for f in grid(m) for k, c, o in keys]
     with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as pool:
         compiled = sum(pool.map(_compile, [work[i::jobs] for i in range(jobs)]))
     print(f"compiled {compiled} of {len(work)}", flush=True)
@@ -89,16 +90,20 @@ def measure(batches: list[int], jobs: int) -> list[dict]:
         for m in batches:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             use(None)
-            want = tpfuse.invariant_matmul(x, ws[0], chunks, out_dtype)
+            # Bits compared on the fp32 sums (a bf16 output would hide most one-ulp differences);
+            # calls timed with a kept counters buffer, as the model makes them.
+            want = tpfuse.invariant_matmul(x, ws[0], chunks, torch.float32)
+            counters = torch.zeros(linear.counters_for(n, k, chunks), dtype=torch.int32, device="cuda")
             base = dict(tp=tp, layer=name, k=k, n=n, chunks=chunks, m=m)
             torch_us = graph_time_us(lambda i: F.linear(x, ws[i % len(ws)]))
             library = dataclasses.asdict(LIBRARY(m, n, chunks, k // chunks))
             for fields in [None] + grid(m):
                 use(fields)
                 try:
-                    out = tpfuse.invariant_matmul(x, ws[0], chunks, out_dtype)
-                    alone = tpfuse.invariant_matmul(x[:1], ws[0], chunks, out_dtype)
-                    us = graph_time_us(lambda i: tpfuse.invariant_matmul(x, ws[i % len(ws)], chunks, out_dtype))
+                    out = tpfuse.invariant_matmul(x, ws[0], chunks, torch.float32)
+                    alone = tpfuse.invariant_matmul(x[:1], ws[0], chunks, torch.float32)
+                    us = graph_time_us(lambda i: tpfuse.invariant_matmul(x, ws[i % len(ws)], chunks, out_dtype,
+                                                                         counters))
                 except Exception as e:
                     print(f"{name} m={m} {fields}: {type(e).__name__}", flush=True)
                     continue

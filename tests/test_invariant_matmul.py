@@ -97,6 +97,37 @@ def test_a_kept_counters_buffer_is_left_zero_and_changes_no_bit(monkeypatch):
         tpfuse.invariant_matmul(x, w, 8, None, counters.long())
 
 
+@pytest.mark.parametrize("k, n, chunks, m", [(256, 96, 2, 130)] + (
+    [(4096, 4096, 8, 256), (2048, 4096, 4, 100)] if ON_GPU else []))
+def test_a_kept_counters_buffer_serves_many_row_groups_and_wide_blocks(k, n, chunks, m):
+    """Row groups past the first (their counts sit further in the buffer), and on GPUs the
+    128-column configuration: the same bits as without the buffer, which is zero after."""
+    from tpfuse.kernels import linear
+
+    counters = torch.zeros(linear.counters_for(n, k, chunks), dtype=torch.int32, device=DEVICE)
+    for seed in (1, 2):
+        x, w = _operands(k, n, m, seed)
+        want = tpfuse.invariant_matmul(x, w, chunks, torch.float32)
+        assert torch.equal(tpfuse.invariant_matmul(x, w, chunks, torch.float32, counters), want)
+        assert not counters.any()
+
+
+def test_counters_for_covers_every_launch(monkeypatch):
+    """counters_for(n, k, chunks) >= the tiles of any launch, with the GPUs' configurations
+    (the interpreter's never widen), at M = 1-300 and a launch's most rows (past 64 rows the
+    row groups only grow with M)."""
+    from tpfuse.kernels import linear
+
+    monkeypatch.setattr(linear, "_INTERPRETER", False)
+    for k, n, chunks in [(4096, 4096, 8), (4096, 28672, 8), (2048, 4096, 4), (14336, 4096, 8), (4096, 128256, 8),
+                         (256, 96, 2), (512, 40, 4)]:
+        bound = linear.counters_for(n, k, chunks)
+        most = linear._slice_rows(n, chunks)
+        for m in [*range(1, min(most, 300) + 1), most]:  # the configurations change below 65 rows
+            groups, blocks = linear._tiles(m, n, linear.LinearConfig.for_shape(m, n, chunks, k // chunks))
+            assert groups * blocks <= bound, (k, n, chunks, m)
+
+
 def test_layer_chunks_are_served():
     from tpfuse.kernels.linear import check_chunks, layer_chunks
 

@@ -40,7 +40,7 @@ def _empty_out(x: Tensor, weight: Tensor, out_dtype: Optional[torch.dtype]) -> T
 # counters is scratch the kernel leaves as it found it (zeros): not a mutated argument.
 @torch.library.custom_op("tpfuse::invariant_matmul", mutates_args=())
 def _invariant_matmul_op(x: Tensor, weight: Tensor, chunks: int, out_dtype: Optional[torch.dtype],
-                         counters: Optional[Tensor]) -> Tensor:
+                         counters: Optional[Tensor] = None) -> Tensor:
     _check_args(x, weight, chunks, out_dtype, counters)  # for callers of torch.ops.tpfuse.invariant_matmul too
     out = _empty_out(x, weight, out_dtype)
     if out.numel():
@@ -51,7 +51,7 @@ def _invariant_matmul_op(x: Tensor, weight: Tensor, chunks: int, out_dtype: Opti
 
 
 @_invariant_matmul_op.register_fake
-def _(x, weight, chunks, out_dtype, counters):
+def _(x, weight, chunks, out_dtype, counters=None):
     _check_args(x, weight, chunks, out_dtype, counters)
     return _empty_out(x, weight, out_dtype)
 

@@ -52,9 +52,10 @@ would otherwise take GBs for an LM head); more rows go through in slices."""
 class LinearConfig:
     """The launch configuration of one ``invariant_matmul`` launch. None of it changes a bit:
     every row block is its own 16-row dot chaining its chunk's k16 mma steps in order, whatever
-    the blocks around it or BLOCK_K (the GPU tests compare rows alone and in batches, which
-    take other configurations; scripts/tune_linear.py compared 52-88 configurations per
-    layer and M on an H200: every one gave the library's bits)."""
+    the blocks around it or BLOCK_K (the GPU tests compare the fp32 sums of rows alone and in
+    batches, which take other configurations; scripts/tune_linear.py compared 36-72
+    configurations of 16-row dots per layer and M with the library's on an H200, the outputs
+    of TP=1's layers in bf16 and TP=2's fp32 partials: the same bits every time)."""
 
     block_m: int
     """Rows of one dot: BLOCK_M (16), one mma.m16n8k16 row block. (64, a wgmma tile, would
@@ -130,6 +131,7 @@ def _chunk_partials(X, Wt, rows0, cols, M, N, K, k0, CHUNK_K: tl.constexpr, BLOC
     """A tuple of ROW_BLOCKS fp32 [BLOCK_M, BLOCK_N] tiles: the row blocks from rows0 on, times
     cols, of x @ w.T over K columns [k0, k0 + CHUNK_K), in BLOCK_K steps, in order. Each weight
     block is loaded once per step and used by every row block, each its own 16-row dot."""
+    tl.static_assert(CHUNK_K % BLOCK_K == 0, "the K step must divide the chunk (its loads are not masked)")
     BLOCK_M: tl.constexpr = rows0.shape[0]
     accs = ()
     for _ in tl.static_range(ROW_BLOCKS):
@@ -199,9 +201,10 @@ def _launch(x2: torch.Tensor, w: torch.Tensor, out: torch.Tensor, chunks: int, c
     cfg = LinearConfig.for_shape(m, n, chunks, chunk_k)
     groups, blocks = _tiles(m, n, cfg)
     partial = torch.empty((chunks, m, n) if chunks > 1 else (1,), dtype=torch.float32, device=x2.device)
-    tiles = groups * blocks if chunks > 1 else 1
-    if counters is None or counters.numel() < tiles:
-        counters = torch.zeros(tiles, dtype=torch.int32, device=x2.device)
+    if chunks == 1:  # no counts read
+        counters = torch.empty(1, dtype=torch.int32, device=x2.device)
+    elif counters is None or counters.numel() < groups * blocks:
+        counters = torch.zeros(groups * blocks, dtype=torch.int32, device=x2.device)
     invariant_matmul_kernel[(groups, blocks, chunks)](
         X=x2, Wt=w, OUT=out, PARTIAL=partial, COUNTS=counters, M=m, N=n, K=k, CHUNKS=chunks, CHUNK_K=chunk_k,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROW_BLOCKS=cfg.row_blocks,

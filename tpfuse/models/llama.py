@@ -157,11 +157,15 @@ class TPModel(nn.Module):
         self.inv_freq = torch.empty(config.head_dim // 2, dtype=torch.float32, device=device)
         # The invariant GEMMs' per-tile counts, one buffer for every call (each leaves it zero):
         # no zeroing kernel per projection.
-        self._counters = None
+        counters = None
         if invariant:
             weights = [(getattr(self.layers[0], name), name) for name in PROJECTIONS] + [(self.lm_head, "lm_head")]
             size = max(counters_for(*w.shape, self._chunks(w, name)) for w, name in weights)
-            self._counters = torch.zeros(size, dtype=torch.int32, device=device)
+            counters = torch.zeros(size, dtype=torch.int32, device=device)
+        self.register_buffer("_counters", counters, persistent=False)
+        # Decode attention: tpfuse's kernel (bf16, fp16) over the filled positions, else SDPA
+        # over the whole cache under a mask.
+        self._decode_kernel = dtype in (torch.bfloat16, torch.float16)
         self.rope_scaling = 1.0  # cos and sin are multiplied by it (Hugging Face's attention_scaling)
         self._rope_cache: tuple[int, Tensor, Tensor] | None = None
         self._session: DecodeSession | None = None
@@ -325,7 +329,7 @@ class TPModel(nn.Module):
         keys, values = cache if cache is not None else (qk.new_empty(b, s.kv_heads, t, d) for _ in range(2))
         q = rope_and_cache(qk, v, cos, sin, start, keys, values)
         scale = d ** -0.5
-        if self.invariant or (pos is not None and mask is None):
+        if self.invariant or (pos is not None and self._decode_kernel):
             # Decode: tpfuse's attention over the filled positions only (SDPA would read the
             # whole cache under a mask: 4x its time at batch 1). An invariant model's prefill
             # too, over the cache as the decode steps: the same bits at each position.
@@ -387,7 +391,7 @@ class TPModel(nn.Module):
         c = self.config
         eps, offset = c.rms_norm_eps, c.norm_weight_offset
         mask = None
-        if pos is not None and self.dtype == torch.float32:  # each sequence's cache positions up to its pos
+        if pos is not None and not self._decode_kernel:  # each sequence's cache positions up to its pos
             mask = (torch.arange(caches[0][0].shape[2], device=ids.device) <= pos[:, None]).view(len(pos), 1, 1, -1)
         # Each sequence's first position, int32 once per call (the attention op would cast per layer).
         start = pos.to(torch.int32) if pos is not None else torch.zeros(ids.shape[0], dtype=torch.int32,
