@@ -19,7 +19,8 @@ oneshot_lamport: the one-shot kernel over LL and Lamport words; _whole: with who
 the reduced operand's type with its layout attribute written out. A case with "report": "guards" reports a
 collective kernel's warps and the layouts of its waits' stop decisions (tests/test_guard_layouts.py,
 ``guard_reductions``); "report": "spins", the Lamport one-shot's per-thread spins
-(``lamport_spins``). A case with "kernel":
+(``lamport_spins``); "report": "matmul", invariant_matmul's tensor-core instructions
+(``matmul_instructions``). A case with "kernel":
 "backward" (or "chunked", the same for rows over 16384) or "forward" reports instead that
 norm kernel's registers and spill bytes per thread from ptxas (tests/test_norm_registers.py);
 one with "report": "reductions", the backward kernel's warps and row-reduction layouts
@@ -58,6 +59,7 @@ from tpfuse.kernels.fused import all_reduce_norm_into, ll_pieces, rows_pieces  #
 from tpfuse.kernels import norm_bwd_chunked  # noqa: E402
 from tpfuse.kernels.norm import NormConfig, rms_norm_fwd  # noqa: E402
 from tpfuse.kernels.norm_bwd import rms_norm_bwd  # noqa: E402
+from tpfuse.kernels.linear import invariant_matmul_into  # noqa: E402
 from tpfuse.kernels import quant_fp8  # noqa: E402
 from tpfuse.fp8_ops import fp8_outputs  # noqa: E402
 from tpfuse.kernels.quant_fp8 import Fp8Output  # noqa: E402
@@ -256,6 +258,19 @@ def kernel_registers(case: dict) -> dict:
             "spill_bytes": int(re.search(r"(\d+) bytes spill stores", report).group(1))}
 
 
+def matmul_instructions(case: dict) -> dict:
+    """The tensor-core instructions of ``invariant_matmul``'s kernel for x [m, k] bf16 and a
+    weight [n, k] in ``chunks`` chunks, out dtype ``out``, in the configuration the library
+    picks there (tests/test_invariant_matmul.py)."""
+    x = torch.empty(case["m"], case["k"], dtype=torch.bfloat16)
+    w = torch.empty(case["n"], case["k"], dtype=torch.bfloat16)
+    out = torch.empty(case["m"], case["n"], dtype=DTYPES[case["out"]])
+    kernel, kwargs = _launch_args(lambda: invariant_matmul_into(x, w, out, case["chunks"]))
+    ptx = _compile(kernel, kwargs).asm["ptx"]
+    return {"case": case, "block_n": kwargs["BLOCK_N"], "row_blocks": kwargs["ROW_BLOCKS"],
+            "mma": sorted(set(re.findall(r"\b(wgmma\.mma_async\S*|mma\.sync\.aligned\.\S+)", ptx)))}
+
+
 def guard_reductions(case: dict) -> dict:
     """The warps of the collective kernel ``case["kernel"]`` and, for each of its
     ``sync.give_up`` reductions (over CTA_LANES int32 lanes), the warps its layout spans and the
@@ -336,6 +351,6 @@ def lamport_spins(case: dict) -> dict:
 
 if __name__ == "__main__":
     report = {"registers": kernel_registers, "reductions": backward_reductions, "layouts": layouts_for,
-              "guards": guard_reductions, "spins": lamport_spins}
+              "guards": guard_reductions, "spins": lamport_spins, "matmul": matmul_instructions}
     for c in json.loads(sys.argv[1]):
         print(json.dumps(report[c.get("report", "registers" if "kernel" in c else "layouts")](c)), flush=True)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tpfuse
-from tests.conftest import DEVICE, ON_GPU
+from tests.conftest import DEVICE, ON_GPU, compile_for_sm90
 from tpfuse import reference
 
 # (K, N, chunks): tiny ones for the interpreter; Llama-3-8B's layers at TP=2 on GPUs.
@@ -126,6 +126,20 @@ def test_counters_for_covers_every_launch(monkeypatch):
         for m in [*range(1, min(most, 300) + 1), most]:  # the configurations change below 65 rows
             groups, blocks = linear._tiles(m, n, linear.LinearConfig.for_shape(m, n, chunks, k // chunks))
             assert groups * blocks <= bound, (k, n, chunks, m)
+
+
+def test_every_configuration_the_library_picks_sums_with_one_mma_instruction():
+    """Compiled for sm_90 on any machine (tests/sm90_layouts.py): at M = 1 and 64, whose
+    configurations differ (64- and 128-column blocks), the kernel's only tensor-core
+    instruction is mma.m16n8k16 with fp32 accumulation, never wgmma. The configuration may
+    follow M only while every M sums with the same instruction."""
+    cases = [dict(report="matmul", m=m, n=n, k=k, chunks=chunks, out=out) for m in (1, 64)
+             for n, k, chunks, out in [(4096, 4096, 8, "bf16"), (4096, 2048, 4, "fp32")]]
+    reports = compile_for_sm90(cases)
+    assert [r["case"] for r in reports] == cases
+    assert {r["block_n"] for r in reports} == {64, 128}, reports  # both configurations were compiled
+    for r in reports:
+        assert r["mma"] == ["mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"], r
 
 
 def test_layer_chunks_are_served():
