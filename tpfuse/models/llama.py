@@ -44,6 +44,9 @@ from tpfuse.models.fp8 import PROJECTIONS, Fp8Activation, fp8_linear, quantize_w
 from tpfuse.rope_ops import rope_and_cache
 from tpfuse.sampling_ops import sample, token_log_probs
 
+ROW_PARALLEL = ("o_proj", "down_proj")
+"""The projections whose K is split over the ranks (each leaves a partial sum)."""
+
 Tensor = torch.Tensor
 logger = logging.getLogger("tpfuse.models")
 
@@ -159,13 +162,11 @@ class TPModel(nn.Module):
         # no zeroing kernel per projection.
         counters = None
         if invariant:
-            weights = [(getattr(self.layers[0], name), name) for name in PROJECTIONS] + [(self.lm_head, "lm_head")]
-            size = max(counters_for(*w.shape, self._chunks(w, name)) for w, name in weights)
+            projections = [(getattr(self.layers[0], name), name in ROW_PARALLEL) for name in PROJECTIONS]
+            size = max(counters_for(*w.shape, self._chunks(w, row_parallel))
+                       for w, row_parallel in projections + [(self.lm_head, False)])
             counters = torch.zeros(size, dtype=torch.int32, device=device)
         self.register_buffer("_counters", counters, persistent=False)
-        # Decode attention: tpfuse's kernel (bf16, fp16) over the filled positions, else SDPA
-        # over the whole cache under a mask.
-        self._decode_kernel = dtype in (torch.bfloat16, torch.float16)
         self.rope_scaling = 1.0  # cos and sin are multiplied by it (Hugging Face's attention_scaling)
         self._rope_cache: tuple[int, Tensor, Tensor] | None = None
         self._session: DecodeSession | None = None
@@ -329,7 +330,7 @@ class TPModel(nn.Module):
         keys, values = cache if cache is not None else (qk.new_empty(b, s.kv_heads, t, d) for _ in range(2))
         q = rope_and_cache(qk, v, cos, sin, start, keys, values)
         scale = d ** -0.5
-        if self.invariant or (pos is not None and self._decode_kernel):
+        if self.invariant or (pos is not None and self._decode_kernel()):
             # Decode: tpfuse's attention over the filled positions only (SDPA would read the
             # whole cache under a mask: 4x its time at batch 1). An invariant model's prefill
             # too, over the cache as the decode steps: the same bits at each position.
@@ -358,40 +359,45 @@ class TPModel(nn.Module):
         did it)."""
         if self.fp8:
             return fp8_linear(x, getattr(layer, name), getattr(layer, name + "_scale"), bias)
-        if name in ("o_proj", "down_proj"):
-            return self._row(x, getattr(layer, name), name)
-        return self._column(x, getattr(layer, name), bias, name)
+        if name in ROW_PARALLEL:
+            return self._row(x, getattr(layer, name))
+        return self._column(x, getattr(layer, name), bias)
 
-    def _chunks(self, weight: Tensor, name: str) -> int:
-        """The invariant GEMM's chunks of projection ``name``: its layer's G, of which a
-        row-parallel shard holds G / W."""
-        world = self.shard.world_size if name in ("o_proj", "down_proj") else 1
+    def _decode_kernel(self) -> bool:
+        """Whether decode attention runs tpfuse's kernel over the filled positions (bf16, fp16)
+        rather than SDPA over the whole cache under a mask (fp32)."""
+        return self.dtype in (torch.bfloat16, torch.float16)
+
+    def _chunks(self, weight: Tensor, row_parallel: bool) -> int:
+        """The invariant GEMM's chunks of a projection: its layer's G, of which a row-parallel
+        shard holds G / W."""
+        world = self.shard.world_size if row_parallel else 1
         return layer_chunks(weight.shape[1] * world) // world
 
-    def _column(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, name: str = "column") -> Tensor:
+    def _column(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         """A column-parallel projection (its whole reduction on this rank), in x's dtype."""
         if not self.invariant:
             return F.linear(x, weight, bias)
-        chunks = self._chunks(weight, name)
+        chunks = self._chunks(weight, False)
         if bias is None:
             return invariant_matmul(x, weight, chunks, counters=self._counters)
         # The bias added in fp32 and the sum rounded once, as F.linear does.
         return (invariant_matmul(x, weight, chunks, torch.float32, self._counters) + bias.float()).to(x.dtype)
 
-    def _row(self, x: Tensor, weight: Tensor, name: str) -> Tensor:
+    def _row(self, x: Tensor, weight: Tensor) -> Tensor:
         """A row-parallel projection: this rank's partial sum (invariant: fp32, G / W chunks,
         for the all-reduce to round once; at one rank rounded here, the same rounding)."""
         if not self.invariant:
             return F.linear(x, weight)
         out_dtype = torch.float32 if self.shard.world_size > 1 else x.dtype
-        return invariant_matmul(x, weight, self._chunks(weight, name), out_dtype, self._counters)
+        return invariant_matmul(x, weight, self._chunks(weight, True), out_dtype, self._counters)
 
     def _hidden(self, ids: Tensor, cos: Tensor, sin: Tensor, caches, pos) -> Tensor:
         """The final-normed hidden states [B, T, hidden] of ``ids`` [B, T]."""
         c = self.config
         eps, offset = c.rms_norm_eps, c.norm_weight_offset
         mask = None
-        if pos is not None and not self._decode_kernel:  # each sequence's cache positions up to its pos
+        if pos is not None and not self._decode_kernel():  # each sequence's cache positions up to its pos
             mask = (torch.arange(caches[0][0].shape[2], device=ids.device) <= pos[:, None]).view(len(pos), 1, 1, -1)
         # Each sequence's first position, int32 once per call (the attention op would cast per layer).
         start = pos.to(torch.int32) if pos is not None else torch.zeros(ids.shape[0], dtype=torch.int32,
