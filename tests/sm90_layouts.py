@@ -247,28 +247,41 @@ def kernel_registers(case: dict) -> dict:
     ("backward", or "forward": add_rms_norm's) of (dtype, n, rows), with ``case["config"]``
     (NormConfig fields) overriding the tile config."""
     kernel, kwargs = _norm_kernel_launch(case)
-    ptx = _compile(kernel, kwargs).asm["ptx"]
+    return {"case": case, **_ptxas_usage(_compile(kernel, kwargs).asm["ptx"])}
+
+
+def _ptxas_usage(ptx: str) -> dict:
+    """ptxas's registers per thread and spill-store bytes for sm_90a."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.ptx")
         with open(path, "w") as f:
             f.write(ptx)
         report = subprocess.run([get_ptxas(TARGET.arch).path, f"-arch=sm_{TARGET.arch}a", "-v", path, "-o",
                                  os.path.join(tmp, "kernel.cubin")], capture_output=True, text=True, check=True).stderr
-    return {"case": case, "registers": int(re.search(r"Used (\d+) registers", report).group(1)),
+    return {"registers": int(re.search(r"Used (\d+) registers", report).group(1)),
             "spill_bytes": int(re.search(r"(\d+) bytes spill stores", report).group(1))}
 
 
 def matmul_instructions(case: dict) -> dict:
     """The tensor-core instructions of ``invariant_matmul``'s kernel for x [m, k] bf16 and a
     weight [n, k] in ``chunks`` chunks, out dtype ``out``, in the configuration the library
-    picks there (tests/test_invariant_matmul.py)."""
+    picks there, or with ``case["config"]`` (LinearConfig fields) over it, and ptxas's spill
+    bytes per thread (tests/test_invariant_matmul.py)."""
+    from tpfuse.kernels.linear import LinearConfig
+
     x = torch.empty(case["m"], case["k"], dtype=torch.bfloat16)
     w = torch.empty(case["n"], case["k"], dtype=torch.bfloat16)
     out = torch.empty(case["m"], case["n"], dtype=DTYPES[case["out"]])
-    kernel, kwargs = _launch_args(lambda: invariant_matmul_into(x, w, out, case["chunks"]))
+    base = LinearConfig.for_shape
+    LinearConfig.for_shape = staticmethod(lambda *shape: dataclasses.replace(base(*shape), **case.get("config", {})))
+    try:
+        kernel, kwargs = _launch_args(lambda: invariant_matmul_into(x, w, out, case["chunks"]))
+    finally:
+        LinearConfig.for_shape = staticmethod(base)
     ptx = _compile(kernel, kwargs).asm["ptx"]
-    return {"case": case, "block_n": kwargs["BLOCK_N"], "row_blocks": kwargs["ROW_BLOCKS"],
-            "mma": sorted(set(re.findall(r"\b(wgmma\.mma_async\S*|mma\.sync\.aligned\.\S+)", ptx)))}
+    return {"case": case, "block_n": kwargs["BLOCK_N"], "row_blocks": kwargs["ROW_BLOCKS"], "split": kwargs["SPLIT"],
+            "mma": sorted(set(re.findall(r"\b(wgmma\.mma_async\S*|mma\.sync\.aligned\.\S+)", ptx))),
+            **_ptxas_usage(ptx)}
 
 
 def guard_reductions(case: dict) -> dict:

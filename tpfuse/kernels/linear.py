@@ -9,11 +9,12 @@ the interpreter's differs from a GPU's):
   summed by the same tensor-core instructions whether it is alone or one of many, and no
   split of K chosen from the shape; the rest of the launch configuration (``LinearConfig``)
   changes no bit;
-- K is cut into ``chunks`` equal chunks; a CTA sums one chunk of one (row block, column
-  block) tile in BLOCK_K steps, in order, into an fp32 accumulator, and the chunks' fp32
-  partials are added over the pairwise tree (``peer.tree_sum``) by the last CTA of the tile
-  to arrive (an acq_rel count per tile: the deterministic last-CTA pattern, one launch),
-  which also sets the tile's count back to zero: a caller's counters buffer
+- K is cut into ``chunks`` equal chunks, each summed in BLOCK_K steps, in order, into an fp32
+  accumulator of its own, and the chunks' fp32 partials are added over the pairwise tree
+  (``peer.tree_sum``). A CTA sums a run of consecutive chunks (a subtree: each half first,
+  then the two added); where ``LinearConfig.split`` CTAs share a tile's chunks, the last of
+  them to arrive adds their subtrees (an acq_rel count per tile: the deterministic last-CTA
+  pattern, one launch) and sets the tile's count back to zero: a caller's counters buffer
   (``counters_for``) serves every later launch without a zeroing kernel of its own.
 
 The tree is what makes the result TP-invariant: a row-parallel layer over t ranks gives each
@@ -23,8 +24,11 @@ rank's result is a subtree of the G-chunk tree, and the all-reduce's tree over t
 ``invariant_matmul(x, weight, G)`` (tests/test_invariant_matmul.py).
 
 The chunks also spread a decode-sized product (M of 1 to 16) over enough CTAs to stream the
-weights: G = 8 gives N / 64 * 8 CTAs. For larger M a CTA applies each weight block it loads
-to up to 4 row blocks, each its own 16-row dot (``LinearConfig.row_blocks``).
+weights: G = 8 CTAs a tile give N / 64 * 8 CTAs. Where the tiles alone fill the GPU, fewer
+CTAs share a tile's chunks, down to one, and fewer fp32 partials make the round trip through
+memory (at G = 8 and M = 64 they were half of gate_up's weight bytes). For larger M a CTA
+applies each weight block it loads to up to 4 row blocks, each its own 16-row dot
+(``LinearConfig.row_blocks``).
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ BLOCK_M = 16
 MIN_BLOCK_N = 64
 """The narrowest column block ``LinearConfig.for_shape`` picks."""
 MAX_CHUNKS = 8
+MIN_CTAS = 512
+"""Past 32 rows, fewer CTAs share a tile's chunks (``LinearConfig.split``) while this many remain."""
 PARTIAL_BYTES = 256 << 20
 """The most bytes of fp32 chunk partials one launch writes (a prefill of thousands of rows
 would otherwise take GBs for an LM head); more rows go through in slices."""
@@ -64,6 +70,9 @@ class LinearConfig:
     block_k: int
     row_blocks: int
     """Row blocks a CTA sums with each weight block it loads: how often the weights are read."""
+    split: int
+    """CTAs sharing one tile's chunks (a power of two dividing them), each summing a run of
+    chunks / split: enough CTAs to fill the GPU, no more fp32 partials than that takes."""
     num_warps: int
     num_stages: int
 
@@ -73,13 +82,19 @@ class LinearConfig:
         32 (scripts/tune_linear.py, benchmarks/NOTES.md). A CTA takes up to 4 row blocks; with
         4 (more than 32 rows), 128 columns in steps of 64 where that leaves 256 CTAs or more
         (16% off a TP=1 step's GEMMs at M = 64; with fewer, TP=2's row-parallel shards, it
-        was slower). Under the interpreter, which sums a dot's K in one numpy product (its
-        bits follow BLOCK_K), the blocks never change."""
+        was slower), and past 32 rows as few CTAs a tile as leave MIN_CTAS. Under the
+        interpreter, which sums a dot's K in one numpy product (its bits follow BLOCK_K), the
+        blocks never change."""
         row_blocks = min(4, triton.next_power_of_2(triton.cdiv(m, BLOCK_M)))
-        wide = (row_blocks == 4 and not _INTERPRETER
-                and triton.cdiv(m, BLOCK_M * row_blocks) * triton.cdiv(n, 128) * chunks >= 256)
+        tiles = triton.cdiv(m, BLOCK_M * row_blocks) * triton.cdiv(n, 128)
+        wide = row_blocks == 4 and not _INTERPRETER and tiles * chunks >= 256
+        split = chunks
+        if row_blocks == 4:
+            tiles = tiles if wide else tiles * 2  # 64-column blocks: twice the tiles
+            while split > 1 and tiles * split // 2 >= MIN_CTAS:
+                split //= 2
         return cls(block_m=BLOCK_M, block_n=128 if wide else MIN_BLOCK_N, block_k=min(64 if wide else 128, chunk_k),
-                   row_blocks=row_blocks, num_warps=4, num_stages=3)
+                   row_blocks=row_blocks, split=split, num_warps=8 if split < chunks else 4, num_stages=3)
 
 
 def _slice_rows(n: int, chunks: int) -> int:
@@ -155,6 +170,24 @@ def _chunk_partials(X, Wt, rows0, cols, M, N, K, k0, CHUNK_K: tl.constexpr, BLOC
 
 
 @triton.jit
+def _chunk_tree(X, Wt, rows0, cols, M, N, K, k0, CHUNK_K: tl.constexpr, BLOCK_K: tl.constexpr,
+                ROW_BLOCKS: tl.constexpr, LEAVES: tl.constexpr):
+    """``_chunk_partials`` of the LEAVES (a power of two) chunks from k0 on, added over the
+    pairwise tree: each half's subtree, then the two added, so that the result is a subtree
+    of ``peer.tree_sum`` over all the chunks. At most log2(LEAVES) + 1 partials are live."""
+    if LEAVES == 1:
+        return _chunk_partials(X, Wt, rows0, cols, M, N, K, k0, CHUNK_K, BLOCK_K, ROW_BLOCKS)
+    else:
+        HALF: tl.constexpr = LEAVES // 2
+        left = _chunk_tree(X, Wt, rows0, cols, M, N, K, k0, CHUNK_K, BLOCK_K, ROW_BLOCKS, HALF)
+        right = _chunk_tree(X, Wt, rows0, cols, M, N, K, k0 + HALF * CHUNK_K, CHUNK_K, BLOCK_K, ROW_BLOCKS, HALF)
+        sums = ()
+        for rb in tl.static_range(ROW_BLOCKS):
+            sums = sums + (left[rb] + right[rb],)
+        return sums
+
+
+@triton.jit
 def _tile(rows, cols, M, N):
     """Offsets and mask of the rows x cols tile of an [M, N] row-major output."""
     return rows.to(tl.int64)[:, None] * N + cols[None, :], (rows < M)[:, None] & (cols < N)[None, :]
@@ -163,34 +196,38 @@ def _tile(rows, cols, M, N):
 @triton.jit(do_not_specialize=["M"])  # M == 1 compiles as any other M
 def invariant_matmul_kernel(X, Wt, OUT, PARTIAL, COUNTS, M, N, K,
                             CHUNKS: tl.constexpr, CHUNK_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCKS: tl.constexpr):
-    """Grid (groups of ROW_BLOCKS row blocks, column blocks, chunks). PARTIAL: fp32 [CHUNKS, M,
-    N]; COUNTS: int32 zeros, one per (row group, column block) tile, left zero. Each row block is its own
-    16-row dot with the same weight block: ROW_BLOCKS changes how often the weights are read,
-    never a bit of a row."""
-    pid_m, pid_n, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCKS: tl.constexpr,
+                            SPLIT: tl.constexpr):
+    """Grid (groups of ROW_BLOCKS row blocks, column blocks, SPLIT): a CTA sums CHUNKS / SPLIT
+    consecutive chunks of its tile. PARTIAL: fp32 [SPLIT, M, N] (SPLIT > 1); COUNTS: int32
+    zeros, one per (row group, column block) tile, left zero. Each row block is its own 16-row
+    dot with the same weight block: ROW_BLOCKS changes how often the weights are read, SPLIT
+    how the tree's subtrees are spread over CTAs, never a bit of a row."""
+    tl.static_assert(SPLIT <= CHUNKS and CHUNKS % SPLIT == 0, "SPLIT CTAs share a tile's chunks evenly")
+    pid_m, pid_n, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    LEAVES: tl.constexpr = CHUNKS // SPLIT
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows0 = pid_m * ROW_BLOCKS * BLOCK_M + tl.arange(0, BLOCK_M)
     size = M.to(tl.int64) * N
-    accs = _chunk_partials(X, Wt, rows0, cols, M, N, K, chunk * CHUNK_K, CHUNK_K, BLOCK_K, ROW_BLOCKS)
+    accs = _chunk_tree(X, Wt, rows0, cols, M, N, K, part * LEAVES * CHUNK_K, CHUNK_K, BLOCK_K, ROW_BLOCKS, LEAVES)
     for rb in tl.static_range(ROW_BLOCKS):
         offs, mask = _tile(rows0 + rb * BLOCK_M, cols, M, N)
-        if CHUNKS == 1:
+        if SPLIT == 1:
             tl.store(OUT + offs, round_to(accs[rb], OUT.dtype.element_ty), mask=mask)
         else:
-            tl.store(PARTIAL + chunk * size + offs, accs[rb], mask=mask)
-    if CHUNKS > 1:
+            tl.store(PARTIAL + part * size + offs, accs[rb], mask=mask)
+    if SPLIT > 1:
         tl.debug_barrier()  # every thread's partials precede the count (release)
         counter = COUNTS + pid_m * tl.num_programs(1) + pid_n
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == CHUNKS - 1:
-            # Every chunk has counted: nothing else touches the count in this launch, and the
-            # next launch on the stream starts after this one ends.
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+            # Every CTA of the tile has counted: nothing else touches the count in this launch,
+            # and the next launch on the stream starts after this one ends.
             tl.store(counter, 0)
             for rb in tl.static_range(ROW_BLOCKS):
                 offs, mask = _tile(rows0 + rb * BLOCK_M, cols, M, N)
                 parts = ()
-                for c in tl.static_range(CHUNKS):
-                    parts = parts + (tl.load(PARTIAL + c * size + offs, mask=mask, other=0.0, cache_modifier=".cg"),)
+                for p in tl.static_range(SPLIT):
+                    parts = parts + (tl.load(PARTIAL + p * size + offs, mask=mask, other=0.0, cache_modifier=".cg"),)
                 tl.store(OUT + offs, round_to(tree_sum(parts), OUT.dtype.element_ty), mask=mask)
 
 
@@ -200,15 +237,15 @@ def _launch(x2: torch.Tensor, w: torch.Tensor, out: torch.Tensor, chunks: int, c
     (m, k), n = x2.shape, w.shape[0]
     cfg = LinearConfig.for_shape(m, n, chunks, chunk_k)
     groups, blocks = _tiles(m, n, cfg)
-    partial = torch.empty((chunks, m, n) if chunks > 1 else (1,), dtype=torch.float32, device=x2.device)
-    if chunks == 1:  # no counts read
+    partial = torch.empty((cfg.split, m, n) if cfg.split > 1 else (1,), dtype=torch.float32, device=x2.device)
+    if cfg.split == 1:  # no counts read
         counters = torch.empty(1, dtype=torch.int32, device=x2.device)
     elif counters is None or counters.numel() < groups * blocks:
         counters = torch.zeros(groups * blocks, dtype=torch.int32, device=x2.device)
-    invariant_matmul_kernel[(groups, blocks, chunks)](
+    invariant_matmul_kernel[(groups, blocks, cfg.split)](
         X=x2, Wt=w, OUT=out, PARTIAL=partial, COUNTS=counters, M=m, N=n, K=k, CHUNKS=chunks, CHUNK_K=chunk_k,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROW_BLOCKS=cfg.row_blocks,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **EXACT_FP)
+        SPLIT=cfg.split, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **EXACT_FP)
 
 
 def invariant_matmul_into(x2: torch.Tensor, w: torch.Tensor, out: torch.Tensor, chunks: int,
