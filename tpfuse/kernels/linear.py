@@ -141,50 +141,69 @@ def check_chunks(k: int, chunks: int) -> int:
 
 
 @triton.jit
-def _chunk_partials(X, Wt, rows0, cols, M, N, K, k0, CHUNK_K: tl.constexpr, BLOCK_K: tl.constexpr,
-                    ROW_BLOCKS: tl.constexpr):
-    """A tuple of ROW_BLOCKS fp32 [BLOCK_M, BLOCK_N] tiles: the row blocks from rows0 on, times
-    cols, of x @ w.T over K columns [k0, k0 + CHUNK_K), in BLOCK_K steps, in order. Each weight
-    block is loaded once per step and used by every row block, each its own 16-row dot."""
-    tl.static_assert(CHUNK_K % BLOCK_K == 0, "the K step must divide the chunk (its loads are not masked)")
-    BLOCK_M: tl.constexpr = rows0.shape[0]
-    accs = ()
-    for _ in tl.static_range(ROW_BLOCKS):
-        accs = accs + (tl.zeros([BLOCK_M, cols.shape[0]], tl.float32),)
-    ks = tl.arange(0, BLOCK_K)
-    for k in range(0, CHUNK_K, BLOCK_K):
-        b = tl.load(Wt + cols.to(tl.int64)[None, :] * K + (k0 + k + ks)[:, None], mask=(cols < N)[None, :], other=0.0)
-        if _INTERPRETER:  # numpy has no bf16 matmul: widen exactly, sum in fp32
-            b = to_f32(b)
-        new = ()
-        for rb in tl.static_range(ROW_BLOCKS):
-            rows = rows0 + rb * BLOCK_M
-            a = tl.load(X + rows.to(tl.int64)[:, None] * K + (k0 + k + ks)[None, :], mask=(rows < M)[:, None],
-                        other=0.0)
-            if _INTERPRETER:
-                new = new + (tl.dot(to_f32(a), b, accs[rb], input_precision="ieee"),)
-            else:
-                new = new + (tl.dot(a, b, accs[rb]),)
-        accs = new
-    return accs
+def _add(a, b):
+    """Two tuples of tiles, added tile by tile."""
+    sums = ()
+    for i in tl.static_range(len(a)):
+        sums = sums + (a[i] + b[i],)
+    return sums
 
 
 @triton.jit
 def _chunk_tree(X, Wt, rows0, cols, M, N, K, k0, CHUNK_K: tl.constexpr, BLOCK_K: tl.constexpr,
                 ROW_BLOCKS: tl.constexpr, LEAVES: tl.constexpr):
-    """``_chunk_partials`` of the LEAVES (a power of two) chunks from k0 on, added over the
-    pairwise tree: each half's subtree, then the two added, so that the result is a subtree
-    of ``peer.tree_sum`` over all the chunks. At most log2(LEAVES) + 1 partials are live."""
-    if LEAVES == 1:
-        return _chunk_partials(X, Wt, rows0, cols, M, N, K, k0, CHUNK_K, BLOCK_K, ROW_BLOCKS)
-    else:
-        HALF: tl.constexpr = LEAVES // 2
-        left = _chunk_tree(X, Wt, rows0, cols, M, N, K, k0, CHUNK_K, BLOCK_K, ROW_BLOCKS, HALF)
-        right = _chunk_tree(X, Wt, rows0, cols, M, N, K, k0 + HALF * CHUNK_K, CHUNK_K, BLOCK_K, ROW_BLOCKS, HALF)
-        sums = ()
+    """A tuple of ROW_BLOCKS fp32 [BLOCK_M, BLOCK_N] tiles: the row blocks from rows0 on, times
+    cols, of x @ w.T over LEAVES (1, 2, 4 or 8) chunks of CHUNK_K columns from k0, each chunk
+    summed in BLOCK_K steps, in order, from zero, and the chunks' sums added over the pairwise
+    tree (a subtree of ``peer.tree_sum``'s). Each weight block is loaded once per step and used
+    by every row block, each its own 16-row dot.
+
+    One loop over every step (one software pipeline, not one per chunk): at the end of chunk
+    c the chunk's sum is kept in a slot for its level of the tree until its sibling is done,
+    as a binary counter carries (slot 0 a chunk, 1 a pair, 2 four), and the last chunk's sum
+    is added to the kept ones after the loop: at most log2(LEAVES) kept sums."""
+    tl.static_assert(CHUNK_K % BLOCK_K == 0, "the K step must divide the chunk (its loads are not masked)")
+    BLOCK_M: tl.constexpr = rows0.shape[0]
+    STEPS: tl.constexpr = CHUNK_K // BLOCK_K
+    acc = ()
+    for _ in tl.static_range(ROW_BLOCKS):
+        acc = acc + (tl.zeros([BLOCK_M, cols.shape[0]], tl.float32),)
+    slot0, slot1, slot2 = acc, acc, acc
+    ks = tl.arange(0, BLOCK_K)
+    for step in range(0, LEAVES * STEPS):
+        k = k0 + step * BLOCK_K
+        b = tl.load(Wt + cols.to(tl.int64)[None, :] * K + (k + ks)[:, None], mask=(cols < N)[None, :], other=0.0)
+        if _INTERPRETER:  # numpy has no bf16 matmul: widen exactly, sum in fp32
+            b = to_f32(b)
+        new = ()
         for rb in tl.static_range(ROW_BLOCKS):
-            sums = sums + (left[rb] + right[rb],)
-        return sums
+            rows = rows0 + rb * BLOCK_M
+            a = tl.load(X + rows.to(tl.int64)[:, None] * K + (k + ks)[None, :], mask=(rows < M)[:, None], other=0.0)
+            if _INTERPRETER:
+                new = new + (tl.dot(to_f32(a), b, acc[rb], input_precision="ieee"),)
+            else:
+                new = new + (tl.dot(a, b, acc[rb]),)
+        acc = new
+        if LEAVES > 1:
+            c = step // STEPS
+            if step % STEPS == STEPS - 1 and c < LEAVES - 1:  # chunk c done, not the last
+                if c % 2 == 0:
+                    slot0 = acc
+                elif c % 4 == 1:
+                    slot1 = _add(slot0, acc)
+                else:  # c % 8 == 3 (7 is the last chunk at 8 leaves)
+                    slot2 = _add(slot1, _add(slot0, acc))
+                zero = ()
+                for _ in tl.static_range(ROW_BLOCKS):
+                    zero = zero + (tl.zeros([BLOCK_M, cols.shape[0]], tl.float32),)
+                acc = zero
+    if LEAVES >= 2:
+        acc = _add(slot0, acc)
+    if LEAVES >= 4:
+        acc = _add(slot1, acc)
+    if LEAVES == 8:
+        acc = _add(slot2, acc)
+    return acc
 
 
 @triton.jit
