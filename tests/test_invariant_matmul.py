@@ -129,17 +129,41 @@ def test_counters_for_covers_every_launch(monkeypatch):
 
 
 def test_every_configuration_the_library_picks_sums_with_one_mma_instruction():
-    """Compiled for sm_90 on any machine (tests/sm90_layouts.py): at M = 1 and 64, whose
-    configurations differ (64- and 128-column blocks), the kernel's only tensor-core
-    instruction is mma.m16n8k16 with fp32 accumulation, never wgmma. The configuration may
+    """Compiled for sm_90 on any machine (tests/sm90_layouts.py): at M = 1, 64 and 256, whose
+    configurations differ (64- and 128-column blocks, 1 to 8 CTAs a tile), the kernel's only
+    tensor-core instruction is mma.m16n8k16 with fp32 accumulation, never wgmma, and ptxas
+    spills nothing (kept partials of the chunks' tree take registers). The configuration may
     follow M only while every M sums with the same instruction."""
-    cases = [dict(report="matmul", m=m, n=n, k=k, chunks=chunks, out=out) for m in (1, 64)
-             for n, k, chunks, out in [(4096, 4096, 8, "bf16"), (4096, 2048, 4, "fp32")]]
+    cases = [dict(report="matmul", m=m, n=n, k=k, chunks=chunks, out=out) for m in (1, 64, 256)
+             for n, k, chunks, out in [(4096, 4096, 8, "bf16"), (28672, 4096, 8, "bf16"), (4096, 2048, 4, "fp32"),
+                                       (768, 4096, 8, "bf16")]]
     reports = compile_for_sm90(cases)
     assert [r["case"] for r in reports] == cases
-    assert {r["block_n"] for r in reports} == {64, 128}, reports  # both configurations were compiled
+    assert {r["block_n"] for r in reports} == {64, 128}, reports  # both column blocks were compiled
+    assert {r["split"] for r in reports} >= {2, 4, 8}, reports
     for r in reports:
         assert r["mma"] == ["mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"], r
+        assert r["spill_bytes"] == 0, r
+
+
+@pytest.mark.parametrize("k, n, chunks, m", [(256, 96, 8, 40), (512, 40, 4, 3), (256, 96, 2, 70)])
+def test_a_tiles_chunks_shared_by_any_number_of_ctas_give_the_same_bits(monkeypatch, k, n, chunks, m):
+    """1 to ``chunks`` CTAs a tile (``LinearConfig.split``), each summing its run of chunks
+    over its subtree of the tree and the last CTA adding the subtrees: the bits of every
+    other split, in fp32 and rounded (one CTA a tile rounds its own sums)."""
+    import dataclasses
+
+    from tpfuse.kernels import linear
+
+    x, w = _operands(k, n, m, k + m)
+    outs = {}
+    library = linear.LinearConfig.for_shape
+    for split in (1, 2, 4, 8)[:chunks.bit_length()]:
+        monkeypatch.setattr(linear.LinearConfig, "for_shape",
+                            staticmethod(lambda *shape, s=split: dataclasses.replace(library(*shape), split=s)))
+        outs[split] = (tpfuse.invariant_matmul(x, w, chunks, torch.float32), tpfuse.invariant_matmul(x, w, chunks))
+    for split, (fp32, bf16) in outs.items():
+        assert torch.equal(fp32, outs[1][0]) and torch.equal(bf16, outs[1][0].bfloat16()), split
 
 
 def test_layer_chunks_are_served():

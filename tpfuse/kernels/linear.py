@@ -47,8 +47,8 @@ BLOCK_M = 16
 MIN_BLOCK_N = 64
 """The narrowest column block ``LinearConfig.for_shape`` picks."""
 MAX_CHUNKS = 8
-MIN_CTAS = 512
-"""Past 32 rows, fewer CTAs share a tile's chunks (``LinearConfig.split``) while this many remain."""
+MIN_CTAS = 256
+"""``LinearConfig.for_shape`` spreads a product over more CTAs while it has fewer than this."""
 PARTIAL_BYTES = 256 << 20
 """The most bytes of fp32 chunk partials one launch writes (a prefill of thousands of rows
 would otherwise take GBs for an LM head); more rows go through in slices."""
@@ -78,23 +78,26 @@ class LinearConfig:
 
     @classmethod
     def for_shape(cls, m: int, n: int, chunks: int, chunk_k: int) -> "LinearConfig":
-        """64 columns a CTA, the chunk in steps of 128: within 2% of the fastest at M = 1 and
-        32 (scripts/tune_linear.py, benchmarks/NOTES.md). A CTA takes up to 4 row blocks; with
-        4 (more than 32 rows), 128 columns in steps of 64 where that leaves 256 CTAs or more
-        (16% off a TP=1 step's GEMMs at M = 64; with fewer, TP=2's row-parallel shards, it
-        was slower), and past 32 rows as few CTAs a tile as leave MIN_CTAS. Under the
-        interpreter, which sums a dot's K in one numpy product (its bits follow BLOCK_K), the
-        blocks never change."""
+        """The chunk in steps of 128; 64 columns a CTA, 128 past 32 rows (4 row blocks); each
+        CTA sums two chunks, and where that leaves fewer than MIN_CTAS CTAs, first 2 row blocks
+        a CTA (past 32 rows), then more CTAs a tile, down to a chunk each. Chosen from
+        scripts/tune_linear.py's sweep (H200, benchmarks/NOTES.md 2026-11-29): over Llama-3-8B's
+        TP=1 layers a step's GEMMs take 3.96, 5.73 and 16.29 ms at M = 1, 64 and 256 this way,
+        the sweep's fastest per layer 3.90, 5.52 and 16.27. Under the interpreter, which sums
+        a dot's K in one numpy product, the blocks never change (the split changes no bit there
+        either)."""
         row_blocks = min(4, triton.next_power_of_2(triton.cdiv(m, BLOCK_M)))
-        tiles = triton.cdiv(m, BLOCK_M * row_blocks) * triton.cdiv(n, 128)
-        wide = row_blocks == 4 and not _INTERPRETER and tiles * chunks >= 256
-        split = chunks
-        if row_blocks == 4:
-            tiles = tiles if wide else tiles * 2  # 64-column blocks: twice the tiles
-            while split > 1 and tiles * split // 2 >= MIN_CTAS:
-                split //= 2
-        return cls(block_m=BLOCK_M, block_n=128 if wide else MIN_BLOCK_N, block_k=min(64 if wide else 128, chunk_k),
-                   row_blocks=row_blocks, split=split, num_warps=8 if split < chunks else 4, num_stages=3)
+        block_n = 128 if row_blocks == 4 and not _INTERPRETER else MIN_BLOCK_N
+        split = max(1, chunks // 2)
+        while triton.cdiv(m, BLOCK_M * row_blocks) * triton.cdiv(n, block_n) * split < MIN_CTAS:
+            if row_blocks == 4:
+                row_blocks = 2
+            elif split < chunks:
+                split *= 2
+            else:
+                break
+        return cls(block_m=BLOCK_M, block_n=block_n, block_k=min(128, chunk_k), row_blocks=row_blocks, split=split,
+                   num_warps=4, num_stages=3)
 
 
 def _slice_rows(n: int, chunks: int) -> int:
@@ -112,9 +115,9 @@ def counters_for(n: int, k: int, chunks: int) -> int:
     (one per tile of its largest launch; 0 with one chunk): the size of a ``counters`` buffer."""
     if chunks == 1:
         return 0
-    rows = _slice_rows(n, chunks)  # the most row groups; column blocks of MIN_BLOCK_N, the most
-    cfg = LinearConfig.for_shape(rows, n, chunks, check_chunks(k, chunks))
-    return triton.cdiv(rows, cfg.block_m * cfg.row_blocks) * triton.cdiv(n, MIN_BLOCK_N)
+    check_chunks(k, chunks)
+    # The most row groups (2 row blocks each past 16 rows, one group below) and column blocks.
+    return triton.cdiv(_slice_rows(n, chunks), 2 * BLOCK_M) * triton.cdiv(n, MIN_BLOCK_N)
 
 
 def _served(k: int, chunks: int) -> bool:
