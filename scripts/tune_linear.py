@@ -2,7 +2,7 @@
 ``LinearConfig.for_shape`` (tpfuse/kernels/linear.py). Not part of the library: it patches
 ``for_shape``.
 
-    python scripts/tune_linear.py [--out DIR] [--batches 1 64] [--jobs 16]
+    python scripts/tune_linear.py [--out DIR] [--batches 1 64 256] [--jobs 16] [--block-n 64 128 ...]
 
 Per Llama-3-8B layer (TP=1, and TP=2's row-parallel shards, whose chunks and fp32 partials
 differ), per M: every configuration of the grid below, each checked bit for bit (fp32 sums)
@@ -38,13 +38,17 @@ LAYERS = [(1, "qkv", 4096, 6144, 8, torch.bfloat16), (1, "o_proj", 4096, 4096, 8
           (2, "o_proj", 2048, 4096, 4, torch.float32), (2, "down_proj", 7168, 4096, 4, torch.float32)]
 
 
-def grid(m: int) -> list[dict]:
-    """The configurations tried at M = m (block_k capped at the chunk): 16-row dots, the
-    library's instruction (mma.m16n8k16), with 1 to 8 CTAs a tile. (64-row dots, wgmma on
-    sm_90, were measured at ae1c83a and not adopted: benchmarks/NOTES.md.)"""
-    return [dict(block_m=16, block_n=bn, block_k=bk, row_blocks=rb, split=sp, num_warps=w, num_stages=3)
-            for bn, bk, w, sp in itertools.product((64, 128), (64, 128), (4, 8), (1, 2, 4, 8))
-            for rb in ((1,) if m <= 16 else (2, 4))]
+AXES = {"block_n": [64, 128], "block_k": [64, 128], "num_warps": [4, 8], "num_stages": [3], "split": [1, 2, 4, 8],
+        "row_blocks": [2, 4]}
+"""The grid's axes (command-line options override them); row blocks are 1 at M <= 16. (64-row
+dots, wgmma on sm_90, were measured at ae1c83a and not adopted: benchmarks/NOTES.md.)"""
+
+
+def grid(m: int, axes: dict) -> list[dict]:
+    """The configurations tried at M = m (block_k capped at the chunk, split at the chunks):
+    16-row dots, the library's instruction (mma.m16n8k16)."""
+    axes = {**axes, "row_blocks": [1] if m <= 16 else axes["row_blocks"]}
+    return [dict(block_m=16, **dict(zip(axes, values))) for values in itertools.product(*axes.values())]
 
 
 def use(fields: dict | None) -> None:
@@ -75,9 +79,9 @@ def _compile(work: list[tuple]) -> int:
     return done
 
 
-def measure(batches: list[int], jobs: int) -> list[dict]:
+def measure(batches: list[int], jobs: int, axes: dict) -> list[dict]:
     keys = {(k, c, d) for _, _, k, _, c, o in LAYERS for d in (o, torch.float32)}  # fp32: the bits check
-    work = [(f, k, c, o, m) for m in batches for f in grid(m) for k, c, o in keys]
+    work = [(f, k, c, o, m) for m in batches for f in grid(m, axes) for k, c, o in keys]
     with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as pool:
         compiled = sum(pool.map(_compile, [work[i::jobs] for i in range(jobs)]))
     print(f"compiled {compiled} of {len(work)}", flush=True)
@@ -94,7 +98,7 @@ def measure(batches: list[int], jobs: int) -> list[dict]:
             base = dict(tp=tp, layer=name, k=k, n=n, chunks=chunks, m=m)
             torch_us = graph_time_us(lambda i: F.linear(x, ws[i % len(ws)]))
             library = dataclasses.asdict(LIBRARY(m, n, chunks, k // chunks))
-            for fields in [None] + grid(m):
+            for fields in [None] + grid(m, axes):
                 use(fields)
                 try:
                     out = tpfuse.invariant_matmul(x, ws[0], chunks, torch.float32)
@@ -137,7 +141,7 @@ def markdown(header: dict, records: list[dict]) -> str:
 
 
 def _config(c: dict) -> str:
-    return f"n{c['block_n']} k{c['block_k']} rb{c['row_blocks']} s{c['split']} w{c['num_warps']}"
+    return f"n{c['block_n']} k{c['block_k']} rb{c['row_blocks']} s{c['split']} w{c['num_warps']} st{c['num_stages']}"
 
 
 def main() -> int:
@@ -145,9 +149,12 @@ def main() -> int:
     p.add_argument("--out", default=".")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
     p.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1))
+    for axis, values in AXES.items():
+        p.add_argument("--" + axis.replace("_", "-"), type=int, nargs="+", default=values)
     args = p.parse_args()
-    header = {**run_header(), "batches": args.batches}
-    records = measure(args.batches, args.jobs)
+    axes = {axis: getattr(args, axis) for axis in AXES}
+    header = {**run_header(), "batches": args.batches, "grid": axes}
+    records = measure(args.batches, args.jobs, axes)
     write_results(args.out, "tune_linear", header, records, markdown(header, records))
     print(open(os.path.join(args.out, "tune_linear.md")).read())
     return 0
