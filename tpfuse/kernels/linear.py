@@ -133,39 +133,43 @@ def check_chunks(k: int, chunks: int) -> int:
 
 
 @triton.jit
-def _chunk_tree(X, Wt, toks, cols, M, N, K, k0, CHUNK_K: tl.constexpr, BLOCK_K: tl.constexpr,
-                LEAVES: tl.constexpr):
-    """The fp32 [BLOCK_N, BLOCK_T] tile w[cols] @ x[toks].T over LEAVES (1, 2, 4 or 8) chunks of
-    CHUNK_K columns of K from k0, each chunk summed in BLOCK_K steps, in order, from zero, and
-    the chunks' sums added over the pairwise tree (a subtree of ``peer.tree_sum``'s).
-
-    One loop over every step (one software pipeline, not one per chunk): at the end of chunk
-    c the chunk's sum is kept in a slot for its level of the tree until its sibling is done,
-    as a binary counter carries (slot 0 a chunk, 1 a pair, 2 four), and the last chunk's sum
-    is added to the kept ones after the loop: at most log2(LEAVES) kept sums."""
+def _chunk_sum(X, Wt, toks, cols, M, N, K, k0, CHUNK_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The fp32 [BLOCK_N, BLOCK_T] tile w[cols] @ x[toks].T over K columns [k0, k0 + CHUNK_K),
+    summed from zero in BLOCK_K steps, in order."""
     tl.static_assert(CHUNK_K % BLOCK_K == 0, "the K step must divide the chunk (its loads are not masked)")
-    STEPS: tl.constexpr = CHUNK_K // BLOCK_K
-    zero = tl.zeros([cols.shape[0], toks.shape[0]], tl.float32)
-    acc, slot0, slot1, slot2 = zero, zero, zero, zero
     ks = tl.arange(0, BLOCK_K)
-    for step in range(0, LEAVES * STEPS):
-        k = k0 + step * BLOCK_K
+    acc = tl.zeros([cols.shape[0], toks.shape[0]], tl.float32)
+    for k in range(k0, k0 + CHUNK_K, BLOCK_K):
         w = tl.load(Wt + cols.to(tl.int64)[:, None] * K + (k + ks)[None, :], mask=(cols < N)[:, None], other=0.0)
         x = tl.load(X + toks.to(tl.int64)[None, :] * K + (k + ks)[:, None], mask=(toks < M)[None, :], other=0.0)
         if _INTERPRETER:  # numpy has no bf16 matmul: widen exactly, sum in fp32
             acc = tl.dot(to_f32(w), to_f32(x), acc, input_precision="ieee")
         else:
             acc = tl.dot(w, x, acc)
-        if LEAVES > 1:
-            c = step // STEPS
-            if step % STEPS == STEPS - 1 and c < LEAVES - 1:  # chunk c done, not the last
-                if c % 2 == 0:
-                    slot0 = acc
-                elif c % 4 == 1:
-                    slot1 = slot0 + acc
-                else:  # c % 8 == 3 (7 is the last chunk at 8 leaves)
-                    slot2 = slot1 + (slot0 + acc)
-                acc = zero
+    return acc
+
+
+@triton.jit
+def _chunk_tree(X, Wt, toks, cols, M, N, K, k0, CHUNK_K: tl.constexpr, BLOCK_K: tl.constexpr,
+                LEAVES: tl.constexpr):
+    """``_chunk_sum`` of LEAVES (1, 2, 4 or 8) consecutive chunks from k0, added over the
+    pairwise tree (a subtree of ``peer.tree_sum``'s): each chunk's sum is kept in a slot for its
+    level of the tree until its sibling is done, as a binary counter carries (slot 0 a chunk, 1
+    a pair, 2 four), and the last chunk's sum is added to the kept ones after the loop; at most
+    log2(LEAVES) kept sums. Each chunk is its own K loop whose sum starts at zero: a sum reset
+    inside one loop over every step miscompiled with wgmma (Triton 3.6, sm_90: other values,
+    tests/test_invariant_matmul.py)."""
+    zero = tl.zeros([cols.shape[0], toks.shape[0]], tl.float32)
+    slot0, slot1, slot2 = zero, zero, zero
+    for c in range(0, LEAVES - 1):
+        acc = _chunk_sum(X, Wt, toks, cols, M, N, K, k0 + c * CHUNK_K, CHUNK_K, BLOCK_K)
+        if c % 2 == 0:
+            slot0 = acc
+        elif c % 4 == 1:
+            slot1 = slot0 + acc
+        else:  # c % 8 == 3 (7 is the last chunk at 8 leaves)
+            slot2 = slot1 + (slot0 + acc)
+    acc = _chunk_sum(X, Wt, toks, cols, M, N, K, k0 + (LEAVES - 1) * CHUNK_K, CHUNK_K, BLOCK_K)
     if LEAVES >= 2:
         acc = slot0 + acc
     if LEAVES >= 4:
