@@ -45,10 +45,17 @@ dots, wgmma on sm_90, were measured at ae1c83a and not adopted: benchmarks/NOTES
 
 
 def grid(m: int, axes: dict) -> list[dict]:
-    """The configurations tried at M = m (block_k capped at the chunk, split at the chunks):
-    16-row dots, the library's instruction (mma.m16n8k16)."""
+    """The configurations tried at M = m (block_k capped at the chunk; a split past a layer's
+    chunks is left out there, ``served``): 16-row dots, the library's instruction
+    (mma.m16n8k16)."""
     axes = {**axes, "row_blocks": [1] if m <= 16 else axes["row_blocks"]}
     return [dict(block_m=16, **dict(zip(axes, values))) for values in itertools.product(*axes.values())]
+
+
+def served(fields: dict, chunks: int) -> bool:
+    """Whether a configuration's CTAs a tile divide the layer's chunks (else it is not run: it
+    would be recorded under a split it does not have)."""
+    return chunks % fields["split"] == 0
 
 
 def use(fields: dict | None) -> None:
@@ -59,7 +66,7 @@ def use(fields: dict | None) -> None:
 
     def for_shape(m, n, chunks, chunk_k):
         return dataclasses.replace(LIBRARY(m, n, chunks, chunk_k), **{
-            **fields, "block_k": min(fields["block_k"], chunk_k), "split": min(fields["split"], chunks)})
+            **fields, "block_k": min(fields["block_k"], chunk_k)})
     linear.LinearConfig.for_shape = staticmethod(for_shape)
 
 
@@ -81,7 +88,7 @@ def _compile(work: list[tuple]) -> int:
 
 def measure(batches: list[int], jobs: int, axes: dict) -> list[dict]:
     keys = {(k, c, d) for _, _, k, _, c, o in LAYERS for d in (o, torch.float32)}  # fp32: the bits check
-    work = [(f, k, c, o, m) for m in batches for f in grid(m, axes) for k, c, o in keys]
+    work = [(f, k, c, o, m) for m in batches for f in grid(m, axes) for k, c, o in keys if served(f, c)]
     with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as pool:
         compiled = sum(pool.map(_compile, [work[i::jobs] for i in range(jobs)]))
     print(f"compiled {compiled} of {len(work)}", flush=True)
@@ -98,7 +105,7 @@ def measure(batches: list[int], jobs: int, axes: dict) -> list[dict]:
             base = dict(tp=tp, layer=name, k=k, n=n, chunks=chunks, m=m)
             torch_us = graph_time_us(lambda i: F.linear(x, ws[i % len(ws)]))
             library = dataclasses.asdict(LIBRARY(m, n, chunks, k // chunks))
-            for fields in [None] + grid(m, axes):
+            for fields in [None] + [f for f in grid(m, axes) if served(f, chunks)]:
                 use(fields)
                 try:
                     out = tpfuse.invariant_matmul(x, ws[0], chunks, torch.float32)

@@ -146,24 +146,28 @@ def test_every_configuration_the_library_picks_sums_with_one_mma_instruction():
         assert r["spill_bytes"] == 0, r
 
 
-@pytest.mark.parametrize("k, n, chunks, m", [(256, 96, 8, 40), (512, 40, 4, 3), (256, 96, 2, 70)])
+@pytest.mark.parametrize("k, n, chunks, m", [(256, 96, 8, 40), (512, 40, 4, 3), (256, 96, 2, 70), (2048, 64, 8, 20)])
 def test_a_tiles_chunks_shared_by_any_number_of_ctas_give_the_same_bits(monkeypatch, k, n, chunks, m):
     """1 to ``chunks`` CTAs a tile (``LinearConfig.split``), each summing its run of chunks
-    over its subtree of the tree and the last CTA adding the subtrees: the bits of every
-    other split, in fp32 and rounded (one CTA a tile rounds its own sums)."""
+    over its subtree of the tree and the last CTA adding the subtrees: the contract's bits
+    (each chunk summed alone, from zero, then the chunks over the pairwise tree) for every
+    split, in fp32 and rounded (one CTA a tile rounds its own sums). Chunks of one K step and,
+    at K = 2048, of two."""
     import dataclasses
 
     from tpfuse.kernels import linear
 
     x, w = _operands(k, n, m, k + m)
-    outs = {}
+    part = k // chunks
+    want = reference.tree_sum([tpfuse.invariant_matmul(x[:, c * part:(c + 1) * part].contiguous(),
+                                                       w[:, c * part:(c + 1) * part].contiguous(), 1, torch.float32)
+                               for c in range(chunks)])
     library = linear.LinearConfig.for_shape
     for split in (1, 2, 4, 8)[:chunks.bit_length()]:
         monkeypatch.setattr(linear.LinearConfig, "for_shape",
                             staticmethod(lambda *shape, s=split: dataclasses.replace(library(*shape), split=s)))
-        outs[split] = (tpfuse.invariant_matmul(x, w, chunks, torch.float32), tpfuse.invariant_matmul(x, w, chunks))
-    for split, (fp32, bf16) in outs.items():
-        assert torch.equal(fp32, outs[1][0]) and torch.equal(bf16, outs[1][0].bfloat16()), split
+        assert torch.equal(tpfuse.invariant_matmul(x, w, chunks, torch.float32), want), split
+        assert torch.equal(tpfuse.invariant_matmul(x, w, chunks), want.bfloat16()), split
 
 
 def test_layer_chunks_are_served():

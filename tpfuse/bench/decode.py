@@ -15,9 +15,9 @@ step, and a second "fused" decode (a new capture) repeats the first. With ``--in
 invariant model of the same weights (``TPModel(invariant=True)``: invariant GEMMs and
 attention, fp32 partials all-reduced over the ranks' tree, then the residual add and norm;
 "split" and "fused" are one path there) runs beside them as "invariant", and the table gives
-its tokens/s against the plain fused model's, and its prefill logits' normwise error against
-the plain model's on the same prompt (a run fails past ``INVARIANT_REL_ERR``: speed of a kernel
-that sums the wrong numbers is not a result). The header gives the
+its tokens/s against the plain fused model's, and its logits' normwise error against split's,
+fed split's greedy tokens (a run fails past ``INVARIANT_REL_ERR``: the speed of a kernel that
+sums the wrong numbers is not a result). The header gives the
 weight-read floor: this rank's weights without the embedding table, read once per step at
 the GPU's nominal bandwidth (H100 3.35 TB/s, H200 4.8 TB/s). Results: a table, JSON,
 markdown and a PNG plot (ms per step vs batch) under ``--out``. On a machine without GPUs:
@@ -83,19 +83,22 @@ def _options(argv):
     opts["batch_given"] = opts["batch"] != BATCHES
     if opts["fp8"] and opts["invariant"]:
         p.error("--fp8 and --invariant do not go together (an fp8 model is not invariant)")
+    if opts["invariant"] and "split" not in opts["boundaries"]:
+        p.error("--invariant needs the split boundary (its logits are checked against split's)")
     opts["gpu_only"] = gpu_only_flags(p, opts, ["context", "out", "plot", "invariant"])
     return opts
 
 
-def _decode(model, ids, steps, context, compile):
+def _decode(model, ids, steps, context, compile, forced=None):
     """Greedy decode of ``steps`` tokens after ``ids``: (per-step ms, logits [1 + steps, B, V],
-    the prefill's first)."""
+    the prefill's first). ``forced`` [steps, B]: the tokens fed instead of the model's own
+    (another model's greedy tokens, so that the two models' logits compare step by step)."""
     dec = model.decode_session(ids.shape[0], context, compile=compile)
     logits = dec.prefill(ids)
     out, times = [logits.clone()], []
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(steps):
-        tokens = logits.argmax(-1)
+    for i in range(steps):
+        tokens = logits.argmax(-1) if forced is None else forced[i]
         dist.barrier()  # the ranks start each step together: the slowest rank's time is the step's
         start.record()
         logits = dec.step(tokens)
@@ -107,9 +110,10 @@ def _decode(model, ids, steps, context, compile):
 
 
 INVARIANT_REL_ERR = 0.1
-"""The most the invariant model's prefill logits may differ (normwise) from the plain model's
-on the same prompt: other GEMM and attention kernels, the same bf16 arithmetic (1.8e-2 for a
-32-layer random model on CPU); a kernel summing the wrong numbers is off by about 1."""
+"""The most the invariant model's logits may differ (normwise, prefill and every step, fed the
+plain model's tokens) from the plain model's: other GEMM and attention kernels, the same bf16
+arithmetic (1.8e-2 for a 32-layer random model's prefill on CPU); a kernel summing the wrong
+numbers is off by about 1."""
 NOMINAL_TB_S = {"H100": 3.35, "H200": 4.8}
 """HBM bandwidth by GPU model, as its datasheet gives it (the floor's rate)."""
 
@@ -166,7 +170,9 @@ def _measure(comm, config, opts, rank):
         reference, seen = None, set()
         for m, kind, boundary, compiled in runs:
             m.set_boundary(boundary)
-            times, logits = _decode(m, ids, opts["steps"], opts["context"], compiled)
+            # The invariant model is fed the plain model's greedy tokens: its logits then compare.
+            forced = reference[:-1].argmax(-1) if kind == "invariant" else None
+            times, logits = _decode(m, ids, opts["steps"], opts["context"], compiled, forced)
             ms = agreed_max(statistics.median(times))
             again = (kind, boundary, compiled) in seen
             name = (kind or boundary) + ("+compile" if compiled else "") + (" (again)" if again else "")
@@ -179,11 +185,11 @@ def _measure(comm, config, opts, rank):
                 rec["bitwise_vs_split"] = bool(same_bits(logits, reference))
                 if not rec["bitwise_vs_split"]:
                     failures.append(f"batch {batch} {name}: logits differ from split's")
-            elif kind == "invariant" and reference is not None:  # the same prompt: the prefills compare
-                rec["prefill_rel_err"] = reference_rel_err(logits[0], reference[0])
-                if not rec["prefill_rel_err"] < INVARIANT_REL_ERR:
-                    failures.append(f"batch {batch} invariant: prefill logits off the plain model's by "
-                                    f"{rec['prefill_rel_err']:.2e}")
+            elif kind == "invariant":  # the same prompt and tokens as split's: the logits compare
+                rec["rel_err_vs_split"] = reference_rel_err(logits, reference)
+                if not rec["rel_err_vs_split"] < INVARIANT_REL_ERR:
+                    failures.append(f"batch {batch} invariant: logits off the plain model's by "
+                                    f"{rec['rel_err_vs_split']:.2e}")
             if not again and not compiled:
                 rec["boundary_ms"] = round(_boundary_ms(m, batch), 4)
                 rec["boundary_share"] = round(rec["boundary_ms"] / ms, 3)
@@ -194,8 +200,7 @@ def _measure(comm, config, opts, rank):
                       f"{rec['tokens_per_s']:9.1f} tok/s" + (f"  boundary {rec['boundary_ms']:.3f} ms"
                                                               if "boundary_ms" in rec else "")
                       + (f"  bits==split: {rec['bitwise_vs_split']}" if "bitwise_vs_split" in rec else "")
-                      + (f"  prefill rel err vs split: {rec['prefill_rel_err']:.1e}" if "prefill_rel_err" in rec
-                         else ""),
+                      + (f"  rel err vs split: {rec['rel_err_vs_split']:.1e}" if "rel_err_vs_split" in rec else ""),
                       flush=True)
             del logits
             if compiled:  # torch.compile's cache keeps a compiled decode session (and its KV cache) alive
@@ -240,13 +245,13 @@ def _markdown(records, header, world) -> str:
     md = header_markdown(f"decode step, {header['preset']}, TP={world}", header)
     md += ("ms per decode step (CUDA-graph replay, median over the steps, slowest rank); in brackets the "
            "boundary's share of the step. `=` marks fused runs whose logits equal split's bit for bit at "
-           "every step, `x` runs that differ.")
+           "the prefill and every step, `x` runs that differ.")
     if "floor_ms" in header:
         md += (f" The weight-read floor is {header['floor_ms']:.3f} ms per step (this rank's weights but the "
                "embedding table, at the GPU's nominal bandwidth); `fused / floor` is fused's step over it.")
     md += "\n\n| batch | " + " | ".join(names) + " | fused tok/s | fused vs torch | fused vs split |"
     extra = (["fused / floor"] if "floor_ms" in header else []) + (
-        ["invariant tok/s vs fused", "invariant prefill rel err"] if with_invariant else [])
+        ["invariant tok/s vs fused", "invariant rel err vs split"] if with_invariant else [])
     md += "".join(f" {e} |" for e in extra) + "\n" + "|---" * (len(names) + 4 + len(extra)) + "|\n"
     for b in sorted({r["batch"] for r in records}):
         cells = []
@@ -267,7 +272,7 @@ def _markdown(records, header, world) -> str:
         if with_invariant:
             inv = by.get((b, "invariant"))
             md += f" {fused['ms_per_step'] / inv['ms_per_step']:.2f}x |" if fused and inv else " - |"
-            md += f" {inv['prefill_rel_err']:.1e} |" if inv and "prefill_rel_err" in inv else " - |"
+            md += f" {inv['rel_err_vs_split']:.1e} |" if inv and "rel_err_vs_split" in inv else " - |"
         md += "\n"
     return md
 

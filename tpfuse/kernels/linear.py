@@ -23,12 +23,11 @@ rank's result is a subtree of the G-chunk tree, and the all-reduce's tree over t
 (``tpfuse.reference.tree_sum``) completes it: the same bits as one rank's
 ``invariant_matmul(x, weight, G)`` (tests/test_invariant_matmul.py).
 
-The chunks also spread a decode-sized product (M of 1 to 16) over enough CTAs to stream the
-weights: G = 8 CTAs a tile give N / 64 * 8 CTAs. Where the tiles alone fill the GPU, fewer
-CTAs share a tile's chunks, down to one, and fewer fp32 partials make the round trip through
-memory (at G = 8 and M = 64 they were half of gate_up's weight bytes). For larger M a CTA
-applies each weight block it loads to up to 4 row blocks, each its own 16-row dot
-(``LinearConfig.row_blocks``).
+The chunks also spread a product over CTAs: a tile's chunks are shared by G / 2 CTAs (two
+chunks each), more where the GPU would otherwise have too few CTAs. Fewer than G CTAs a tile
+means fewer fp32 partials making the round trip through memory (with G = 8 at M = 64 they were
+half of gate_up's weight bytes). For larger M a CTA applies each weight block it loads to up
+to 4 row blocks, each its own 16-row dot (``LinearConfig.row_blocks``).
 """
 
 from __future__ import annotations
@@ -59,31 +58,32 @@ class LinearConfig:
     """The launch configuration of one ``invariant_matmul`` launch. None of it changes a bit:
     every row block is its own 16-row dot chaining its chunk's k16 mma steps in order, whatever
     the blocks around it or BLOCK_K (the GPU tests compare the fp32 sums of rows alone and in
-    batches, which take other configurations; scripts/tune_linear.py compared 36-72
-    configurations of 16-row dots per layer and M with the library's on an H200, the outputs
-    of TP=1's layers in bf16 and TP=2's fp32 partials: the same bits every time)."""
+    batches, which take other configurations; scripts/tune_linear.py compared 32-128
+    configurations per layer and M with the library's on an H200, the outputs of TP=1's layers
+    in bf16 and TP=2's fp32 partials: the same bits every time)."""
 
     block_m: int
     """Rows of one dot: BLOCK_M (16), one mma.m16n8k16 row block. (64, a wgmma tile, would
-    be another instruction: scripts/tune_linear.py measures it, the library never picks it.)"""
+    be another instruction, with other bits: measured at ae1c83a, never picked.)"""
     block_n: int
     block_k: int
     row_blocks: int
     """Row blocks a CTA sums with each weight block it loads: how often the weights are read."""
     split: int
     """CTAs sharing one tile's chunks (a power of two dividing them), each summing a run of
-    chunks / split: enough CTAs to fill the GPU, no more fp32 partials than that takes."""
+    chunks / split: more CTAs, and more fp32 partials through memory, as it grows."""
     num_warps: int
     num_stages: int
 
     @classmethod
     def for_shape(cls, m: int, n: int, chunks: int, chunk_k: int) -> "LinearConfig":
-        """The chunk in steps of 128; 64 columns a CTA, 128 past 32 rows (4 row blocks); each
-        CTA sums two chunks, and where that leaves fewer than MIN_CTAS CTAs, first 2 row blocks
-        a CTA (past 32 rows), then more CTAs a tile, down to a chunk each. Chosen from
-        scripts/tune_linear.py's sweep (H200, benchmarks/NOTES.md 2026-11-29): over Llama-3-8B's
-        TP=1 layers a step's GEMMs take 3.96, 5.73 and 16.29 ms at M = 1, 64 and 256 this way,
-        the sweep's fastest per layer 3.90, 5.52 and 16.27. Under the interpreter, which sums
+        """The chunk in steps of 128; 64 columns a CTA up to 32 rows, 128 past them (with 4 row
+        blocks, and still when fewer are taken below); each CTA sums two chunks, and where that
+        leaves fewer than MIN_CTAS CTAs, first 2 row blocks a CTA instead of 4, then more CTAs a
+        tile, down to a chunk each. Chosen from scripts/tune_linear.py's sweep (H200,
+        benchmarks/NOTES.md 2026-11-29): over Llama-3-8B's TP=1 layers a step's GEMMs take 3.95,
+        5.73 and 16.29 ms at M = 1, 64 and 256 this way, the sweep's fastest per layer 3.90, 5.52
+        and 16.27. Under the interpreter, which sums
         a dot's K in one numpy product, the blocks never change (the split changes no bit there
         either)."""
         row_blocks = min(4, triton.next_power_of_2(triton.cdiv(m, BLOCK_M)))
