@@ -15,9 +15,11 @@ step, and a second "fused" decode (a new capture) repeats the first. With ``--in
 invariant model of the same weights (``TPModel(invariant=True)``: invariant GEMMs and
 attention, fp32 partials all-reduced over the ranks' tree, then the residual add and norm;
 "split" and "fused" are one path there) runs beside them as "invariant", and the table gives
-its tokens/s against the plain fused model's, and its logits' normwise error against split's,
-fed split's greedy tokens (a run fails past ``INVARIANT_REL_ERR``: the speed of a kernel that
-sums the wrong numbers is not a result). The header gives the
+its tokens/s against the plain fused model's, its logits' normwise error against split's, fed
+split's greedy tokens (a run fails past ``INVARIANT_REL_ERR``: the speed of a kernel that sums
+the wrong numbers is not a result), and whether sequence 0 decoded alone, fed the same tokens,
+has the bits it has in the batch (the batch invariance the mode promises; ``tpfuse verify``
+checks TP sizes too). The header gives the
 weight-read floor: this rank's weights without the embedding table, read once per step at
 the GPU's nominal bandwidth (H100 3.35 TB/s, H200 4.8 TB/s). Results: a table, JSON,
 markdown and a PNG plot (ms per step vs batch) under ``--out``. On a machine without GPUs:
@@ -190,6 +192,12 @@ def _measure(comm, config, opts, rank):
                 if not rec["rel_err_vs_split"] < INVARIANT_REL_ERR:
                     failures.append(f"batch {batch} invariant: logits off the plain model's by "
                                     f"{rec['rel_err_vs_split']:.2e}")
+                # Batch invariance: sequence 0 alone, fed the same tokens, has its bits in the batch.
+                alone = _decode(m, ids[:1], opts["steps"], opts["context"], False, forced[:, :1])[1]
+                rec["alone_equal"] = bool(same_bits(alone[:, 0], logits[:, 0]))
+                if not rec["alone_equal"]:
+                    failures.append(f"batch {batch} invariant: sequence 0's logits differ from its own alone")
+                del alone
             if not again and not compiled:
                 rec["boundary_ms"] = round(_boundary_ms(m, batch), 4)
                 rec["boundary_share"] = round(rec["boundary_ms"] / ms, 3)
@@ -200,7 +208,8 @@ def _measure(comm, config, opts, rank):
                       f"{rec['tokens_per_s']:9.1f} tok/s" + (f"  boundary {rec['boundary_ms']:.3f} ms"
                                                               if "boundary_ms" in rec else "")
                       + (f"  bits==split: {rec['bitwise_vs_split']}" if "bitwise_vs_split" in rec else "")
-                      + (f"  rel err vs split: {rec['rel_err_vs_split']:.1e}" if "rel_err_vs_split" in rec else ""),
+                      + (f"  rel err vs split: {rec['rel_err_vs_split']:.1e}  sequence 0 alone = in the batch: "
+                         f"{rec['alone_equal']}" if "rel_err_vs_split" in rec else ""),
                       flush=True)
             del logits
             if compiled:  # torch.compile's cache keeps a compiled decode session (and its KV cache) alive
@@ -251,7 +260,8 @@ def _markdown(records, header, world) -> str:
                "embedding table, at the GPU's nominal bandwidth); `fused / floor` is fused's step over it.")
     md += "\n\n| batch | " + " | ".join(names) + " | fused tok/s | fused vs torch | fused vs split |"
     extra = (["fused / floor"] if "floor_ms" in header else []) + (
-        ["invariant tok/s vs fused", "invariant rel err vs split"] if with_invariant else [])
+        ["invariant tok/s vs fused", "invariant rel err vs split", "invariant: alone = in batch"]
+        if with_invariant else [])
     md += "".join(f" {e} |" for e in extra) + "\n" + "|---" * (len(names) + 4 + len(extra)) + "|\n"
     for b in sorted({r["batch"] for r in records}):
         cells = []
@@ -273,6 +283,7 @@ def _markdown(records, header, world) -> str:
             inv = by.get((b, "invariant"))
             md += f" {fused['ms_per_step'] / inv['ms_per_step']:.2f}x |" if fused and inv else " - |"
             md += f" {inv['rel_err_vs_split']:.1e} |" if inv and "rel_err_vs_split" in inv else " - |"
+            md += f" {'yes' if inv['alone_equal'] else 'NO'} |" if inv and "alone_equal" in inv else " - |"
         md += "\n"
     return md
 
