@@ -11,8 +11,8 @@ the interpreter's differs from a GPU's):
   changes no bit;
 - K is cut into ``chunks`` equal chunks, each summed in BLOCK_K steps, in order, into an fp32
   accumulator of its own, and the chunks' fp32 partials are added over the pairwise tree
-  (``peer.tree_sum``). A CTA sums a run of consecutive chunks (a subtree: each half first,
-  then the two added); where ``LinearConfig.split`` CTAs share a tile's chunks, the last of
+  (``peer.tree_sum``). A CTA sums a run of consecutive chunks (a subtree, in one loop:
+  ``_chunk_tree``); where ``LinearConfig.split`` CTAs share a tile's chunks, the last of
   them to arrive adds their subtrees (an acq_rel count per tile: the deterministic last-CTA
   pattern, one launch) and sets the tile's count back to zero: a caller's counters buffer
   (``counters_for``) serves every later launch without a zeroing kernel of its own.
@@ -260,10 +260,9 @@ def _launch(x2: torch.Tensor, w: torch.Tensor, out: torch.Tensor, chunks: int, c
     cfg = LinearConfig.for_shape(m, n, chunks, chunk_k)
     groups, blocks = _tiles(m, n, cfg)
     partial = torch.empty((cfg.split, m, n) if cfg.split > 1 else (1,), dtype=torch.float32, device=x2.device)
-    if cfg.split == 1:  # no counts read
-        counters = torch.empty(1, dtype=torch.int32, device=x2.device)
-    elif counters is None or counters.numel() < groups * blocks:
-        counters = torch.zeros(groups * blocks, dtype=torch.int32, device=x2.device)
+    tiles = groups * blocks if cfg.split > 1 else 1  # one count a tile; none read with one CTA a tile
+    if counters is None or counters.numel() < tiles:
+        counters = torch.zeros(tiles, dtype=torch.int32, device=x2.device)
     invariant_matmul_kernel[(groups, blocks, cfg.split)](
         X=x2, Wt=w, OUT=out, PARTIAL=partial, COUNTS=counters, M=m, N=n, K=k, CHUNKS=chunks, CHUNK_K=chunk_k,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROW_BLOCKS=cfg.row_blocks,
