@@ -3,9 +3,10 @@
 
     python scripts/swap_ab_probe.py [--out DIR]
 
-The library's GEMM (tpfuse/kernels/linear.py) gives every 16 rows of x their own mma.m16n8k16
-dot, so that a row is summed by the same instruction at every M; past 32 rows those dots run
-at about 230 TFLOPS where cuBLAS's wgmma tiles reach 560. Here a CTA computes out.T's tile
+The library's GEMM (tpfuse/kernels/linear.py) gave every 16 rows of x their own mma.m16n8k16
+dot (to ea5862b), so that a row is summed by the same instruction at every M; past 32 rows
+those dots ran at about 230 TFLOPS where cuBLAS's wgmma tiles reach 560. This probe led to
+the library's present layout. Here a CTA computes out.T's tile
 w[BLOCK_N rows] @ x.T[:, BLOCK_T tokens], so that the weight rows fill a 64-row wgmma tile at
 every M and the tokens are the instruction's N (16 to 64 as M grows). The question: does a
 token's sum keep its bits when the tokens' tile (the instruction's N) changes, and how fast is

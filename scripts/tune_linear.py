@@ -38,18 +38,16 @@ LAYERS = [(1, "qkv", 4096, 6144, 8, torch.bfloat16), (1, "o_proj", 4096, 4096, 8
           (2, "o_proj", 2048, 4096, 4, torch.float32), (2, "down_proj", 7168, 4096, 4, torch.float32)]
 
 
-AXES = {"block_n": [64, 128], "block_k": [64, 128], "num_warps": [4, 8], "num_stages": [3], "split": [1, 2, 4, 8],
-        "row_blocks": [2, 4]}
-"""The grid's axes (command-line options override them); row blocks are 1 at M <= 16. (64-row
-dots, wgmma on sm_90, were measured at ae1c83a and not adopted: benchmarks/NOTES.md.)"""
+AXES = {"block_n": [64, 128], "block_k": [64, 128], "num_warps": [4, 8], "num_stages": [3, 4], "split": [1, 2, 4, 8]}
+"""The grid's axes (command-line options override them); the token tile is the library's for
+M. (16-row mma.sync dots, the kernel before the swapped layout, were measured at ea5862b:
+benchmarks/NOTES.md 2026-11-29.)"""
 
 
 def grid(m: int, axes: dict) -> list[dict]:
     """The configurations tried at M = m (block_k capped at the chunk; a split past a layer's
-    chunks is left out there, ``served``): 16-row dots, the library's instruction
-    (mma.m16n8k16)."""
-    axes = {**axes, "row_blocks": [1] if m <= 16 else axes["row_blocks"]}
-    return [dict(block_m=16, **dict(zip(axes, values))) for values in itertools.product(*axes.values())]
+    chunks is left out there, ``served``)."""
+    return [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
 
 
 def served(fields: dict, chunks: int) -> bool:
@@ -148,7 +146,7 @@ def markdown(header: dict, records: list[dict]) -> str:
 
 
 def _config(c: dict) -> str:
-    return f"n{c['block_n']} k{c['block_k']} rb{c['row_blocks']} s{c['split']} w{c['num_warps']} st{c['num_stages']}"
+    return f"n{c['block_n']} t{c['block_t']} k{c['block_k']} s{c['split']} w{c['num_warps']} st{c['num_stages']}"
 
 
 def main() -> int:

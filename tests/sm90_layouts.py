@@ -279,7 +279,8 @@ def matmul_instructions(case: dict) -> dict:
     finally:
         LinearConfig.for_shape = staticmethod(base)
     ptx = _compile(kernel, kwargs).asm["ptx"]
-    return {"case": case, "block_n": kwargs["BLOCK_N"], "row_blocks": kwargs["ROW_BLOCKS"], "split": kwargs["SPLIT"],
+    return {"case": case, "block_n": kwargs["BLOCK_N"], "block_t": kwargs["BLOCK_T"], "split": kwargs["SPLIT"],
+            "num_warps": kwargs["num_warps"],
             "mma": sorted(set(re.findall(r"\b(wgmma\.mma_async\S*|mma\.sync\.aligned\.\S+)", ptx))),
             **_ptxas_usage(ptx)}
 

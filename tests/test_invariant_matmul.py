@@ -14,7 +14,8 @@ from tpfuse import reference
 SHAPES = [(256, 96, 8), (2048, 64, 8), (512, 40, 4)] + (
     [(4096, 3072, 8), (4096, 7168, 8), (7168, 4096, 4), (2048, 4096, 4)] if ON_GPU else [])
 BATCHES = [1, 5, 16, 24, 64] + ([100, 256] if ON_GPU else [])
-"""1 to 4 row blocks per CTA (``LinearConfig.row_blocks``), and more than one row group."""
+"""Token tiles of 16, 32 and 64 on GPUs (``LinearConfig.block_t``; 16 under the interpreter), and
+more than one token tile."""
 ROWS = (0, 3, 17, 40, 63, 99)
 
 
@@ -99,9 +100,9 @@ def test_a_kept_counters_buffer_is_left_zero_and_changes_no_bit(monkeypatch):
 
 @pytest.mark.parametrize("k, n, chunks, m", [(256, 96, 2, 130)] + (
     [(4096, 4096, 8, 256), (2048, 4096, 4, 100)] if ON_GPU else []))
-def test_a_kept_counters_buffer_serves_many_row_groups_and_wide_blocks(k, n, chunks, m):
-    """Row groups past the first (their counts sit further in the buffer), and on GPUs the
-    128-column configuration: the same bits as without the buffer, which is zero after."""
+def test_a_kept_counters_buffer_serves_many_token_tiles(k, n, chunks, m):
+    """Token tiles past the first (their counts sit further in the buffer), on GPUs of 64
+    tokens: the same bits as without the buffer, which is zero after."""
     from tpfuse.kernels import linear
 
     counters = torch.zeros(linear.counters_for(n, k, chunks), dtype=torch.int32, device=DEVICE)
@@ -114,8 +115,8 @@ def test_a_kept_counters_buffer_serves_many_row_groups_and_wide_blocks(k, n, chu
 
 def test_counters_for_covers_every_launch(monkeypatch):
     """counters_for(n, k, chunks) >= the tiles of any launch, with the GPUs' configurations
-    (the interpreter's never widen), at M = 1-300 and a launch's most rows (past 64 rows the
-    row groups only grow with M)."""
+    (the interpreter's token tiles never widen), at M = 1-300 and a launch's most rows (past 64
+    rows the token tiles only grow with M)."""
     from tpfuse.kernels import linear
 
     monkeypatch.setattr(linear, "_INTERPRETER", False)
@@ -124,25 +125,27 @@ def test_counters_for_covers_every_launch(monkeypatch):
         bound = linear.counters_for(n, k, chunks)
         most = linear._slice_rows(n, chunks)
         for m in [*range(1, min(most, 300) + 1), most]:  # the configurations change below 65 rows
-            groups, blocks = linear._tiles(m, n, linear.LinearConfig.for_shape(m, n, chunks, k // chunks))
-            assert groups * blocks <= bound, (k, n, chunks, m)
+            token_tiles, blocks = linear._tiles(m, n, linear.LinearConfig.for_shape(m, n, chunks, k // chunks))
+            assert token_tiles * blocks <= bound, (k, n, chunks, m)
 
 
 def test_every_configuration_the_library_picks_sums_with_one_mma_instruction():
     """Compiled for sm_90 on any machine (tests/sm90_layouts.py): at M = 1, 64 and 256, whose
-    configurations differ (64- and 128-column blocks, 1 to 8 CTAs a tile), the kernel's only
-    tensor-core instruction is mma.m16n8k16 with fp32 accumulation, never wgmma, and ptxas
-    spills nothing (kept partials of the chunks' tree take registers). The configuration may
-    follow M only while every M sums with the same instruction."""
+    configurations differ (16 to 64 tokens a tile, 1 to 8 CTAs a tile), the kernel's only
+    tensor-core instruction is a 64-row wgmma tile of weight rows (bf16 in, fp32 sums) whose N
+    is the token tile (a warpgroup's share of it), and ptxas spills nothing (kept sums of the
+    chunks' tree take registers). That a token's bits do not follow N is measured on GPUs (the
+    tests above, and scripts/swap_ab_probe.py)."""
     cases = [dict(report="matmul", m=m, n=n, k=k, chunks=chunks, out=out) for m in (1, 64, 256)
              for n, k, chunks, out in [(4096, 4096, 8, "bf16"), (28672, 4096, 8, "bf16"), (4096, 2048, 4, "fp32"),
                                        (768, 4096, 8, "bf16")]]
     reports = compile_for_sm90(cases)
     assert [r["case"] for r in reports] == cases
-    assert {r["block_n"] for r in reports} == {64, 128}, reports  # both column blocks were compiled
-    assert {r["split"] for r in reports} >= {2, 4, 8}, reports
+    assert {r["block_t"] for r in reports} == {16, 64}, reports  # both token tiles were compiled
+    assert {r["split"] for r in reports} >= {1, 2, 4, 8}, reports
     for r in reports:
-        assert r["mma"] == ["mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"], r
+        n = r["block_t"] // (r["num_warps"] // 4)  # the tokens of one warpgroup
+        assert r["mma"] == [f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16"], r
         assert r["spill_bytes"] == 0, r
 
 

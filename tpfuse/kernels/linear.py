@@ -5,17 +5,21 @@ element's reduction order is fixed by K and ``chunks`` only, never by M or N (fo
 architecture and Triton version: a tensor core's sum inside one instruction is its own, and
 the interpreter's differs from a GPU's):
 
-- 16-row blocks, each its own dot (mma.m16n8k16, never a wgmma tile), so that a row is
-  summed by the same tensor-core instructions whether it is alone or one of many, and no
-  split of K chosen from the shape; the rest of the launch configuration (``LinearConfig``)
-  changes no bit;
+- the weights are the dot's rows and the tokens its columns: a CTA computes the transposed
+  tile ``w[BLOCK_N rows] @ x.T[:, BLOCK_T tokens]``, so that on sm_90 a 64-row wgmma tile of
+  weight rows serves every M and only the instruction's N (BLOCK_T, 16 to 64 tokens) follows
+  the batch. A token's sum chains the same k16 steps whatever the tokens beside it: on an H200
+  every token tile and block shape gave every token the same bits (scripts/swap_ab_probe.py,
+  and the GPU tests here). This is cuBLAS's own layout at 64 rows; the 16-row mma.sync dots
+  before it ran at a third of its rate past 32 rows (benchmarks/NOTES.md 2026-11-29);
 - K is cut into ``chunks`` equal chunks, each summed in BLOCK_K steps, in order, into an fp32
   accumulator of its own, and the chunks' fp32 partials are added over the pairwise tree
-  (``peer.tree_sum``). A CTA sums a run of consecutive chunks (a subtree, in one loop:
-  ``_chunk_tree``); where ``LinearConfig.split`` CTAs share a tile's chunks, the last of
-  them to arrive adds their subtrees (an acq_rel count per tile: the deterministic last-CTA
-  pattern, one launch) and sets the tile's count back to zero: a caller's counters buffer
-  (``counters_for``) serves every later launch without a zeroing kernel of its own.
+  (``peer.tree_sum``), never a split of K chosen from the shape. A CTA sums a run of
+  consecutive chunks (its subtree); where ``LinearConfig.split`` CTAs share a tile's chunks,
+  the last of them to arrive adds their subtrees (an acq_rel count per tile: the
+  deterministic last-CTA pattern, one launch) and sets the tile's count back to zero: a
+  caller's counters buffer (``counters_for``) serves every later launch without a zeroing
+  kernel of its own. The rest of the launch configuration (``LinearConfig``) changes no bit.
 
 The tree is what makes the result TP-invariant: a row-parallel layer over t ranks gives each
 rank a contiguous 1/t of K, so with ``chunks = G / t`` (G chunks in all, a power of two), a
@@ -23,11 +27,9 @@ rank's result is a subtree of the G-chunk tree, and the all-reduce's tree over t
 (``tpfuse.reference.tree_sum``) completes it: the same bits as one rank's
 ``invariant_matmul(x, weight, G)`` (tests/test_invariant_matmul.py).
 
-The chunks also spread a product over CTAs: a tile's chunks are shared by G / 2 CTAs (two
-chunks each), more where the GPU would otherwise have too few CTAs. Fewer than G CTAs a tile
-means fewer fp32 partials making the round trip through memory (with G = 8 at M = 64 they were
-half of gate_up's weight bytes). For larger M a CTA applies each weight block it loads to up
-to 4 row blocks, each its own 16-row dot (``LinearConfig.row_blocks``).
+The chunks also spread a product with few column blocks over enough CTAs to stream the
+weights; where the tiles alone fill the GPU, one CTA sums all of a tile's chunks and no fp32
+partial makes the round trip through memory.
 """
 
 from __future__ import annotations
@@ -41,13 +43,13 @@ import triton.language as tl
 from tpfuse.kernels.common import EXACT_FP, _INTERPRETER, round_to, to_f32
 from tpfuse.kernels.peer import tree_sum
 
-BLOCK_M = 16
-"""Rows per tile: one mma.m16n8k16 row block on sm_80+, for every M (never a wgmma tile)."""
-MIN_BLOCK_N = 64
-"""The narrowest column block ``LinearConfig.for_shape`` picks."""
+BLOCK_N = 64
+"""Weight rows a CTA: one 64-row wgmma tile on sm_90, for every M."""
+MIN_BLOCK_T = 16
+"""The fewest tokens a tile (tl.dot's smallest N); up to 64 as M grows."""
 MAX_CHUNKS = 8
-MIN_CTAS = 256
-"""``LinearConfig.for_shape`` spreads a product over more CTAs while it has fewer than this."""
+MIN_CTAS = 128
+"""``LinearConfig.for_shape`` spreads a tile's chunks over more CTAs while it has fewer than this."""
 PARTIAL_BYTES = 256 << 20
 """The most bytes of fp32 chunk partials one launch writes (a prefill of thousands of rows
 would otherwise take GBs for an LM head); more rows go through in slices."""
@@ -55,59 +57,47 @@ would otherwise take GBs for an LM head); more rows go through in slices."""
 
 @dataclass(frozen=True)
 class LinearConfig:
-    """The launch configuration of one ``invariant_matmul`` launch. None of it changes a bit:
-    every row block is its own 16-row dot chaining its chunk's k16 mma steps in order, whatever
-    the blocks around it or BLOCK_K (the GPU tests compare the fp32 sums of rows alone and in
-    batches, which take other configurations; scripts/tune_linear.py compared 32-128
-    configurations per layer and M with the library's on an H200, the outputs of TP=1's layers
-    in bf16 and TP=2's fp32 partials: the same bits every time)."""
+    """The launch configuration of one ``invariant_matmul`` launch. None of it changes a bit
+    (the GPU tests compare the fp32 sums of rows alone and in batches, which take other
+    configurations; scripts/tune_linear.py compares every configuration it times with the
+    library's)."""
 
-    block_m: int
-    """Rows of one dot: BLOCK_M (16), one mma.m16n8k16 row block. (64, a wgmma tile, would
-    be another instruction, with other bits: measured at ae1c83a, never picked.)"""
     block_n: int
+    """Weight rows a CTA, the dot's rows."""
+    block_t: int
+    """Tokens a CTA, the dot's columns (the wgmma instruction's N)."""
     block_k: int
-    row_blocks: int
-    """Row blocks a CTA sums with each weight block it loads: how often the weights are read."""
     split: int
     """CTAs sharing one tile's chunks (a power of two dividing them), each summing a run of
-    chunks / split: more CTAs, and more fp32 partials through memory, as it grows."""
+    chunks / split: enough CTAs to fill the GPU, no more fp32 partials than that takes."""
     num_warps: int
     num_stages: int
 
     @classmethod
     def for_shape(cls, m: int, n: int, chunks: int, chunk_k: int) -> "LinearConfig":
-        """The chunk in steps of 128; 64 columns a CTA up to 32 rows, 128 past them (with 4 row
-        blocks, and still when fewer are taken below); each CTA sums two chunks, and where that
-        leaves fewer than MIN_CTAS CTAs, first 2 row blocks a CTA instead of 4, then more CTAs a
-        tile, down to a chunk each. Chosen from scripts/tune_linear.py's sweep (H200,
-        benchmarks/NOTES.md 2026-11-29): over Llama-3-8B's TP=1 layers a step's GEMMs take 3.95,
-        5.73 and 16.29 ms at M = 1, 64 and 256 this way, the sweep's fastest per layer 3.90, 5.52
-        and 16.27. Under the interpreter, which sums
-        a dot's K in one numpy product, the blocks never change (the split changes no bit there
-        either)."""
-        row_blocks = min(4, triton.next_power_of_2(triton.cdiv(m, BLOCK_M)))
-        block_n = 128 if row_blocks == 4 and not _INTERPRETER else MIN_BLOCK_N
-        split = max(1, chunks // 2)
-        while triton.cdiv(m, BLOCK_M * row_blocks) * triton.cdiv(n, block_n) * split < MIN_CTAS:
-            if row_blocks == 4:
-                row_blocks = 2
-            elif split < chunks:
-                split *= 2
-            else:
-                break
-        return cls(block_m=BLOCK_M, block_n=block_n, block_k=min(128, chunk_k), row_blocks=row_blocks, split=split,
-                   num_warps=4, num_stages=3)
+        """64 weight rows and up to 64 tokens a CTA, the chunk in steps of 128, 4 stages (the
+        fastest of scripts/swap_ab_probe.py's configurations at 1-64 rows on most of
+        Llama-3-8B's layers); one CTA a tile, more (down to a chunk each) while fewer than
+        MIN_CTAS. 64 tokens take two warpgroups of 32 each: on one, the kept sums of a CTA's
+        chunks spill (ptxas, sm_90; tests/test_invariant_matmul.py). Under the interpreter,
+        which sums a dot's K in one numpy product, the blocks never change (the split changes
+        no bit there either)."""
+        block_t = MIN_BLOCK_T if _INTERPRETER else min(64, max(MIN_BLOCK_T, triton.next_power_of_2(m)))
+        split = 1
+        while split < chunks and triton.cdiv(m, block_t) * triton.cdiv(n, BLOCK_N) * split < MIN_CTAS:
+            split *= 2
+        return cls(block_n=BLOCK_N, block_t=block_t, block_k=min(128, chunk_k), split=split,
+                   num_warps=8 if block_t == 64 else 4, num_stages=4)
 
 
 def _slice_rows(n: int, chunks: int) -> int:
     """The most rows one launch takes: its fp32 partials within PARTIAL_BYTES."""
-    return max(BLOCK_M, PARTIAL_BYTES // (4 * chunks * n) // BLOCK_M * BLOCK_M)
+    return max(MIN_BLOCK_T, PARTIAL_BYTES // (4 * chunks * n) // MIN_BLOCK_T * MIN_BLOCK_T)
 
 
 def _tiles(m: int, n: int, cfg: LinearConfig) -> tuple[int, int]:
-    """The launch grid's (row groups, column blocks) over m rows and n columns."""
-    return triton.cdiv(m, cfg.block_m * cfg.row_blocks), triton.cdiv(n, cfg.block_n)
+    """The launch grid's (token tiles, column blocks) over m rows and n columns."""
+    return triton.cdiv(m, cfg.block_t), triton.cdiv(n, cfg.block_n)
 
 
 def counters_for(n: int, k: int, chunks: int) -> int:
@@ -116,8 +106,7 @@ def counters_for(n: int, k: int, chunks: int) -> int:
     if chunks == 1:
         return 0
     check_chunks(k, chunks)
-    # The most row groups (2 row blocks each past 16 rows, one group below) and column blocks.
-    return triton.cdiv(_slice_rows(n, chunks), 2 * BLOCK_M) * triton.cdiv(n, MIN_BLOCK_N)
+    return triton.cdiv(_slice_rows(n, chunks), MIN_BLOCK_T) * triton.cdiv(n, BLOCK_N)
 
 
 def _served(k: int, chunks: int) -> bool:
@@ -144,113 +133,89 @@ def check_chunks(k: int, chunks: int) -> int:
 
 
 @triton.jit
-def _add(a, b):
-    """Two tuples of tiles, added tile by tile."""
-    sums = ()
-    for i in tl.static_range(len(a)):
-        sums = sums + (a[i] + b[i],)
-    return sums
-
-
-@triton.jit
-def _chunk_tree(X, Wt, rows0, cols, M, N, K, k0, CHUNK_K: tl.constexpr, BLOCK_K: tl.constexpr,
-                ROW_BLOCKS: tl.constexpr, LEAVES: tl.constexpr):
-    """A tuple of ROW_BLOCKS fp32 [BLOCK_M, BLOCK_N] tiles: the row blocks from rows0 on, times
-    cols, of x @ w.T over LEAVES (1, 2, 4 or 8) chunks of CHUNK_K columns from k0, each chunk
-    summed in BLOCK_K steps, in order, from zero, and the chunks' sums added over the pairwise
-    tree (a subtree of ``peer.tree_sum``'s). Each weight block is loaded once per step and used
-    by every row block, each its own 16-row dot.
-
-    One loop over every step (one software pipeline, not one per chunk): at the end of chunk
-    c the chunk's sum is kept in a slot for its level of the tree until its sibling is done,
-    as a binary counter carries (slot 0 a chunk, 1 a pair, 2 four), and the last chunk's sum
-    is added to the kept ones after the loop: at most log2(LEAVES) kept sums."""
+def _chunk_sum(X, Wt, toks, cols, M, N, K, k0, CHUNK_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The fp32 [BLOCK_N, BLOCK_T] tile w[cols] @ x[toks].T over K columns [k0, k0 + CHUNK_K),
+    summed from zero in BLOCK_K steps, in order."""
     tl.static_assert(CHUNK_K % BLOCK_K == 0, "the K step must divide the chunk (its loads are not masked)")
-    BLOCK_M: tl.constexpr = rows0.shape[0]
-    STEPS: tl.constexpr = CHUNK_K // BLOCK_K
-    acc = ()
-    for _ in tl.static_range(ROW_BLOCKS):
-        acc = acc + (tl.zeros([BLOCK_M, cols.shape[0]], tl.float32),)
-    slot0, slot1, slot2 = acc, acc, acc
     ks = tl.arange(0, BLOCK_K)
-    for step in range(0, LEAVES * STEPS):
-        k = k0 + step * BLOCK_K
-        b = tl.load(Wt + cols.to(tl.int64)[None, :] * K + (k + ks)[:, None], mask=(cols < N)[None, :], other=0.0)
+    acc = tl.zeros([cols.shape[0], toks.shape[0]], tl.float32)
+    for k in range(k0, k0 + CHUNK_K, BLOCK_K):
+        w = tl.load(Wt + cols.to(tl.int64)[:, None] * K + (k + ks)[None, :], mask=(cols < N)[:, None], other=0.0)
+        x = tl.load(X + toks.to(tl.int64)[None, :] * K + (k + ks)[:, None], mask=(toks < M)[None, :], other=0.0)
         if _INTERPRETER:  # numpy has no bf16 matmul: widen exactly, sum in fp32
-            b = to_f32(b)
-        new = ()
-        for rb in tl.static_range(ROW_BLOCKS):
-            rows = rows0 + rb * BLOCK_M
-            a = tl.load(X + rows.to(tl.int64)[:, None] * K + (k + ks)[None, :], mask=(rows < M)[:, None], other=0.0)
-            if _INTERPRETER:
-                new = new + (tl.dot(to_f32(a), b, acc[rb], input_precision="ieee"),)
-            else:
-                new = new + (tl.dot(a, b, acc[rb]),)
-        acc = new
-        if LEAVES > 1:
-            c = step // STEPS
-            if step % STEPS == STEPS - 1 and c < LEAVES - 1:  # chunk c done, not the last
-                if c % 2 == 0:
-                    slot0 = acc
-                elif c % 4 == 1:
-                    slot1 = _add(slot0, acc)
-                else:  # c % 8 == 3 (7 is the last chunk at 8 leaves)
-                    slot2 = _add(slot1, _add(slot0, acc))
-                zero = ()
-                for _ in tl.static_range(ROW_BLOCKS):
-                    zero = zero + (tl.zeros([BLOCK_M, cols.shape[0]], tl.float32),)
-                acc = zero
-    if LEAVES >= 2:
-        acc = _add(slot0, acc)
-    if LEAVES >= 4:
-        acc = _add(slot1, acc)
-    if LEAVES == 8:
-        acc = _add(slot2, acc)
+            acc = tl.dot(to_f32(w), to_f32(x), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, x, acc)
     return acc
 
 
 @triton.jit
-def _tile(rows, cols, M, N):
-    """Offsets and mask of the rows x cols tile of an [M, N] row-major output."""
-    return rows.to(tl.int64)[:, None] * N + cols[None, :], (rows < M)[:, None] & (cols < N)[None, :]
+def _chunk_tree(X, Wt, toks, cols, M, N, K, k0, CHUNK_K: tl.constexpr, BLOCK_K: tl.constexpr,
+                LEAVES: tl.constexpr):
+    """``_chunk_sum`` of LEAVES (1, 2, 4 or 8) consecutive chunks from k0, added over the
+    pairwise tree (a subtree of ``peer.tree_sum``'s): each chunk's sum is kept in a slot for its
+    level of the tree until its sibling is done, as a binary counter carries (slot 0 a chunk, 1
+    a pair, 2 four), and the last chunk's sum is added to the kept ones after the loop; at most
+    log2(LEAVES) kept sums. Each chunk is its own K loop whose sum starts at zero: a sum reset
+    inside one loop over every step miscompiled with wgmma (Triton 3.6, sm_90: other values,
+    tests/test_invariant_matmul.py)."""
+    zero = tl.zeros([cols.shape[0], toks.shape[0]], tl.float32)
+    slot0, slot1, slot2 = zero, zero, zero
+    for c in range(0, LEAVES - 1):
+        acc = _chunk_sum(X, Wt, toks, cols, M, N, K, k0 + c * CHUNK_K, CHUNK_K, BLOCK_K)
+        if c % 2 == 0:
+            slot0 = acc
+        elif c % 4 == 1:
+            slot1 = slot0 + acc
+        else:  # c % 8 == 3 (7 is the last chunk at 8 leaves)
+            slot2 = slot1 + (slot0 + acc)
+    acc = _chunk_sum(X, Wt, toks, cols, M, N, K, k0 + (LEAVES - 1) * CHUNK_K, CHUNK_K, BLOCK_K)
+    if LEAVES >= 2:
+        acc = slot0 + acc
+    if LEAVES >= 4:
+        acc = slot1 + acc
+    if LEAVES == 8:
+        acc = slot2 + acc
+    return acc
+
+
+@triton.jit
+def _tile(toks, cols, M, N):
+    """Offsets and mask of the transposed (cols x toks) tile of an [M, N] row-major output."""
+    return toks.to(tl.int64)[None, :] * N + cols[:, None], (toks < M)[None, :] & (cols < N)[:, None]
 
 
 @triton.jit(do_not_specialize=["M"])  # M == 1 compiles as any other M
 def invariant_matmul_kernel(X, Wt, OUT, PARTIAL, COUNTS, M, N, K,
-                            CHUNKS: tl.constexpr, CHUNK_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCKS: tl.constexpr,
-                            SPLIT: tl.constexpr):
-    """Grid (groups of ROW_BLOCKS row blocks, column blocks, SPLIT): a CTA sums CHUNKS / SPLIT
-    consecutive chunks of its tile. PARTIAL: fp32 [SPLIT, M, N] (SPLIT > 1); COUNTS: int32
-    zeros, one per (row group, column block) tile, left zero. Each row block is its own 16-row
-    dot with the same weight block: ROW_BLOCKS changes how often the weights are read, SPLIT
-    how the tree's subtrees are spread over CTAs, never a bit of a row."""
+                            CHUNKS: tl.constexpr, CHUNK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+    """Grid (token tiles, column blocks, SPLIT): a CTA sums CHUNKS / SPLIT consecutive chunks
+    of its tile. PARTIAL: fp32 [SPLIT, M, N] (SPLIT > 1); COUNTS: int32 zeros, one per (token
+    tile, column block), left zero. The weight rows are the dot's rows at every M: BLOCK_T
+    changes the instruction's N and how often the weights are read, SPLIT on which CTA a
+    subtree is summed, never a bit of a token."""
     tl.static_assert(SPLIT <= CHUNKS and CHUNKS % SPLIT == 0, "SPLIT CTAs share a tile's chunks evenly")
-    pid_m, pid_n, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid_t, pid_n, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     LEAVES: tl.constexpr = CHUNKS // SPLIT
+    toks = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows0 = pid_m * ROW_BLOCKS * BLOCK_M + tl.arange(0, BLOCK_M)
-    size = M.to(tl.int64) * N
-    accs = _chunk_tree(X, Wt, rows0, cols, M, N, K, part * LEAVES * CHUNK_K, CHUNK_K, BLOCK_K, ROW_BLOCKS, LEAVES)
-    for rb in tl.static_range(ROW_BLOCKS):
-        offs, mask = _tile(rows0 + rb * BLOCK_M, cols, M, N)
-        if SPLIT == 1:
-            tl.store(OUT + offs, round_to(accs[rb], OUT.dtype.element_ty), mask=mask)
-        else:
-            tl.store(PARTIAL + part * size + offs, accs[rb], mask=mask)
-    if SPLIT > 1:
+    acc = _chunk_tree(X, Wt, toks, cols, M, N, K, part * LEAVES * CHUNK_K, CHUNK_K, BLOCK_K, LEAVES)
+    offs, mask = _tile(toks, cols, M, N)
+    if SPLIT == 1:
+        tl.store(OUT + offs, round_to(acc, OUT.dtype.element_ty), mask=mask)
+    else:
+        size = M.to(tl.int64) * N
+        tl.store(PARTIAL + part * size + offs, acc, mask=mask)
         tl.debug_barrier()  # every thread's partials precede the count (release)
-        counter = COUNTS + pid_m * tl.num_programs(1) + pid_n
+        counter = COUNTS + pid_t * tl.num_programs(1) + pid_n
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
             # Every CTA of the tile has counted: nothing else touches the count in this launch,
             # and the next launch on the stream starts after this one ends.
             tl.store(counter, 0)
-            for rb in tl.static_range(ROW_BLOCKS):
-                offs, mask = _tile(rows0 + rb * BLOCK_M, cols, M, N)
-                parts = ()
-                for p in tl.static_range(SPLIT):
-                    parts = parts + (tl.load(PARTIAL + p * size + offs, mask=mask, other=0.0, cache_modifier=".cg"),)
-                tl.store(OUT + offs, round_to(tree_sum(parts), OUT.dtype.element_ty), mask=mask)
+            parts = ()
+            for p in tl.static_range(SPLIT):
+                parts = parts + (tl.load(PARTIAL + p * size + offs, mask=mask, other=0.0, cache_modifier=".cg"),)
+            tl.store(OUT + offs, round_to(tree_sum(parts), OUT.dtype.element_ty), mask=mask)
 
 
 def _launch(x2: torch.Tensor, w: torch.Tensor, out: torch.Tensor, chunks: int, chunk_k: int,
@@ -258,15 +223,15 @@ def _launch(x2: torch.Tensor, w: torch.Tensor, out: torch.Tensor, chunks: int, c
     """One launch over the rows of x2 [m, K] into out [m, N] (contiguous row slices)."""
     (m, k), n = x2.shape, w.shape[0]
     cfg = LinearConfig.for_shape(m, n, chunks, chunk_k)
-    groups, blocks = _tiles(m, n, cfg)
+    token_tiles, blocks = _tiles(m, n, cfg)
     partial = torch.empty((cfg.split, m, n) if cfg.split > 1 else (1,), dtype=torch.float32, device=x2.device)
-    tiles = groups * blocks if cfg.split > 1 else 1  # one count a tile; none read with one CTA a tile
+    tiles = token_tiles * blocks if cfg.split > 1 else 1  # one count a tile; none read with one CTA a tile
     if counters is None or counters.numel() < tiles:
         counters = torch.zeros(tiles, dtype=torch.int32, device=x2.device)
-    invariant_matmul_kernel[(groups, blocks, cfg.split)](
+    invariant_matmul_kernel[(token_tiles, blocks, cfg.split)](
         X=x2, Wt=w, OUT=out, PARTIAL=partial, COUNTS=counters, M=m, N=n, K=k, CHUNKS=chunks, CHUNK_K=chunk_k,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROW_BLOCKS=cfg.row_blocks,
-        SPLIT=cfg.split, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **EXACT_FP)
+        BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t, BLOCK_K=cfg.block_k, SPLIT=cfg.split, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **EXACT_FP)
 
 
 def invariant_matmul_into(x2: torch.Tensor, w: torch.Tensor, out: torch.Tensor, chunks: int,
