@@ -102,9 +102,9 @@ def measure(batches: list[int], jobs: int, axes: dict) -> list[dict]:
             counters = torch.zeros(linear.counters_for(n, k, chunks), dtype=torch.int32, device="cuda")
             base = dict(tp=tp, layer=name, k=k, n=n, chunks=chunks, m=m)
             torch_us = graph_time_us(lambda i: F.linear(x, ws[i % len(ws)]))
-            library = dataclasses.asdict(LIBRARY(m, n, chunks, k // chunks))
             for fields in [None] + [f for f in grid(m, axes) if served(f, chunks)]:
                 use(fields)
+                config = dataclasses.asdict(linear.LinearConfig.for_shape(m, n, chunks, k // chunks))
                 try:
                     out = tpfuse.invariant_matmul(x, ws[0], chunks, torch.float32)
                     alone = tpfuse.invariant_matmul(x[:1], ws[0], chunks, torch.float32)
@@ -113,7 +113,7 @@ def measure(batches: list[int], jobs: int, axes: dict) -> list[dict]:
                 except Exception as e:
                     print(f"{name} m={m} {fields}: {type(e).__name__}", flush=True)
                     continue
-                records.append({**base, "config": fields or library, "library": fields is None, "us": us,
+                records.append({**base, "config": config, "library": fields is None, "us": us,
                                 "gbps": n * k * 2 / us / 1e3, "torch_us": torch_us,
                                 "same_bits": bool(torch.equal(out, want) and torch.equal(out[:1], alone))})
             use(None)
