@@ -44,11 +44,12 @@ from tpfuse.kernels.common import EXACT_FP, _INTERPRETER, round_to, to_f32
 from tpfuse.kernels.peer import tree_sum
 
 BLOCK_N = 64
-"""Weight rows a CTA: one 64-row wgmma tile on sm_90, for every M."""
+"""Weight rows a CTA: one 64-row wgmma tile on sm_90 (two, 128 rows, for 64 tokens a tile
+where that alone fills the GPU: ``LinearConfig.for_shape``)."""
 MIN_BLOCK_T = 16
 """The fewest tokens a tile (tl.dot's smallest N); up to 64 as M grows."""
 MAX_CHUNKS = 8
-MIN_CTAS = 128
+MIN_CTAS = 256
 """``LinearConfig.for_shape`` spreads a tile's chunks over more CTAs while it has fewer than this."""
 PARTIAL_BYTES = 256 << 20
 """The most bytes of fp32 chunk partials one launch writes (a prefill of thousands of rows
@@ -75,19 +76,30 @@ class LinearConfig:
 
     @classmethod
     def for_shape(cls, m: int, n: int, chunks: int, chunk_k: int) -> "LinearConfig":
-        """64 weight rows and up to 64 tokens a CTA, the chunk in steps of 128, 4 stages (the
-        fastest of scripts/swap_ab_probe.py's configurations at 1-64 rows on most of
-        Llama-3-8B's layers); one CTA a tile, more (down to a chunk each) while fewer than
-        MIN_CTAS. 64 tokens take two warpgroups of 32 each: on one, the kept sums of a CTA's
-        chunks spill (ptxas, sm_90; tests/test_invariant_matmul.py). Under the interpreter,
-        which sums a dot's K in one numpy product, the blocks never change (the split changes
-        no bit there either)."""
+        """The fastest rule over scripts/tune_linear.py's grid on an H200 (Llama-3-8B's layers at
+        TP 1 and 2, M = 1-256; benchmarks/NOTES.md 2026-11-29):
+
+        - 64 tokens a tile (M > 32) on a weight as wide as gate_up or lm_head: 128 weight rows
+          a CTA on two warpgroups, all its chunks in one CTA (128+ CTAs already fill the
+          GPU's 132 SMs; the weights are read once per 64 tokens, not per 16).
+        - Otherwise 64 weight rows on one warpgroup, a tile's chunks shared by more CTAs
+          (down to one chunk each) while fewer than MIN_CTAS (two a SM); one CTA summing all
+          its chunks steps through K by 64 in 4 stages, CTAs sharing them by 128 in 3.
+
+        Under the interpreter, which sums a dot's K in one numpy product, the blocks never
+        change (the split changes no bit there either). On sm_90 the wgmma instructions add
+        K in steps of 16 whatever the block (tests/test_invariant_matmul.py, on GPUs)."""
         block_t = MIN_BLOCK_T if _INTERPRETER else min(64, max(MIN_BLOCK_T, triton.next_power_of_2(m)))
+        token_tiles = triton.cdiv(m, block_t)
+        if block_t == 64 and token_tiles * triton.cdiv(n, 2 * BLOCK_N) >= 128:
+            return cls(block_n=2 * BLOCK_N, block_t=block_t, block_k=min(128, chunk_k), split=1,
+                       num_warps=8, num_stages=4)
         split = 1
-        while split < chunks and triton.cdiv(m, block_t) * triton.cdiv(n, BLOCK_N) * split < MIN_CTAS:
+        while split < chunks and token_tiles * triton.cdiv(n, BLOCK_N) * split < MIN_CTAS:
             split *= 2
-        return cls(block_n=BLOCK_N, block_t=block_t, block_k=min(128, chunk_k), split=split,
-                   num_warps=8 if block_t == 64 else 4, num_stages=4)
+        block_k = 128 if split > 1 or _INTERPRETER else 64
+        return cls(block_n=BLOCK_N, block_t=block_t, block_k=min(block_k, chunk_k), split=split,
+                   num_warps=4, num_stages=4 if split == 1 else 3)
 
 
 def _slice_rows(n: int, chunks: int) -> int:
