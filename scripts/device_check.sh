@@ -8,7 +8,7 @@
 #        tune_allreduce; groups: norm,
 #        allreduce, fused, quant, codecs (one GPU: the codec kernels alone, and tpfuse.quant_fp8), models (test_models
 #        and bench_decode; TEST_MODELS_ARGS passes pytest arguments, e.g. -k NAME), linear (one GPU: tpfuse.invariant_matmul's,
-#        tpfuse.invariant_attention's, tpfuse.sample's and tpfuse.rope_and_cache's tests, and scripts/bench_linear.py), all. DECODE_ARGS passes arguments to bench_decode. A device call may run 600 s, so "all" needs the largest machines' patience:
+#        tpfuse.invariant_attention's, tpfuse.sample's, tpfuse.rope_and_cache's and tpfuse.silu_and_mul's tests, and scripts/bench_linear.py), all. DECODE_ARGS passes arguments to bench_decode. A device call may run 600 s, so "all" needs the largest machines' patience:
 #        pick steps per call. BENCH_ARGS passes extra arguments to every benchmark.
 #        tune (2+ GPUs; not in "all"): `tpfuse tune` at W = every GPU, the sweep under $OUT and
 #        the plan table $OUT/w{W}-{gpu model}.json (never into the package: copy it into
@@ -101,7 +101,7 @@ want bench_quant && multi bench_quant && run bench_quant 270 python3 -m tpfuse.c
 want test_codecs && run test_codecs 240 python3 -m pytest -q -x -m gpu tests/test_quant_gpu.py
 want test_fp8 && run test_fp8 240 python3 -m pytest -q -x tests/test_quant_fp8.py
 want test_linear && run test_linear 300 python3 -m pytest -q -x tests/test_invariant_matmul.py tests/test_invariant_attention.py \
-  tests/test_sampling.py tests/test_rope.py
+  tests/test_sampling.py tests/test_rope.py tests/test_activation.py
 want bench_linear && run bench_linear 300 python3 scripts/bench_linear.py --out "$OUT"
 want tune_linear && run tune_linear 540 python3 scripts/tune_linear.py --out "$OUT" ${TUNE_LINEAR_ARGS:-}
 want bench_codecs && run bench_codecs 120 python3 scripts/bench_codecs.py --out "$OUT"

@@ -134,8 +134,8 @@ def test_every_configuration_the_library_picks_sums_with_one_mma_instruction():
     configurations differ (16 to 64 tokens a tile, 1 to 8 CTAs a tile), the kernel's only
     tensor-core instruction is a 64-row wgmma tile of weight rows (bf16 in, fp32 sums) whose N
     is the token tile (a warpgroup's share of it), and ptxas spills nothing but a little with
-    128 weight rows (kept sums of the chunks' tree take registers). That a token's bits do not follow N is measured on GPUs (the
-    tests above, and scripts/swap_ab_probe.py)."""
+    128 weight rows (kept sums of the chunks' tree take registers). That a token's bits do not
+    follow N is measured on GPUs (the tests above, and scripts/swap_ab_probe.py)."""
     cases = [dict(report="matmul", m=m, n=n, k=k, chunks=chunks, out=out) for m in (1, 64, 256)
              for n, k, chunks, out in [(4096, 4096, 8, "bf16"), (28672, 4096, 8, "bf16"), (4096, 2048, 4, "fp32"),
                                        (768, 4096, 8, "bf16"), (8192, 4096, 8, "bf16")]]

@@ -26,6 +26,7 @@ Without CUDA, the kernels run on CPU tensors under Triton's interpreter (set up 
 
 from tpfuse import _runtime  # noqa: F401  (first: selects Triton's interpreter when CUDA is absent)
 from tpfuse import reference
+from tpfuse.activation_ops import silu_and_mul
 from tpfuse.attention_ops import invariant_attention
 from tpfuse.comm import CallMismatchError, CommError, CommTimeoutError, Communicator
 from tpfuse.fp8_ops import quant_fp8
@@ -39,5 +40,6 @@ from tpfuse.sampling_ops import sample, token_log_probs
 __all__ = ["rms_norm", "add_rms_norm", "RMSNorm", "Communicator", "CommError", "CommTimeoutError",
            "CallMismatchError", "reference",
            "quantize", "dequantize", "quant_fp8", "invariant_matmul", "invariant_attention", "rope_and_cache",
+           "silu_and_mul",
            "token_log_probs", "sample"]
 __version__ = "0.1.0"

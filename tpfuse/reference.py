@@ -382,6 +382,17 @@ def rope_and_cache(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: to
     return out[:, :, :-n_kv].transpose(1, 2).contiguous()
 
 
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gate of x [..., 2I] (the gate's I columns, then up's): silu(gate) * up, op for
+    op as torch's CUDA kernels compute ``F.silu(gate) * up`` in x's dtype: silu(g) = g / (1 +
+    exp(-g)) in fp32, rounded to the dtype, then its product with up in fp32, rounded.
+    ``tpfuse.silu_and_mul`` gives these bits on GPUs (exp is CUDA's expf there; under Triton's
+    interpreter numpy's exp, which may differ from torch's CPU exp in the last fp32 bit)."""
+    g, up = x.float().chunk(2, dim=-1)
+    act = (g / (1 + torch.exp(-g))).to(x.dtype)
+    return (act.float() * up).to(x.dtype)
+
+
 def token_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """log softmax(logits)[target] per row in float64 (logits [N, V], targets [N]): what
     ``tpfuse.token_log_probs`` approximates in fp32, held to an absolute error budget. Its bits

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tpfuse.activation_ops import silu_and_mul
 from tpfuse.attention_ops import invariant_attention
 from tpfuse.kernels.linear import check_chunks, counters_for, layer_chunks
 from tpfuse.linear_ops import invariant_matmul
@@ -349,9 +350,11 @@ class TPModel(nn.Module):
         return self._project(o, layer, "o_proj")
 
     def _mlp(self, layer: DecoderLayer, h: Tensor) -> Tensor:
-        gate, up = self._project(h, layer, "gate_up_proj").chunk(2, dim=-1)
-        act = F.silu(gate) if self.config.hidden_act == "silu" else F.gelu(gate, approximate="tanh")
-        return self._project(act * up, layer, "down_proj")
+        gate_up = self._project(h, layer, "gate_up_proj")
+        if self.config.hidden_act == "silu":  # one kernel, torch's bits on GPUs
+            return self._project(silu_and_mul(gate_up), layer, "down_proj")
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self._project(F.gelu(gate, approximate="tanh") * up, layer, "down_proj")
 
     def _project(self, x: Tensor | Fp8Activation, layer: DecoderLayer, name: str, bias: Tensor | None = None) -> Tensor:
         """The block's projection ``name``: o_proj and down_proj row-parallel, the others
