@@ -6,8 +6,8 @@ A query at position p attends to the keys at positions 0..p. They are cut into s
 CTAs). Split j of a query gives a partial ``(m_j, l_j, o_j)``: the scores
 ``s = (q . k) * scale`` in fp32 of its keys, their max, ``l_j = sum(exp(s - m_j))`` and
 ``o_j = sum(exp(s - m_j) v)`` (the weights rounded to v's dtype for the tensor cores, as
-FlashAttention does), from one 16-row dot each (``BLOCK_M`` rows, as ``tpfuse.kernels.linear``:
-a row's dot is the same instruction whether the row is alone or one of 16). The splits are
+FlashAttention does), from one 16-row dot each (``BLOCK_M`` rows: a row's dot is the same
+instruction whether the row is alone or one of 16). The splits are
 folded in order, 0, 1, 2, ..., into ``(m, l, o)`` (``_fold``), and the output is ``o / l``
 rounded once. A query's bits therefore depend on its own q, the keys and values up to its
 position, and nothing else: not the batch around it, the other queries of a prefill, the

@@ -6,9 +6,9 @@ architecture and Triton version: a tensor core's sum inside one instruction is i
 the interpreter's differs from a GPU's):
 
 - the weights are the dot's rows and the tokens its columns: a CTA computes the transposed
-  tile ``w[BLOCK_N rows] @ x.T[:, BLOCK_T tokens]``, so that on sm_90 a 64-row wgmma tile of
-  weight rows serves every M and only the instruction's N (BLOCK_T, 16 to 64 tokens) follows
-  the batch. A token's sum chains the same k16 steps whatever the tokens beside it: on an H200
+  tile ``w[BLOCK_N rows] @ x.T[:, BLOCK_T tokens]``, so that on sm_90 64-row wgmma tiles of
+  weight rows (one a warpgroup, one or two a CTA) serve every M and only the instruction's N
+  (BLOCK_T, 16 to 64 tokens) follows the batch. A token's sum chains the same k16 steps whatever the tokens beside it: on an H200
   every token tile and block shape gave every token the same bits (scripts/swap_ab_probe.py,
   and the GPU tests here). This is cuBLAS's own layout at 64 rows; the 16-row mma.sync dots
   before it ran at a third of its rate past 32 rows (benchmarks/NOTES.md 2026-11-29);
