@@ -66,23 +66,12 @@ def test_error_against_float64(k, n, chunks):
     assert torch.equal(out, tpfuse.invariant_matmul(x, w, chunks, torch.float32).bfloat16())  # one rounding
 
 
-def test_rows_in_slices_keep_their_bits(monkeypatch):
-    """Rows whose fp32 partials would pass PARTIAL_BYTES go through in slices: the same bits."""
+def test_a_kept_counters_buffer_is_left_zero_and_changes_no_bit():
+    """One counters buffer over calls of other shapes and chunks: each call's bits are those
+    without it (its own zeroed counts), and the buffer is zero after every call (a count left
+    behind would keep the next call's tiles from ever being summed)."""
     from tpfuse.kernels import linear
 
-    x, w = _operands(256, 96, 40, 4)
-    whole = tpfuse.invariant_matmul(x, w, 8, torch.float32)
-    monkeypatch.setattr(linear, "PARTIAL_BYTES", 8 * 96 * 4 * 16)  # 16 rows a launch
-    assert torch.equal(tpfuse.invariant_matmul(x, w, 8, torch.float32), whole)
-
-
-def test_a_kept_counters_buffer_is_left_zero_and_changes_no_bit(monkeypatch):
-    """One counters buffer over calls of other shapes, chunks and row slices: each call's bits
-    are those without it (its own zeroed counts), and the buffer is zero after every call (a
-    count left behind would keep the next call's tiles from ever being summed)."""
-    from tpfuse.kernels import linear
-
-    monkeypatch.setattr(linear, "PARTIAL_BYTES", 8 * 96 * 4 * 16)  # 16 rows a launch: slices share it
     shapes = [(256, 96, 8, 40), (512, 40, 4, 3), (256, 96, 2, 70), (256, 96, 8, 1)]
     counters = torch.zeros(max(linear.counters_for(n, k, c) for k, n, c, _ in shapes), dtype=torch.int32,
                            device=DEVICE)
@@ -113,20 +102,40 @@ def test_a_kept_counters_buffer_serves_many_token_tiles(k, n, chunks, m):
         assert not counters.any()
 
 
+@pytest.mark.parametrize("fields", [dict(block_n=128, block_t=64, num_warps=8, split=1),
+                                    dict(block_n=64, block_t=32, num_warps=4, split=2)])
+def test_the_gpus_tiles_give_the_same_bits_under_the_interpreter(monkeypatch, fields):
+    """The GPUs' wider tiles (128 weight rows, 32 and 64 tokens), whose masks the interpreter's
+    own configuration never reaches, on a ragged shape (the last token tile and column block
+    part-full): the bits of the interpreter's configuration (its K step kept: its dot sums a
+    step in one product)."""
+    import dataclasses
+
+    from tpfuse.kernels import linear
+
+    x, w = _operands(256, 96, 70, 11)
+    want = tpfuse.invariant_matmul(x, w, 4, torch.float32)
+    library = linear.LinearConfig.for_shape
+    monkeypatch.setattr(linear.LinearConfig, "for_shape",
+                        staticmethod(lambda *shape: dataclasses.replace(library(*shape), **fields)))
+    assert linear.LinearConfig.for_shape(70, 96, 4, 64).block_n == fields["block_n"]
+    assert torch.equal(tpfuse.invariant_matmul(x, w, 4, torch.float32), want)
+
+
 def test_counters_for_covers_every_launch(monkeypatch):
-    """counters_for(n, k, chunks) >= the tiles of any launch, with the GPUs' configurations
-    (the interpreter's token tiles never widen), at M = 1-300 and a launch's most rows (past 64
-    rows the token tiles only grow with M)."""
+    """counters_for(n, k, chunks) >= the tiles of any launch whose CTAs share tiles (the only
+    ones that count), with the GPUs' configurations (the interpreter's token tiles never
+    widen), at M = 1-300 and at prefill sizes."""
     from tpfuse.kernels import linear
 
     monkeypatch.setattr(linear, "_INTERPRETER", False)
     for k, n, chunks in [(4096, 4096, 8), (4096, 28672, 8), (2048, 4096, 4), (14336, 4096, 8), (4096, 128256, 8),
                          (256, 96, 2), (512, 40, 4)]:
         bound = linear.counters_for(n, k, chunks)
-        most = linear._slice_rows(n, chunks)
-        for m in [*range(1, min(most, 300) + 1), most]:  # the configurations change below 65 rows
-            token_tiles, blocks = linear._tiles(m, n, linear.LinearConfig.for_shape(m, n, chunks, k // chunks))
-            assert token_tiles * blocks <= bound, (k, n, chunks, m)
+        for m in [*range(1, 301), 2048, 65536]:  # the configurations change below 257 rows
+            cfg = linear.LinearConfig.for_shape(m, n, chunks, k // chunks)
+            token_tiles, blocks = linear._tiles(m, n, cfg)
+            assert cfg.split == 1 or token_tiles * blocks <= bound, (k, n, chunks, m)
 
 
 def test_every_configuration_the_library_picks_sums_with_one_mma_instruction():
@@ -146,7 +155,7 @@ def test_every_configuration_the_library_picks_sums_with_one_mma_instruction():
     assert {r["split"] for r in reports} >= {1, 2, 4, 8}, reports
     for r in reports:
         # Warpgroups take 64 weight rows each, then share the tokens: one warpgroup's tokens.
-        n = r["block_t"] // (r["num_warps"] // 4 // (r["block_n"] // 64))
+        n = r["block_t"] // max(1, r["num_warps"] // 4 // (r["block_n"] // 64))
         assert r["mma"] == [f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16"], r
         # 128 weight rows summing 8 chunks keep three levels of the tree beside the running
         # sum: ptxas spills 80 bytes a thread rounding them to bf16, and that configuration was

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import torch
 
+from tpfuse._runtime import check_float_tensor
 from tpfuse.kernels.activation import silu_and_mul_into
 
 Tensor = torch.Tensor
 
 
 def _check_args(x: Tensor) -> None:
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise TypeError(f"silu_and_mul takes bf16, fp16 or fp32, got {x.dtype}")
+    check_float_tensor(x, "silu_and_mul's x")
     if x.dim() == 0 or x.shape[-1] % 2:
         raise ValueError(f"silu_and_mul takes x [..., 2I] (the gate's I columns, then up's), got {tuple(x.shape)}")
 
@@ -29,7 +29,8 @@ def _silu_and_mul_op(x: Tensor) -> Tensor:
     _check_args(x)  # for callers of torch.ops.tpfuse.silu_and_mul too
     y = _empty_out(x)
     if y.numel():
-        silu_and_mul_into(x.reshape(-1, x.shape[-1]).contiguous(), y.view(-1, y.shape[-1]))
+        rows = x.reshape(-1, x.shape[-1])  # a view where the leading dimensions allow
+        silu_and_mul_into(rows if rows.stride(-1) == 1 else rows.contiguous(), y.view(-1, y.shape[-1]))
     return y
 
 
@@ -44,12 +45,15 @@ def silu_and_mul(x: Tensor) -> Tensor:
 
     Args:
         x: [..., 2I] bf16, fp16 or fp32, the gate's I columns then up's in each row (a fused
-            gate/up projection's output; any layout: a non-contiguous x is copied).
+            gate/up projection's output). Rows may be strided (a slice of a wider tensor is
+            read in place); a last dimension that is not contiguous is copied first.
 
-    Returns a new [..., I] tensor of x's dtype. Bit for bit torch's ``F.silu(gate) * up`` on
-    GPUs (``tpfuse.reference.silu_and_mul``), each row from its own inputs alone; one launch
-    instead of two and the silu's round trip through memory. A custom op
-    (``torch.ops.tpfuse.silu_and_mul``) with a fake; no autograd.
+    Returns a new contiguous [..., I] tensor of x's dtype. Bit for bit torch's eager
+    ``F.silu(gate) * up`` on GPUs (``tpfuse.reference.silu_and_mul``): the silu is rounded to
+    the dtype before the product, as torch's two ops round it (kernels that keep it in fp32,
+    such as FlashInfer's ``silu_and_mul``, give other bits). Each row from its own inputs
+    alone; one launch instead of two, and no round trip of the silu through memory. A custom
+    op (``torch.ops.tpfuse.silu_and_mul``) with a fake; no autograd.
     """
     _check_args(x)
     return torch.ops.tpfuse.silu_and_mul(x)

@@ -8,10 +8,11 @@ the interpreter's differs from a GPU's):
 - the weights are the dot's rows and the tokens its columns: a CTA computes the transposed
   tile ``w[BLOCK_N rows] @ x.T[:, BLOCK_T tokens]``, so that on sm_90 64-row wgmma tiles of
   weight rows (one a warpgroup, one or two a CTA) serve every M and only the instruction's N
-  (BLOCK_T, 16 to 64 tokens) follows the batch. A token's sum chains the same k16 steps whatever the tokens beside it: on an H200
-  every token tile and block shape gave every token the same bits (scripts/swap_ab_probe.py,
-  and the GPU tests here). This is cuBLAS's own layout at 64 rows; the 16-row mma.sync dots
-  before it ran at a third of its rate past 32 rows (benchmarks/NOTES.md 2026-11-29);
+  (BLOCK_T, 16 to 64 tokens) follows the batch. A token's sum chains the same k16 steps
+  whatever the tokens beside it: on an H200 every token tile and block shape gave every token
+  the same bits (scripts/swap_ab_probe.py, and the GPU tests here). This is cuBLAS's own
+  layout at 64 rows; the 16-row mma.sync dots before it ran at about 40% of its rate past 32
+  rows (benchmarks/NOTES.md 2026-11-29);
 - K is cut into ``chunks`` equal chunks, each summed in BLOCK_K steps, in order, into an fp32
   accumulator of its own, and the chunks' fp32 partials are added over the pairwise tree
   (``peer.tree_sum``), never a split of K chosen from the shape. A CTA sums a run of
@@ -50,10 +51,11 @@ MIN_BLOCK_T = 16
 """The fewest tokens a tile (tl.dot's smallest N); up to 64 as M grows."""
 MAX_CHUNKS = 8
 MIN_CTAS = 256
-"""``LinearConfig.for_shape`` spreads a tile's chunks over more CTAs while it has fewer than this."""
-PARTIAL_BYTES = 256 << 20
-"""The most bytes of fp32 chunk partials one launch writes (a prefill of thousands of rows
-would otherwise take GBs for an LM head); more rows go through in slices."""
+"""``LinearConfig.for_shape`` spreads a tile's chunks over more CTAs while it has fewer than
+this (so a launch whose CTAs share tiles has fewer tiles than this, and its fp32 partials stay
+small: a few MB at most)."""
+WIDE_MIN_CTAS = 128
+"""128 weight rows a CTA only where the tiles alone number this many (an H200 has 132 SMs)."""
 
 
 @dataclass(frozen=True)
@@ -79,9 +81,9 @@ class LinearConfig:
         """The fastest rule over scripts/tune_linear.py's grid on an H200 (Llama-3-8B's layers at
         TP 1 and 2, M = 1-256; benchmarks/NOTES.md 2026-11-29):
 
-        - 64 tokens a tile (M > 32) on a weight as wide as gate_up or lm_head: 128 weight rows
-          a CTA on two warpgroups, all its chunks in one CTA (128+ CTAs already fill the
-          GPU's 132 SMs; the weights are read once per 64 tokens, not per 16).
+        - 64 tokens a tile (M > 32) where 128-row tiles alone number WIDE_MIN_CTAS (at M =
+          64 gate_up and lm_head; at 256 every TP=1 layer): 128 weight rows a CTA on two
+          warpgroups, all its chunks in one CTA.
         - Otherwise 64 weight rows on one warpgroup, a tile's chunks shared by more CTAs
           (down to one chunk each) while fewer than MIN_CTAS (two a SM); one CTA summing all
           its chunks steps through K by 64 in 4 stages, CTAs sharing them by 128 in 3.
@@ -91,7 +93,7 @@ class LinearConfig:
         K in steps of 16 whatever the block (tests/test_invariant_matmul.py, on GPUs)."""
         block_t = MIN_BLOCK_T if _INTERPRETER else min(64, max(MIN_BLOCK_T, triton.next_power_of_2(m)))
         token_tiles = triton.cdiv(m, block_t)
-        if block_t == 64 and token_tiles * triton.cdiv(n, 2 * BLOCK_N) >= 128:
+        if block_t == 64 and token_tiles * triton.cdiv(n, 2 * BLOCK_N) >= WIDE_MIN_CTAS:
             return cls(block_n=2 * BLOCK_N, block_t=block_t, block_k=min(128, chunk_k), split=1,
                        num_warps=8, num_stages=4)
         split = 1
@@ -102,23 +104,20 @@ class LinearConfig:
                    num_warps=4, num_stages=4 if split == 1 else 3)
 
 
-def _slice_rows(n: int, chunks: int) -> int:
-    """The most rows one launch takes: its fp32 partials within PARTIAL_BYTES."""
-    return max(MIN_BLOCK_T, PARTIAL_BYTES // (4 * chunks * n) // MIN_BLOCK_T * MIN_BLOCK_T)
-
-
 def _tiles(m: int, n: int, cfg: LinearConfig) -> tuple[int, int]:
     """The launch grid's (token tiles, column blocks) over m rows and n columns."""
     return triton.cdiv(m, cfg.block_t), triton.cdiv(n, cfg.block_n)
 
 
 def counters_for(n: int, k: int, chunks: int) -> int:
-    """The int32 counters a product with an [n, k] weight in ``chunks`` chunks needs at any M
-    (one per tile of its largest launch; 0 with one chunk): the size of a ``counters`` buffer."""
+    """The int32 counters a product with an [n, k] weight in ``chunks`` chunks needs at any M:
+    the size of a ``counters`` buffer. One a tile where CTAs share tiles, which happens only
+    below MIN_CTAS tiles; none with one chunk. (n does not change it: kept so that callers
+    name the product.)"""
     if chunks == 1:
         return 0
     check_chunks(k, chunks)
-    return triton.cdiv(_slice_rows(n, chunks), MIN_BLOCK_T) * triton.cdiv(n, BLOCK_N)
+    return MIN_CTAS
 
 
 def _served(k: int, chunks: int) -> bool:
@@ -140,7 +139,7 @@ def check_chunks(k: int, chunks: int) -> int:
         raise ValueError(f"chunks must be 1, 2, 4 or 8 (a power of two of at most {MAX_CHUNKS}), got {chunks}")
     if not _served(k, chunks):
         raise ValueError(f"K={k} does not split into {chunks} chunks of 16, 32, 64 or a multiple of 128 elements "
-                         "(each chunk is summed in steps of 128, or in one power-of-two step)")
+                         "(each chunk is summed in steps of 64 or 128, or in one power-of-two step)")
     return k // chunks
 
 
@@ -230,10 +229,14 @@ def invariant_matmul_kernel(X, Wt, OUT, PARTIAL, COUNTS, M, N, K,
             tl.store(OUT + offs, round_to(tree_sum(parts), OUT.dtype.element_ty), mask=mask)
 
 
-def _launch(x2: torch.Tensor, w: torch.Tensor, out: torch.Tensor, chunks: int, chunk_k: int,
-            counters: torch.Tensor | None) -> None:
-    """One launch over the rows of x2 [m, K] into out [m, N] (contiguous row slices)."""
+def invariant_matmul_into(x2: torch.Tensor, w: torch.Tensor, out: torch.Tensor, chunks: int,
+                          counters: torch.Tensor | None = None) -> None:
+    """x2 [m, K] @ w.T into out [m, N] (all contiguous; arguments checked by the caller,
+    ``tpfuse.linear_ops``) in one launch: a column block's token tiles run side by side and
+    share its weights in L2. ``counters``: int32 zeros, at least ``counters_for(N, K,
+    chunks)`` of them, left zero (else the launch zeroes its own)."""
     (m, k), n = x2.shape, w.shape[0]
+    chunk_k = check_chunks(k, chunks)
     cfg = LinearConfig.for_shape(m, n, chunks, chunk_k)
     token_tiles, blocks = _tiles(m, n, cfg)
     partial = torch.empty((cfg.split, m, n) if cfg.split > 1 else (1,), dtype=torch.float32, device=x2.device)
@@ -245,16 +248,3 @@ def _launch(x2: torch.Tensor, w: torch.Tensor, out: torch.Tensor, chunks: int, c
         BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t, BLOCK_K=cfg.block_k, SPLIT=cfg.split, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **EXACT_FP)
 
-
-def invariant_matmul_into(x2: torch.Tensor, w: torch.Tensor, out: torch.Tensor, chunks: int,
-                          counters: torch.Tensor | None = None) -> None:
-    """x2 [m, K] @ w.T into out [m, N] (all contiguous; arguments checked by the caller,
-    ``tpfuse.linear_ops``), rows in slices whose fp32 partials take at most PARTIAL_BYTES (a
-    row's bits do not depend on its slice). ``counters``: int32 zeros, at least
-    ``counters_for(N, K, chunks)`` of them, left zero (else each launch zeroes its own)."""
-    (m, k), n = x2.shape, w.shape[0]
-    chunk_k = check_chunks(k, chunks)
-    rows = _slice_rows(n, chunks) if chunks > 1 else max(m, 1)
-    for start in range(0, m, rows):
-        part = slice(start, min(m, start + rows))
-        _launch(x2[part], w, out[part], chunks, chunk_k, counters)
