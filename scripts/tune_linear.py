@@ -99,7 +99,7 @@ def measure(batches: list[int], jobs: int, axes: dict) -> list[dict]:
             # Bits compared on the fp32 sums (a bf16 output would hide most one-ulp differences);
             # calls timed with a kept counters buffer, as the model makes them.
             want = tpfuse.invariant_matmul(x, ws[0], chunks, torch.float32)
-            counters = torch.zeros(linear.counters_for(n, k, chunks), dtype=torch.int32, device="cuda")
+            counters = torch.zeros(linear.counters_for(k, chunks), dtype=torch.int32, device="cuda")
             base = dict(tp=tp, layer=name, k=k, n=n, chunks=chunks, m=m)
             torch_us = graph_time_us(lambda i: F.linear(x, ws[i % len(ws)]))
             for fields in [None] + [f for f in grid(m, axes) if served(f, chunks)]:

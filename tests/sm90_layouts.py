@@ -265,19 +265,11 @@ def _ptxas_usage(ptx: str) -> dict:
 def matmul_instructions(case: dict) -> dict:
     """The tensor-core instructions of ``invariant_matmul``'s kernel for x [m, k] bf16 and a
     weight [n, k] in ``chunks`` chunks, out dtype ``out``, in the configuration the library
-    picks there, or with ``case["config"]`` (LinearConfig fields) over it, and ptxas's spill
-    bytes per thread (tests/test_invariant_matmul.py)."""
-    from tpfuse.kernels.linear import LinearConfig
-
+    picks there, and ptxas's spill bytes per thread (tests/test_invariant_matmul.py)."""
     x = torch.empty(case["m"], case["k"], dtype=torch.bfloat16)
     w = torch.empty(case["n"], case["k"], dtype=torch.bfloat16)
     out = torch.empty(case["m"], case["n"], dtype=DTYPES[case["out"]])
-    base = LinearConfig.for_shape
-    LinearConfig.for_shape = staticmethod(lambda *shape: dataclasses.replace(base(*shape), **case.get("config", {})))
-    try:
-        kernel, kwargs = _launch_args(lambda: invariant_matmul_into(x, w, out, case["chunks"]))
-    finally:
-        LinearConfig.for_shape = staticmethod(base)
+    kernel, kwargs = _launch_args(lambda: invariant_matmul_into(x, w, out, case["chunks"]))
     ptx = _compile(kernel, kwargs).asm["ptx"]
     return {"case": case, "block_n": kwargs["BLOCK_N"], "block_t": kwargs["BLOCK_T"], "split": kwargs["SPLIT"],
             "num_warps": kwargs["num_warps"],

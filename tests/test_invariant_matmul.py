@@ -73,7 +73,7 @@ def test_a_kept_counters_buffer_is_left_zero_and_changes_no_bit():
     from tpfuse.kernels import linear
 
     shapes = [(256, 96, 8, 40), (512, 40, 4, 3), (256, 96, 2, 70), (256, 96, 8, 1)]
-    counters = torch.zeros(max(linear.counters_for(n, k, c) for k, n, c, _ in shapes), dtype=torch.int32,
+    counters = torch.zeros(max(linear.counters_for(k, c) for k, _, c, _ in shapes), dtype=torch.int32,
                            device=DEVICE)
     for i, (k, n, chunks, m) in enumerate(shapes * 2):
         x, w = _operands(k, n, m, 20 + i)
@@ -94,7 +94,7 @@ def test_a_kept_counters_buffer_serves_many_token_tiles(k, n, chunks, m):
     tokens: the same bits as without the buffer, which is zero after."""
     from tpfuse.kernels import linear
 
-    counters = torch.zeros(linear.counters_for(n, k, chunks), dtype=torch.int32, device=DEVICE)
+    counters = torch.zeros(linear.counters_for(k, chunks), dtype=torch.int32, device=DEVICE)
     for seed in (1, 2):
         x, w = _operands(k, n, m, seed)
         want = tpfuse.invariant_matmul(x, w, chunks, torch.float32)
@@ -123,7 +123,7 @@ def test_the_gpus_tiles_give_the_same_bits_under_the_interpreter(monkeypatch, fi
 
 
 def test_counters_for_covers_every_launch(monkeypatch):
-    """counters_for(n, k, chunks) >= the tiles of any launch whose CTAs share tiles (the only
+    """counters_for(k, chunks) >= the tiles of any launch whose CTAs share tiles (the only
     ones that count), with the GPUs' configurations (the interpreter's token tiles never
     widen), at M = 1-300 and at prefill sizes."""
     from tpfuse.kernels import linear
@@ -131,7 +131,7 @@ def test_counters_for_covers_every_launch(monkeypatch):
     monkeypatch.setattr(linear, "_INTERPRETER", False)
     for k, n, chunks in [(4096, 4096, 8), (4096, 28672, 8), (2048, 4096, 4), (14336, 4096, 8), (4096, 128256, 8),
                          (256, 96, 2), (512, 40, 4)]:
-        bound = linear.counters_for(n, k, chunks)
+        bound = linear.counters_for(k, chunks)
         for m in [*range(1, 301), 2048, 65536]:  # the configurations change below 257 rows
             cfg = linear.LinearConfig.for_shape(m, n, chunks, k // chunks)
             token_tiles, blocks = linear._tiles(m, n, cfg)

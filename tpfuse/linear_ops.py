@@ -69,7 +69,7 @@ def invariant_matmul(x: Tensor, weight: Tensor, chunks: int, out_dtype: Optional
         out_dtype: x's dtype (the default) or torch.float32, which keeps a row-parallel
             layer's partial sum unrounded for the all-reduce.
         counters: optional int32 zeros on x's device, at least
-            ``tpfuse.kernels.linear.counters_for(N, K, chunks)`` of them: the per-tile counts
+            ``tpfuse.kernels.linear.counters_for(K, chunks)`` of them: the per-tile counts
             of the chunks' last-CTA sum, which the kernel sets back to zero, so that a buffer
             kept by the caller saves each call a zeroing kernel. Calls sharing one must not
             run concurrently (one stream). Without it each call zeroes counts of its own.

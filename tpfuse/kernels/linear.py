@@ -109,11 +109,10 @@ def _tiles(m: int, n: int, cfg: LinearConfig) -> tuple[int, int]:
     return triton.cdiv(m, cfg.block_t), triton.cdiv(n, cfg.block_n)
 
 
-def counters_for(n: int, k: int, chunks: int) -> int:
-    """The int32 counters a product with an [n, k] weight in ``chunks`` chunks needs at any M:
-    the size of a ``counters`` buffer. One a tile where CTAs share tiles, which happens only
-    below MIN_CTAS tiles; none with one chunk. (n does not change it: kept so that callers
-    name the product.)"""
+def counters_for(k: int, chunks: int) -> int:
+    """The int32 counters a product of reduction length K in ``chunks`` chunks needs at any M
+    and N: the size of a ``counters`` buffer. One a tile where CTAs share tiles, which happens
+    only below MIN_CTAS tiles; none with one chunk."""
     if chunks == 1:
         return 0
     check_chunks(k, chunks)
@@ -233,16 +232,17 @@ def invariant_matmul_into(x2: torch.Tensor, w: torch.Tensor, out: torch.Tensor, 
                           counters: torch.Tensor | None = None) -> None:
     """x2 [m, K] @ w.T into out [m, N] (all contiguous; arguments checked by the caller,
     ``tpfuse.linear_ops``) in one launch: a column block's token tiles run side by side and
-    share its weights in L2. ``counters``: int32 zeros, at least ``counters_for(N, K,
-    chunks)`` of them, left zero (else the launch zeroes its own)."""
+    share its weights in L2. ``counters``: int32 zeros, at least ``counters_for(K,
+    chunks)`` of them, left zero (else the launch zeroes its own, where CTAs share tiles)."""
     (m, k), n = x2.shape, w.shape[0]
     chunk_k = check_chunks(k, chunks)
     cfg = LinearConfig.for_shape(m, n, chunks, chunk_k)
     token_tiles, blocks = _tiles(m, n, cfg)
     partial = torch.empty((cfg.split, m, n) if cfg.split > 1 else (1,), dtype=torch.float32, device=x2.device)
-    tiles = token_tiles * blocks if cfg.split > 1 else 1  # one count a tile; none read with one CTA a tile
-    if counters is None or counters.numel() < tiles:
-        counters = torch.zeros(tiles, dtype=torch.int32, device=x2.device)
+    if cfg.split == 1:  # no count is read: any int32 pointer, no zeroing kernel
+        counters = counters if counters is not None else torch.empty(1, dtype=torch.int32, device=x2.device)
+    elif counters is None or counters.numel() < token_tiles * blocks:  # one count a tile
+        counters = torch.zeros(token_tiles * blocks, dtype=torch.int32, device=x2.device)
     invariant_matmul_kernel[(token_tiles, blocks, cfg.split)](
         X=x2, Wt=w, OUT=out, PARTIAL=partial, COUNTS=counters, M=m, N=n, K=k, CHUNKS=chunks, CHUNK_K=chunk_k,
         BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t, BLOCK_K=cfg.block_k, SPLIT=cfg.split, num_warps=cfg.num_warps,

@@ -164,7 +164,7 @@ class TPModel(nn.Module):
         counters = None
         if invariant:
             projections = [(getattr(self.layers[0], name), name in ROW_PARALLEL) for name in PROJECTIONS]
-            size = max(counters_for(*w.shape, self._chunks(w, row_parallel))
+            size = max(counters_for(w.shape[1], self._chunks(w, row_parallel))
                        for w, row_parallel in projections + [(self.lm_head, False)])
             counters = torch.zeros(size, dtype=torch.int32, device=device)
         self.register_buffer("_counters", counters, persistent=False)
