@@ -44,9 +44,9 @@ M. (16-row mma.sync dots, the kernel before the swapped layout, were measured at
 benchmarks/NOTES.md 2026-11-29.)"""
 
 
-def grid(m: int, axes: dict) -> list[dict]:
-    """The configurations tried at M = m (block_k capped at the chunk; a split past a layer's
-    chunks is left out there, ``served``)."""
+def grid(axes: dict) -> list[dict]:
+    """The configurations tried at every M (``use`` caps block_k at the chunk; a split past a
+    layer's chunks is left out there, ``served``)."""
     return [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
 
 
@@ -86,7 +86,7 @@ def _compile(work: list[tuple]) -> int:
 
 def measure(batches: list[int], jobs: int, axes: dict) -> list[dict]:
     keys = {(k, c, d) for _, _, k, _, c, o in LAYERS for d in (o, torch.float32)}  # fp32: the bits check
-    work = [(f, k, c, o, m) for m in batches for f in grid(m, axes) for k, c, o in keys if served(f, c)]
+    work = [(f, k, c, o, m) for m in batches for f in grid(axes) for k, c, o in keys if served(f, c)]
     with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as pool:
         compiled = sum(pool.map(_compile, [work[i::jobs] for i in range(jobs)]))
     print(f"compiled {compiled} of {len(work)}", flush=True)
@@ -102,7 +102,7 @@ def measure(batches: list[int], jobs: int, axes: dict) -> list[dict]:
             counters = torch.zeros(linear.counters_for(k, chunks), dtype=torch.int32, device="cuda")
             base = dict(tp=tp, layer=name, k=k, n=n, chunks=chunks, m=m)
             torch_us = graph_time_us(lambda i: F.linear(x, ws[i % len(ws)]))
-            for fields in [None] + [f for f in grid(m, axes) if served(f, chunks)]:
+            for fields in [None] + [f for f in grid(axes) if served(f, chunks)]:
                 use(fields)
                 config = dataclasses.asdict(linear.LinearConfig.for_shape(m, n, chunks, k // chunks))
                 try:
