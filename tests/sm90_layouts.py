@@ -78,10 +78,12 @@ def peers(layout: WorkspaceLayout, rank: int = 1) -> PeerContext:
 
 
 def fused_plan(n: int, dtype: torch.dtype, algo: str, protocol: str, grid: int, rows_per_group: int = 1,
-               whole: bool = False, piece_elems: int = 0) -> FusedPlan:
-    """A fused plan as ``FusedPlan.from_shape`` builds them, for any grid."""
+               whole: bool = False, piece_elems: int = 0, x_dtype: torch.dtype | None = None) -> FusedPlan:
+    """A fused plan as ``FusedPlan.from_shape`` builds them, for any grid: the norm in dtype,
+    x in x_dtype (default dtype)."""
     cfg = NormConfig.from_shape(n, dtype)
-    piece_words, pieces = ll_pieces(n, dtype, protocol, whole) if protocol in ("ll", "lamport") else (0, 0)
+    x_dtype = x_dtype or dtype
+    piece_words, pieces = ll_pieces(n, x_dtype, protocol, whole, dtype) if protocol in ("ll", "lamport") else (0, 0)
     if protocol == "rows":
         pieces = -(-cfg.rows * n // piece_elems)
     return FusedPlan(algo, grid=grid, rows_per_group=rows_per_group, protocol=protocol, whole_tiles=whole,
@@ -161,7 +163,11 @@ def _launch_args(launch, first: bool = False) -> tuple[JITFunction, dict]:
 
 
 def layouts_for(case: dict) -> dict:
+    """The row reductions' layouts of the norm kernel and of the fused kernels on (dtype, n,
+    rows, world, weight); with case["partials"], the fused kernels take fp32 x (partial sums)
+    into the norm's dtype."""
     dtype, n, rows, world = DTYPES[case["dtype"]], case["n"], case["rows"], case["world"]
+    x_dtype = torch.float32 if case.get("partials") else dtype
     x, res, y, res_out = (torch.empty(rows, n, dtype=dtype) for _ in range(4))
     weight = {"same": torch.empty(n, dtype=dtype), "fp32": torch.empty(n), "none": None}[case["weight"]]
     out = {"case": case, "tail_n": NormConfig.from_shape(n, dtype).tail_n}
@@ -183,11 +189,11 @@ def layouts_for(case: dict) -> dict:
                                         ("twoshot", "twoshot", "flags", False)):
         if protocol != "flags" and n % 16:
             continue  # the LL and Lamport kernel needs whole-word rows (its launcher refuses)
-        plan = fused_plan(n, dtype, algo, protocol, 1, rows, whole)
+        plan = fused_plan(n, dtype, algo, protocol, 1, rows, whole, x_dtype=x_dtype)
         kernel, kwargs = _launch_args(lambda: all_reduce_norm_into(  # noqa: B023  (called right here)
-            x, weight, res, y, res_out, 1e-6, 0.0, plan, peers(layout), fp8))
+            x.to(x_dtype), weight, res, y, res_out, 1e-6, 0.0, plan, peers(layout), fp8))
         out[name] = row_reduction_layouts(_ttgir(kernel, kwargs))
-    if n % 16 == 0 and case.get("reduce_scatter", True):  # the sequence-parallel reduce-scatter + norm
+    if n % 16 == 0 and case.get("reduce_scatter", True) and not case.get("partials"):  # the sequence-parallel one
         sp_layout = WorkspaceLayout(world, 1 << 30, 128)  # room for every case's rows
         sp_plan = SequenceParallelPlan.from_shape(rows, n, dtype, sp_layout, default_knobs(world))
         kernel, kwargs = _launch_args(lambda: reduce_scatter_norm_into(
@@ -196,10 +202,11 @@ def layouts_for(case: dict) -> dict:
         out["reduce_scatter"] = row_reduction_layouts(_ttgir(kernel, kwargs))
     cfg = NormConfig.from_shape(n, dtype)
     if n % 16 == 0 and not cfg.tail_n and cfg.num_chunks == 1:  # what the row-wise kernel serves
-        piece, pieces = rows_pieces(n, dtype, 1024)
-        plan = fused_plan(n, dtype, "oneshot", "rows", -(-rows // cfg.rows) * pieces, rows, piece_elems=piece)
-        kernel, kwargs = _launch_args(lambda: all_reduce_norm_into(x, weight, res, y, res_out, 1e-6, 0.0, plan,
-                                                                   peers(layout), fp8))
+        piece, pieces = rows_pieces(n, x_dtype, 1024, dtype)
+        plan = fused_plan(n, dtype, "oneshot", "rows", -(-rows // cfg.rows) * pieces, rows, piece_elems=piece,
+                          x_dtype=x_dtype)
+        kernel, kwargs = _launch_args(lambda: all_reduce_norm_into(x.to(x_dtype), weight, res, y, res_out, 1e-6, 0.0,
+                                                                   plan, peers(layout), fp8))
         out["oneshot_rows"] = row_reduction_layouts(_ttgir(kernel, kwargs))
     return out
 

@@ -140,6 +140,59 @@ def _fused_fp8_vs_split(shapes, seed):
     return failures, digests
 
 
+# fp32 partials (an invariant row-parallel layer's) normalised into a 16-bit residual, with
+# fused_max_ctas at 16: every launch kind (row-wise, LL, Lamport words over whole tiles and
+# spread, flags on rows held, in two pieces, chunked and held narrow, two-shot, split).
+PARTIALS_SHAPES = [(1, 64), (3, 208), (64, 256), (1, 5120), (1, 50000), (2, 20000)]
+PARTIALS_MAX_CTAS = 16
+PARTIALS_DTYPES = (torch.bfloat16, torch.float16)  # the residual's, by shape
+
+
+def _fp32_partials_vs_split(shapes, seed):
+    """all_reduce_add_rms_norm of fp32 x into a bf16/fp16 residual against the split
+    composition ``add_rms_norm(all_reduce(x).to(residual.dtype), residual, w)``, bitwise, for
+    every algorithm; in place on one, with an fp8 output (quant_fp8 of split's y) on another."""
+    world, rank, failures, digests = dist.get_world_size(), dist.get_rank(), [], []
+    with Communicator(max_bytes=1 << 20, timeout_s=30, knobs=table_knobs(fused_max_ctas=PARTIALS_MAX_CTAS)) as comm:
+        for i, (tokens, hidden) in enumerate(shapes):
+            dtype = PARTIALS_DTYPES[i % 2]
+            for a, algo in enumerate(FUSED_ALGOS):
+                _, residuals, weight = _layer_inputs(seed + 10 * i + a, tokens, hidden, dtype, world)
+                xs = _layer_inputs(seed + 10 * i + a, tokens, hidden, torch.float32, world)[0]
+                x = xs[rank]
+                residual, w = residuals[0], weight.float() if (i + a) % 2 else weight
+                what = f"{tokens}x{hidden} fp32 into {dtype} {algo} weight {w.dtype}"
+                y, res_out = tpfuse.add_rms_norm(comm.all_reduce(x).to(dtype), residual, w, 1e-6)
+                inplace = a == i % len(FUSED_ALGOS)
+                res_in = residual.clone()
+                with _poisoned_empty():
+                    fused = comm.all_reduce_add_rms_norm(x, res_in, w, 1e-6, algo=algo, inplace=inplace)
+                _compare(what, fused, (y, res_out), failures)
+                if inplace != (fused[1].data_ptr() == res_in.data_ptr()):
+                    failures.append(f"{what}: inplace={inplace} broken")
+                if not _same_bits(fused[1], reference.all_reduce_add_rms_norm(xs, residual, w)[1]):
+                    failures.append(f"{what}: residual_out differs from the reference")
+                if a == (i + 1) % len(FUSED_ALGOS):
+                    mode = FP8_MODES[i % len(FP8_MODES)]
+                    scale = torch.tensor([0.004]) if mode == "tensor" else None
+                    with _poisoned_empty():
+                        q, scales, _ = comm.all_reduce_add_rms_norm_fp8(x, residual, w, 1e-6, mode=mode, scale=scale,
+                                                                         group=_fp8_group(hidden), algo=algo)
+                    want_q, want_scales = tpfuse.quant_fp8(y, mode, scale=scale, group=_fp8_group(hidden))
+                    if not (_same_bits(q, want_q) and _same_bits(scales, want_scales)):
+                        failures.append(f"{what}: the fp8 output ({mode}) differs from the split path's")
+                digests.append(_digest(fused[0]) + _digest(fused[1]))
+    return failures, digests
+
+
+def _partials_launches(world):
+    """The (algorithm, protocol, whole tiles) of each call _fp32_partials_vs_split makes."""
+    knobs = default_knobs(world).replace(fused_max_ctas=PARTIALS_MAX_CTAS)
+    layout = workspace_layout(knobs, 1 << 20)
+    return {(p.algo, p.protocol, p.whole_tiles) for i, shape in enumerate(PARTIALS_SHAPES) for a in FUSED_ALGOS
+            for p in [FusedPlan.from_shape(*shape, torch.float32, layout, knobs, a, PARTIALS_DTYPES[i % 2])]}
+
+
 def _inplace_shapes_and_no_weight():
     world, rank, failures, digests = dist.get_world_size(), dist.get_rank(), [], []
     with Communicator(max_bytes=1 << 20, timeout_s=30) as comm:
@@ -419,6 +472,13 @@ def test_fused_is_bitwise_equal_to_split(world):
 def test_fused_at_world_size_8():
     """The largest world size, as 8 CPU processes (no 8-GPU machine has run the device suite)."""
     _assert_ok(run_ranks(8, _fused_vs_split, [(1, 64), (9, 96)], 88, False, timeout_s=600))
+
+
+def test_fused_over_fp32_partials_is_bitwise_equal_to_split():
+    assert _partials_launches(2) == {("oneshot", "rows", False), ("oneshot", "ll", False), ("oneshot", "lamport", True),
+                                     ("oneshot", "lamport", False), ("oneshot", "flags", False),
+                                     ("twoshot", "flags", False), ("split", "flags", False)}
+    _assert_ok(run_ranks(2, _fp32_partials_vs_split, PARTIALS_SHAPES, 23, timeout_s=600))
 
 
 @pytest.mark.smoke

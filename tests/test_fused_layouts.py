@@ -34,6 +34,16 @@ FP8_CASES = [dict(dtype=dtype, n=n, rows=rows, world=world, weight="same", fp8=m
                                                  ("fp32", 20000, 1, 8, "tensor"), ("bf16", 65536, 64, 2, "group")]]
 
 
+# fp32 partial sums normalised into bf16/fp16 (the invariant model's boundary): x's loads are
+# fp32, the tile the norm's; rows held (4096, 14336 as Llama's widths), in two pieces (5120),
+# chunked (fp16 50000, bf16 20000) and held narrow (bf16 65536).
+PARTIALS_CASES = [dict(dtype=dtype, n=n, rows=rows, world=world, weight=weight, partials=True)
+                  for dtype, n, rows, world, weight in [("bf16", 4096, 1, 2, "same"), ("fp16", 4096, 64, 4, "fp32"),
+                                                        ("bf16", 5120, 5, 8, "none"), ("bf16", 14336, 1, 2, "fp32"),
+                                                        ("bf16", 20000, 5, 2, "same"), ("fp16", 50000, 1, 4, "same"),
+                                                        ("bf16", 65536, 1, 2, "same"), ("fp16", 1024, 5, 2, "same")]]
+
+
 def _cases():
     """Every dtype at every hidden size on the GPU machine (scripts/device_check.sh test_norm; the
     check needs its CPU cores, not its GPU); in the CI, for its time, a third: each hidden size
@@ -47,7 +57,7 @@ def _cases():
         # 5 rows), for the time: its tile code is the one-shot kernels' (SLOTS = W)
         cases.append(dict(dtype=dtype, n=n, rows=[1, 5, 64][i % 3], world=WORLDS[i % 3],
                           weight=WEIGHTS[(i + i // 9) % 3], reduce_scatter=i % 4 == 0))
-    return cases + FP8_CASES
+    return cases + FP8_CASES + PARTIALS_CASES
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,9 @@ Tensor = torch.Tensor
 
 
 def check_norm_args(x: Tensor, weight: Optional[Tensor], eps: float, weight_offset: float,
-                    residual: Optional[Tensor] = None):
+                    residual: Optional[Tensor] = None, fp32_partials: bool = False):
+    """fp32_partials: x may be fp32 with a 16-bit residual (the fused all-reduce's partial
+    sums), the norm then in the residual's dtype."""
     check_float_tensor(x, "x")
     # Comparisons, not math.isfinite: torch.compile traces a defaulted eps as a symbolic float,
     # and math.isfinite on one breaks the graph. NaN fails both comparisons.
@@ -41,8 +43,9 @@ def check_norm_args(x: Tensor, weight: Optional[Tensor], eps: float, weight_offs
         check_float_tensor(residual, "residual")
         if residual.shape != x.shape:
             raise ValueError(f"residual has shape {tuple(residual.shape)} but x has shape {tuple(x.shape)}")
-        if residual.dtype != x.dtype:
-            raise TypeError(f"residual has dtype {residual.dtype} but x has dtype {x.dtype}; they must match")
+        if residual.dtype != x.dtype and not (fp32_partials and x.dtype == torch.float32):
+            raise TypeError(f"residual has dtype {residual.dtype} but x has dtype {x.dtype}; they must match"
+                            + (" (or x be fp32 partial sums)" if fp32_partials else ""))
         if residual.device != x.device:
             raise ValueError(f"residual is on {residual.device} but x is on {x.device}")
     if weight is None:
@@ -52,8 +55,10 @@ def check_norm_args(x: Tensor, weight: Optional[Tensor], eps: float, weight_offs
     check_float_tensor(weight, "weight")
     if weight.shape != (n,):
         raise ValueError(f"weight has shape {tuple(weight.shape)}; expected ({n},) for x of shape {tuple(x.shape)}")
-    if weight.dtype not in (x.dtype, torch.float32):
-        raise TypeError(f"weight has dtype {weight.dtype}; it must be x's dtype ({x.dtype}) or float32")
+    dtype = x.dtype if residual is None else residual.dtype  # the norm's
+    if weight.dtype not in (dtype, torch.float32):
+        raise TypeError(f"weight has dtype {weight.dtype}; it must be the normalised rows' dtype ({dtype}) or "
+                        "float32")
     if weight.device != x.device:
         raise ValueError(f"weight is on {weight.device} but x is on {x.device}")
 

@@ -128,8 +128,9 @@ def all_reduce_add_rms_norm(
     weight_offset: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``add_rms_norm(all_reduce(tensors), residual, ...)``: the all-reduce result is rounded
-    to the dtype before the residual add."""
-    return add_rms_norm(all_reduce(tensors), residual, weight, eps, weight_offset=weight_offset)
+    to the residual's dtype before the residual add (the tensors may be fp32 partial sums of
+    a 16-bit residual: their fp32 sum is then rounded once, to the residual's dtype)."""
+    return add_rms_norm(all_reduce(tensors).to(residual.dtype), residual, weight, eps, weight_offset=weight_offset)
 
 
 def all_reduce_rms_norm(

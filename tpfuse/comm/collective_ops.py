@@ -119,7 +119,7 @@ def all_reduce_add_rms_norm(x: Tensor, residual: Tensor, weight: Optional[Tensor
 
 @all_reduce_add_rms_norm.register_fake
 def _(x, residual, weight, eps, weight_offset, group_name, algo):
-    return _like(x), _like(x)
+    return _like(residual), _like(residual)  # residual's dtype: x may be fp32 partials
 
 
 @torch.library.custom_op("tpfuse::all_reduce_add_rms_norm_", mutates_args=("residual",))
@@ -130,7 +130,7 @@ def all_reduce_add_rms_norm_(x: Tensor, residual: Tensor, weight: Optional[Tenso
 
 @all_reduce_add_rms_norm_.register_fake
 def _(x, residual, weight, eps, weight_offset, group_name, algo):
-    return _like(x)
+    return _like(residual)
 
 
 @torch.library.custom_op("tpfuse::all_reduce_rms_norm", mutates_args=())
@@ -154,7 +154,7 @@ def all_reduce_add_rms_norm_fp8(x: Tensor, residual: Tensor, weight: Optional[Te
 
 @all_reduce_add_rms_norm_fp8.register_fake
 def _(x, residual, weight, eps, weight_offset, group_name, algo, fp8_mode, scale, group):
-    return *fp8_outputs(x, fp8_mode, group), _like(x)
+    return *fp8_outputs(x, fp8_mode, group), _like(residual)
 
 
 @torch.library.custom_op("tpfuse::all_reduce_add_rms_norm_fp8_", mutates_args=("residual",))

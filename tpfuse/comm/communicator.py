@@ -307,7 +307,7 @@ class Communicator:
         meta, on which the op would run its fake) and again by the ops' implementations."""
         self._check_open()
         if norm:
-            check_norm_args(x, weight, eps, weight_offset, residual)
+            check_norm_args(x, weight, eps, weight_offset, residual, fp32_partials=True)
         else:
             _runtime.check_float_tensor(x, "x")
         if x.device != self.device and self.world_size > 1:
@@ -398,10 +398,16 @@ class Communicator:
         the rounded all-reduce result, y = rms_norm(residual_out) (``tpfuse.kernels.fused``
         says why the bits match). Each rank adds its own residual.
 
+        x may also be fp32 partial sums with a bf16/fp16 residual (an invariant row-parallel
+        layer's): the fp32 all-reduce is then rounded once to the residual's dtype, the bits
+        of ``self.all_reduce(x).to(residual.dtype)`` followed by the same ``add_rms_norm``,
+        and y and residual_out are in the residual's dtype.
+
         Args:
             x: [..., N] bf16/fp16/fp32, this rank's contribution (not modified).
-            residual: like x (same shape, dtype and device); this rank's residual stream.
-            weight: [N], x's dtype or fp32, or None.
+            residual: like x (same shape and device; x's dtype, or 16 bits under fp32 partial
+                sums); this rank's residual stream.
+            weight: [N], the residual's dtype or fp32, or None.
             eps, weight_offset: as for ``tpfuse.rms_norm`` (the norm scales by weight + weight_offset).
             algo: "auto" (by size: ``tpfuse.comm.plan.FusedPlan``), "oneshot" (every rank
                 reads every contribution and normalises every row), "twoshot" (rows are
@@ -410,7 +416,7 @@ class Communicator:
             inplace: write residual_out into ``residual`` and return ``residual`` itself.
 
         Returns:
-            y: a new tensor shaped like x; residual_out: a new tensor shaped like x
+            y: a new tensor shaped like x, in the residual's dtype; residual_out: the same
             (``residual`` itself with inplace=True).
 
         Every rank must call it in the same order with the same shapes, dtypes and algo.
@@ -485,19 +491,21 @@ class Communicator:
         if fp8 is not None:
             check_fp8_args(x, *fp8)
         n = x.shape[-1]
+        dtype = x.dtype if residual is None else residual.dtype  # the outputs': x's, or fp32 partials' residual's
         plan = (FusedPlan("split", reason="one rank") if self.world_size == 1 or x.numel() == 0 else
-                FusedPlan.from_shape(x.numel() // n, n, x.dtype, self.layout, self.knobs, algo))
+                FusedPlan.from_shape(x.numel() // n, n, x.dtype, self.layout, self.knobs, algo, dtype))
         if self.world_size > 1:
             op = "all_reduce_add_rms_norm" if residual is not None else "all_reduce_rms_norm"
             quant = "" if fp8 is None else f", fp8 per {fp8[0]}" + (f" of {fp8[2]}" if fp8[0] == "group" else "")
-            self._post(f"{op} of {x.numel() // max(n, 1)} x {n} {_name(x.dtype)}, weight "
+            self._post(f"{op} of {x.numel() // max(n, 1)} x {n} {_name(x.dtype)}"
+                       + ("" if dtype == x.dtype else f" into {_name(dtype)}") + ", weight "
                        f"{None if weight is None else _name(weight.dtype)}, eps {eps!r}, weight_offset "
                        f"{weight_offset!r}{quant}: {_plan_text(plan)}")
         x2 = _runtime.aligned_contiguous(x.reshape(-1, n))
         res2 = None if residual is None else _runtime.aligned_contiguous(residual.reshape(-1, n))
         w = None if weight is None else _runtime.aligned_contiguous(weight)
         if fp8 is None:
-            y, out = torch.empty(x.shape, dtype=x.dtype, device=x.device), None
+            y, out = torch.empty(x.shape, dtype=dtype, device=x.device), None
         else:
             mode, scale, group = fp8
             q, scales = fp8_outputs(x, mode, group)
@@ -506,9 +514,9 @@ class Communicator:
         if inplace and res2.data_ptr() == residual.data_ptr():
             res_out = res2
         else:
-            res_out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+            res_out = torch.empty(x2.shape, dtype=dtype, device=x.device)
         if plan.algo == "split":  # the unfused composition, on the same kernels as tpfuse.add_rms_norm
-            reduced = self._reduce(x2, "auto", posted=self.world_size > 1)
+            reduced = self._reduce(x2, "auto", posted=self.world_size > 1).to(dtype)
             if x.numel():
                 rms_norm_fwd(reduced, w, None if y is None else y.view(-1, n), float(eps), float(weight_offset),
                              *(() if res2 is None else (res2, res_out)), fp8=out)

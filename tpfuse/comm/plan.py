@@ -200,7 +200,7 @@ class FusedPlan:
     CTA stores; piece_words: over LL or Lamport words, the words of a piece
     (``tpfuse.kernels.fused.ll_pieces``); pieces: row-wise, over LL or Lamport words, the
     pieces of a row tile; norm: the norm's tile (None for "split"); reason: why "split" was
-    chosen. From (n_rows, n, dtype, layout, knobs) only, like ``AllReducePlan``.
+    chosen. From (n_rows, n, dtype, norm_dtype, layout, knobs) only, like ``AllReducePlan``.
     """
 
     algo: str
@@ -216,8 +216,12 @@ class FusedPlan:
 
     @classmethod
     def from_shape(cls, n_rows: int, n: int, dtype: torch.dtype, layout: WorkspaceLayout | None, knobs: Knobs,
-                   algo: str = "auto") -> "FusedPlan":
-        """"auto" picks one-shot up to fused_oneshot_max_bytes (row-wise up to
+                   algo: str = "auto", norm_dtype: torch.dtype | None = None) -> "FusedPlan":
+        """dtype: x's, which sets the bytes moved; norm_dtype: the residual's and outputs',
+        which sets the norm's tile (default dtype; fp32 partials with a 16-bit residual,
+        ``tpfuse.kernels.fused``). The thresholds below count x's bytes.
+
+        "auto" picks one-shot up to fused_oneshot_max_bytes (row-wise up to
         fused_rows_max_bytes where the tile allows, over LL up to fused_ll_max_bytes, over
         Lamport words up to fused_lamport_max_bytes; above those with flags, for hidden sizes
         with at most fused_oneshot_max_vectors vectors per thread, or once the call has
@@ -238,7 +242,8 @@ class FusedPlan:
                 return cls("split", reason=f"hidden size {n} is not a multiple of {FUSED_HIDDEN_MULTIPLE}")
             raise ValueError(f"algo={algo!r} needs a hidden size that is a multiple of {FUSED_HIDDEN_MULTIPLE}, got "
                              f"{n}; use algo='auto' or 'split'")
-        cfg = NormConfig.from_shape(n, dtype)
+        norm_dtype = norm_dtype or dtype
+        cfg = NormConfig.from_shape(n, norm_dtype)
         tile_rows, world_size, max_ctas = cfg.rows, knobs.world_size, knobs.fused_max_ctas
         esize = dtype.itemsize
         nbytes = n_rows * n * esize
@@ -247,9 +252,9 @@ class FusedPlan:
                 "twoshot": rows_per_group["twoshot"] * n * esize <= layout.twoshot_slot_bytes}
         if n_rows * n > MAX_ELEMENTS:
             fits = {"oneshot": False, "twoshot": False}
-        tiling = lamport_tiling(n, dtype, _cdiv(n_rows, tile_rows), max_ctas)
-        ll_max, lamport_max, oneshot_max, twoshot_max = fused_thresholds(knobs, n, dtype)
-        piece_elems, pieces = rows_pieces(n, dtype, knobs.fused_rows_piece_bytes)
+        tiling = lamport_tiling(n, dtype, _cdiv(n_rows, tile_rows), max_ctas, norm_dtype)
+        ll_max, lamport_max, oneshot_max, twoshot_max = fused_thresholds(knobs, n, norm_dtype)
+        piece_elems, pieces = rows_pieces(n, dtype, knobs.fused_rows_piece_bytes, norm_dtype)
         row_wise = (nbytes <= min(layout.rows_max_bytes, knobs.fused_rows_max_bytes)
                     and cfg.tail_n == 0 and cfg.num_chunks == 1
                     and cfg.rows * cfg.block_n * esize <= knobs.fused_rows_max_tile_bytes
@@ -284,7 +289,7 @@ class FusedPlan:
                        pieces=pieces, norm=cfg)
         piece_words = pieces = 0
         if protocol != "flags":  # the kernel's pieces (tpfuse.kernels.fused), which any CTA may take
-            piece_words, pieces = ll_pieces(n, dtype, protocol, whole_tiles)
+            piece_words, pieces = ll_pieces(n, dtype, protocol, whole_tiles, norm_dtype)
             work *= pieces
         grid = max(1, min(work, max_ctas, layout.max_blocks))
         return cls(algo, grid=grid, rows_per_group=rows_per_group[algo], protocol=protocol, whole_tiles=whole_tiles,

@@ -15,6 +15,12 @@ residual, w)`` (or ``tpfuse.rms_norm(r, w)``, residual_out then being r) because
 Each rank adds its own residual, so residuals that differ between ranks still give every
 rank its own split result.
 
+x may be fp32 partial sums with a 16-bit residual (an invariant row-parallel layer's,
+docs/design.md 1.2): the slots, LL and Lamport words carry x's fp32, the tree's sum is
+rounded once to the residual's dtype, and from there everything (the ``reduced`` region,
+two-shot's gather slots, the tile, y) is in the residual's dtype: the bits of
+``add_rms_norm(all_reduce(x).to(residual.dtype), residual, w)``, in one launch instead of three.
+
 - one-shot: each rank stores its rows into slot ``rank`` of every rank's data region,
   signals, waits for all W, and normalises every row from the sum of its W local slots.
   The flag kernel (``oneshot_all_reduce_norm_kernel``), between its signal and its wait,
@@ -189,6 +195,7 @@ def ll_oneshot_all_reduce_norm_kernel(
     tiles over Lamport words once the call has a row tile per CTA, ``lamport_tiling``) a piece
     is a whole tile, and the CTA that sums it normalises it without the count."""
     ELEM: tl.constexpr = X.dtype.element_ty
+    OUT: tl.constexpr = RES_OUT.dtype.element_ty  # ELEM, or 16 bits under fp32 partials
     PACK: tl.constexpr = 1 if LAMPORT else 32 // ELEM.primitive_bitwidth  # elements per word
     zero_scale_padding(SCALES, n_rows, scale_rows, N, FP8, GROUP)
     WORD: tl.constexpr = lamport_word(ELEM) if LAMPORT else tl.uint64
@@ -207,7 +214,7 @@ def ll_oneshot_all_reduce_norm_kernel(
             words = ll_pack(vals, flag)
         push_to_peers(table_ptr, region, words, rank * slot_words + woffs, wmask, rank, WORLD, False)
     slot0 = typed_ptr(local, region, WORD)
-    reduced = typed_ptr(local, reduced_offset, ELEM)
+    reduced = typed_ptr(local, reduced_offset, OUT)
     arrived = (local + handoff_offset).to(tl.pointer_type(tl.int64))
     for piece in range(pid, n_tiles * PIECES, grid):
         woffs, wmask = _piece_words(piece, tile_words, n_words, PIECE_WORDS, PIECES)
@@ -219,9 +226,9 @@ def ll_oneshot_all_reduce_norm_kernel(
         acc = ll_reduce(slot0, slot_words, woffs, wmask, flag, ctrl, status, epoch, rank, timeout_ns,
                         OP_FUSED_ONESHOT, WORLD, ELEM, LAMPORT, own, SPIN=LAMPORT)
         if LAMPORT:
-            tl.store(reduced + woffs, round_to(acc, ELEM), mask=wmask)
+            tl.store(reduced + woffs, round_to(acc, OUT), mask=wmask)
         else:
-            tl.store(reduced + woffs[:, None] * PACK + packs, tl.reshape(round_to(acc, ELEM), [PIECE_WORDS, PACK]),
+            tl.store(reduced + woffs[:, None] * PACK + packs, tl.reshape(round_to(acc, OUT), [PIECE_WORDS, PACK]),
                      mask=wmask[:, None])
         tl.debug_barrier()  # every thread's stores of the piece precede the count (release)
         tile = piece // PIECES
@@ -263,6 +270,7 @@ def rows_oneshot_all_reduce_norm_kernel(
     so the grid must be resident at once, and under the interpreter, which runs CTAs one after
     another, a piece is a whole tile."""
     ELEM: tl.constexpr = X.dtype.element_ty
+    OUT: tl.constexpr = RES_OUT.dtype.element_ty  # ELEM, or 16 bits under fp32 partials
     WORD: tl.constexpr = lamport_word(ELEM)
     pid = tl.program_id(0)
     zero_scale_padding(SCALES, n_rows, scale_rows, N, FP8, GROUP)
@@ -303,15 +311,15 @@ def rows_oneshot_all_reduce_norm_kernel(
             tl.store(stale + s * slot_words + zoffs, tl.zeros([PIECE], WORD), mask=zoffs < stale_words)
     acc = ll_wait(typed_ptr(local, region, WORD), slot_words, row_offs + cols, mask, 0, ctrl, status, epoch, rank,
                   timeout_ns, OP_FUSED_ONESHOT, WORLD, ELEM, True)
-    x = round_to(tl.where(mask, acc, 0.0), ELEM)  # padding lanes as norm_tile's: 0, not an absent word's NaN
+    x = round_to(tl.where(mask, acc, 0.0), OUT)  # padding lanes as norm_tile's: 0, not an absent word's NaN
     if has_residual:
-        x = round_to(to_f32(x) + to_f32(res), ELEM)
+        x = round_to(to_f32(x) + to_f32(res), OUT)
     mine = mask & ((tl.arange(0, ROWS)[:, None] * N + cols) // PIECE == pid % PIECES)
     tl.store(RES_OUT + row_offs + cols, x, mask=mine)
     xf = to_f32(x)
     inv = row_inv_rms(xf * xf, N, eps)
     if FP8 == 2:  # from the whole tile, which every CTA of it holds
-        row_scale = fp8_scale(output_amax(xf, inv, W, cols, mask, N, weight_offset, HAS_WEIGHT, ELEM, HW_E4M3))
+        row_scale = fp8_scale(output_amax(xf, inv, W, cols, mask, N, weight_offset, HAS_WEIGHT, OUT, HW_E4M3))
     # Every CTA of the tile stores the tile's scales: the same values, from the same rows.
     store_output(xf, inv, row_scale, W, Y, Q, SCALES, scale_rows, rows, row_offs, 0, cols, mine, rows < n_rows, N,
                  weight_offset, HAS_WEIGHT, "", FP8, GROUP, HW_E4M3)
@@ -328,6 +336,7 @@ def twoshot_all_reduce_norm_kernel(
     HW_E4M3: tl.constexpr,
 ):
     ELEM: tl.constexpr = X.dtype.element_ty
+    OUT: tl.constexpr = RES_OUT.dtype.element_ty  # the gather's: ELEM, or 16 bits under fp32 partials
     pid, grid, ctrl, status, epoch, data, n_tiles = begin_collective(local, status_addr, data_offset, data_bytes,
                                                            rows_per_group, ROWS)
     zero_scale_padding(SCALES, n_rows, scale_rows, N, FP8, GROUP)
@@ -354,14 +363,14 @@ def twoshot_all_reduce_norm_kernel(
                 ccols = c * BLOCK_N + cols
                 mask = row_ok[:, None] & (ccols < N)
                 offs = local_rows.to(tl.int64)[:, None] * N + ccols
-                reduced = round_to(sum_in_tree_order(slot0, slot_elems, offs, mask, WORLD), ELEM)
+                reduced = round_to(sum_in_tree_order(slot0, slot_elems, offs, mask, WORLD), OUT)
                 push_to_peers(table_ptr, data + gather_offset, reduced, rank * slot_elems + offs, mask, rank, WORLD, True)
     # All-gather (as the two-shot all-reduce's: a block whose scatter wait failed signals nothing).
     if scattered:
         signal(table_ptr, flags_offset + flags_bytes + (pid * WORLD + rank) * 8, epoch, WORLD, PEERS)
     if scattered & wait(flag_row(local, flags_offset + flags_bytes, WORLD), ctrl, status, epoch, rank, timeout_ns,
                         OP_FUSED_GATHER, WORLD, PEERS):
-        gather0 = typed_ptr(local, data + gather_offset, ELEM)
+        gather0 = typed_ptr(local, data + gather_offset, OUT)
         for tile in range(pid, n_tiles, grid):
             local_rows = tile * ROWS + tl.arange(0, ROWS)
             for g in tl.static_range(WORLD):  # unrolled: the W groups' loads are in flight together
@@ -379,13 +388,15 @@ WHOLE_TILE_MAX_VECTORS = 4
 where a tile holds at most this many 16-byte vectors per thread of the norm's warps."""
 
 
-def ll_pieces(n: int, dtype: torch.dtype, protocol: str = "ll", whole_tiles: bool = False) -> tuple[int, int]:
+def ll_pieces(n: int, dtype: torch.dtype, protocol: str = "ll", whole_tiles: bool = False,
+              norm_dtype: torch.dtype | None = None) -> tuple[int, int]:
     """(words per piece, pieces per row tile) of the fused kernel over LL or Lamport words
-    for hidden size n: one LL word (4 data bytes) per thread of the norm's warps, so a
-    decode row is spread over several CTAs; over Lamport words, one 16-byte vector per
+    for hidden size n of x in dtype (its words; the norm's tile in norm_dtype, the
+    residual's, by default dtype): one LL word (4 data bytes) per thread of the norm's warps,
+    so a decode row is spread over several CTAs; over Lamport words, one 16-byte vector per
     thread, as a Lamport word is one element and carries no flag to amortise. With
     whole_tiles (Lamport words, ``lamport_tiling``), one piece per tile."""
-    cfg = NormConfig.from_shape(n, dtype)
+    cfg = NormConfig.from_shape(n, norm_dtype or dtype)
     piece_words = cfg.num_warps * 32 * (16 // dtype.itemsize if protocol == "lamport" else 1)
     tile_words = cfg.rows * n if protocol == "lamport" else cfg.rows * n * dtype.itemsize // 4
     if whole_tiles:
@@ -393,15 +404,18 @@ def ll_pieces(n: int, dtype: torch.dtype, protocol: str = "ll", whole_tiles: boo
     return piece_words, triton.cdiv(tile_words, piece_words)
 
 
-def rows_pieces(n: int, dtype: torch.dtype, piece_bytes: int) -> tuple[int, int]:
-    """(elements per piece, pieces per row tile) of the row-wise kernel for hidden size n:
-    pieces of piece_bytes (a power of two), or one piece where the tile is smaller."""
-    cfg = NormConfig.from_shape(n, dtype)
+def rows_pieces(n: int, dtype: torch.dtype, piece_bytes: int,
+                norm_dtype: torch.dtype | None = None) -> tuple[int, int]:
+    """(elements per piece, pieces per row tile) of the row-wise kernel for hidden size n of
+    x in dtype (the norm's tile in norm_dtype, as ``ll_pieces``): pieces of piece_bytes of x
+    (a power of two), or one piece where the tile is smaller."""
+    cfg = NormConfig.from_shape(n, norm_dtype or dtype)
     piece = min(piece_bytes // dtype.itemsize, triton.next_power_of_2(cfg.rows * n))
     return piece, triton.cdiv(cfg.rows * n, piece)
 
 
-def lamport_tiling(n: int, dtype: torch.dtype, n_tiles: int, max_ctas: int) -> str | None:
+def lamport_tiling(n: int, dtype: torch.dtype, n_tiles: int, max_ctas: int,
+                   norm_dtype: torch.dtype | None = None) -> str | None:
     """How the fused kernel over Lamport words cuts a call of n_tiles row tiles for up to
     max_ctas CTAs: "whole" (a piece per row tile) once the call has a row tile per CTA and a
     tile is at most WHOLE_TILE_MAX_VECTORS vectors per thread (spreading tiles then gains no
@@ -409,7 +423,7 @@ def lamport_tiling(n: int, dtype: torch.dtype, n_tiles: int, max_ctas: int) -> s
     "spread" (pieces of a vector per thread) while the pieces fit one wave of CTAs; None where
     neither holds (each CTA would sum and count several pieces; hidden 8192 x 64 tokens, 256
     pieces on 128 CTAs: 11.7 us against split's 10.8)."""
-    pieces = ll_pieces(n, dtype, "lamport")[1]
+    pieces = ll_pieces(n, dtype, "lamport", norm_dtype=norm_dtype)[1]
     if n_tiles >= max_ctas and pieces <= WHOLE_TILE_MAX_VECTORS:
         return "whole"
     return "spread" if n_tiles * pieces <= max_ctas else None
@@ -421,8 +435,9 @@ def all_reduce_norm_into(x: torch.Tensor, weight: torch.Tensor | None, residual:
     """Launch one fused all-reduce + (residual add) + RMSNorm over 2-D [n_rows, N]
     contiguous, 16-byte aligned operands, as ``plan`` says (``tpfuse.comm.plan.FusedPlan``).
 
-    x: this rank's contribution; residual: this rank's residual or None; writes y and
-    residual_out (round(all_reduce(x) + residual), or all_reduce(x) without a residual).
+    x: this rank's contribution (fp32 partials with a 16-bit residual: the module's
+    docstring); residual: this rank's residual or None; writes y and residual_out
+    (round(all_reduce(x) + residual), or all_reduce(x) without a residual; residual_out's dtype).
     residual_out may alias residual (as in ``tpfuse.kernels.norm.rms_norm_fwd``). With ``fp8``
     (y None) y is quantized to its q and scales instead of stored. Every rank
     must launch the same plan (from the shape and the knobs only). The plan's protocol:
@@ -430,17 +445,17 @@ def all_reduce_norm_into(x: torch.Tensor, weight: torch.Tensor | None, residual:
     ``lamport_max_bytes``; pieces of ``piece_words`` words, ``pieces`` per row tile,
     ``ll_pieces``), or "rows" (``rows_oneshot_all_reduce_norm_kernel``: x must fit
     ``rows_max_bytes``, rows be held in registers without a tail, and grid be one CTA per
-    piece of piece_elems elements, ``rows_pieces``); its norm: the tile of N and x's dtype.
+    piece of piece_elems elements, ``rows_pieces``); its norm: the tile of N and residual_out's dtype.
     """
     n_rows, n = x.shape
     cfg, layout, algo, protocol, grid = plan.norm, peers.layout, plan.algo, plan.protocol, plan.grid
-    if cfg != NormConfig.from_shape(n, x.dtype):  # cached: a plan made for another shape must not launch
-        raise ValueError(f"the plan's norm tile {cfg} is not that of hidden size {n} in {x.dtype}")
+    if cfg != NormConfig.from_shape(n, residual_out.dtype):  # cached: a plan for another shape must not launch
+        raise ValueError(f"the plan's norm tile {cfg} is not that of hidden size {n} in {residual_out.dtype}")
     world = layout.world_size
     common = dict(
         X=x, RES=residual if residual is not None else x, W=weight if weight is not None else x,
-        Y=y if y is not None else x, RES_OUT=residual_out, n_rows=n_rows, N=n, eps=eps, weight_offset=weight_offset,
-        has_residual=int(residual is not None), **peers.kernel_args(),
+        Y=y if y is not None else residual_out, RES_OUT=residual_out, n_rows=n_rows, N=n, eps=eps,
+        weight_offset=weight_offset, has_residual=int(residual is not None), **peers.kernel_args(),
         BLOCK_N=cfg.block_n, TAIL_N=cfg.tail_n, NUM_CHUNKS=cfg.num_chunks, ROWS=cfg.rows,
         HAS_WEIGHT=weight is not None, WORLD=world, num_warps=cfg.num_warps,
         **(fp8.kernel_args() if fp8 is not None else Fp8Output.none_args(x)), **EXACT_FP)

@@ -244,17 +244,18 @@ def row_inv_rms(sq, N, eps):
 @triton.jit
 def _load_norm_input(SRC, src_offs, slot_elems, RES, RES_OUT, offs, mask, has_residual, store_out,
                      SLOTS: tl.constexpr, EVICT: tl.constexpr):
-    """The values to normalise at offs, in SRC's dtype (element offsets into RES and RES_OUT).
+    """The values to normalise at offs, in RES_OUT's dtype (element offsets into RES and RES_OUT).
 
-    x is SRC[src_offs] (SLOTS == 0: the norm's own input), or (the fused all-reduce) the sum
-    of SLOTS workspace slots ``SRC + s * slot_elems`` in tree order, rounded once: exactly
-    tpfuse's all-reduce result. With has_residual x becomes round(x + RES[offs]); x is
-    stored to RES_OUT[offs] when store_out. EVICT: the L2 eviction policy of the loads of SRC
-    (SLOTS == 0) and RES."""
+    x is SRC[src_offs] (SLOTS == 0: the norm's own input, of RES_OUT's dtype), or (the fused
+    all-reduce) the sum of SLOTS workspace slots ``SRC + s * slot_elems`` in tree order,
+    rounded once to RES_OUT's dtype: exactly tpfuse's all-reduce result, or with slots of fp32
+    partials (a 16-bit RES_OUT) that result rounded to the residual's dtype. With has_residual
+    x becomes round(x + RES[offs]); x is stored to RES_OUT[offs] when store_out. EVICT: the
+    L2 eviction policy of the loads of SRC (SLOTS == 0) and RES."""
     if SLOTS == 0:
         x = tl.load(SRC + src_offs, mask=mask, other=0.0, eviction_policy=EVICT)
     else:
-        x = round_to(sum_in_tree_order(SRC, slot_elems, src_offs, mask, SLOTS), SRC.dtype.element_ty)
+        x = round_to(sum_in_tree_order(SRC, slot_elems, src_offs, mask, SLOTS), RES_OUT.dtype.element_ty)
     if has_residual:
         x = round_to(to_f32(x) + to_f32(tl.load(RES + offs, mask=mask, other=0.0, eviction_policy=EVICT)), x.dtype)
     if store_out:

@@ -159,7 +159,11 @@ class Boundary:
             return Fp8Activation(*quant_fp8(y, "token")), residual
         if partial.dtype != residual.dtype and self.tpfuse_norm:
             # An invariant model's fp32 partial sums: all-reduced in fp32 over the ranks' tree,
-            # rounded once, then the residual add and norm (split: the fused kernel takes one dtype).
+            # rounded once to the residual's dtype, then the residual add and norm; "fused" in
+            # one kernel where the message fits the workspace (the op's own split path then
+            # stays on tpfuse's all-reduce), else in slices of rows, never the backend's order.
+            if self.name == "fused" and self.world_size > 1 and self._fits_workspace(partial):
+                return self.comm.all_reduce_add_rms_norm(partial, residual, weight, eps, weight_offset=offset)
             reduced = self._all_reduce_in_workspace(partial).to(residual.dtype)
             return add_rms_norm(reduced, residual, weight, eps, weight_offset=offset)
         if self.name == "fused" and self.world_size > 1:
@@ -203,12 +207,18 @@ class Boundary:
         y, residual = self.comm.reduce_scatter_add_rms_norm(rows, residual, weight, eps, weight_offset=offset)
         return self.comm.all_gather(y).view(partial.shape), residual
 
+    def _fits_workspace(self, x: Tensor) -> bool:
+        """Whether tpfuse's all-reduce takes x in one call, on its workspace."""
+        return x.numel() * x.element_size() <= self.comm.max_bytes
+
     def _all_reduce_in_workspace(self, x: Tensor) -> Tensor:
         """tpfuse's all-reduce of [..., n] x in slices of rows that fit its workspace (rows are
         summed alone, so their bits do not depend on the slice): never the backend's, whose
         order is not the tree."""
         if self.world_size == 1:
             return x
+        if self._fits_workspace(x):
+            return self.comm.all_reduce(x)
         rows = x.reshape(-1, x.shape[-1])
         per_call = max(1, self.comm.max_bytes // (rows.shape[1] * rows.element_size()))
         return torch.cat([self.comm.all_reduce(part) for part in rows.split(per_call)]).view(x.shape)
