@@ -10,6 +10,7 @@ import torch
 import tpfuse
 from tests.conftest import DEVICE, ON_GPU
 from tpfuse import reference
+from tpfuse.kernels import attention
 from tpfuse.kernels.attention import SPLIT
 
 # (query heads, kv heads, head_dim): multi-head with a head_dim below the dot's 16, and 4 query
@@ -56,6 +57,21 @@ def test_a_sequence_has_the_same_bits_alone_and_in_a_batch(heads, kv_heads, d):
         for b in (0, 2, 4):
             alone = tpfuse.invariant_attention(q[b:b + 1, :, :n], k[b:b + 1], v[b:b + 1], _start(starts[b]), scale)
             assert torch.equal(alone[0], batch[b]), (n, b)
+
+
+@pytest.mark.parametrize("heads, kv_heads, d", HEADS)
+def test_ctas_taking_several_splits_keep_their_bits(heads, kv_heads, d, monkeypatch):
+    """A decode step whose CTAs take every split of their rows in turn (SPLIT_CTAS forced to
+    1, as a large batch has fewer CTAs than splits): each sequence's bits are the prefill's at
+    its position, past one split and within the first."""
+    q, k, v = _operands(heads, kv_heads, d, 3, 5 * heads + d)
+    prefill = tpfuse.invariant_attention(q, k, v, _start(0, 0, 0), d ** -0.5)
+    monkeypatch.setattr(attention, "SPLIT_CTAS", 1)
+    starts = [SPLIT + 5, CONTEXT - 1, 2]
+    qs = torch.stack([q[b, :, t] for b, t in enumerate(starts)])[:, :, None]
+    step = tpfuse.invariant_attention(qs, k, v, _start(*starts), d ** -0.5)
+    for b, t in enumerate(starts):
+        assert torch.equal(step[b, :, 0], prefill[b, :, t]), b
 
 
 @pytest.mark.parametrize("heads, kv_heads, d", HEADS)

@@ -17,10 +17,11 @@ Two ways to run the same arithmetic, chosen by shape (the bits cannot tell them 
 
 - one pass (prefills): a CTA per (sequence, kv head, block of 16 query rows) folds every split
   of its rows in a loop;
-- split-parallel (decode steps, one query per sequence): a CTA per (sequence, kv head, row
-  block, split) stores its split's partial in fp32, and a second kernel folds them in order
-  with the same ``_fold``. A CTA whose split lies past its rows' positions returns at once,
-  so the grid can cover the whole cache (and a CUDA graph capture any later position).
+- split-parallel (decode steps, one query per sequence): ``split_ctas`` CTAs per (sequence,
+  kv head, row block) take its splits in turn (CTA c: splits c, c + split_ctas, ...) and store
+  each split's partial in fp32; a second kernel folds them in order with the same ``_fold``.
+  A CTA stops at its rows' last position, so the grid can cover the whole cache (and a CUDA
+  graph capture any later position) without a CTA per unfilled split (``split_ctas``).
 
 Query rows of a kv head are its ``group`` query heads (grouped-query attention) at each query
 position: row r is position r // group, head r % group of the group; their keys are loaded
@@ -41,6 +42,18 @@ CTAs per (sequence, kv head) in a decode step."""
 BLOCK_M = 16
 """Query rows per dot (one mma.m16n8k16 row block), for every shape."""
 NUM_WARPS = 4
+SPLIT_CTAS = 1024
+"""The split-parallel way's CTAs per launch, about: a CTA per split up to it, fewer CTAs each
+taking several splits past it (``split_ctas``)."""
+
+
+def split_ctas(row_blocks: int, n_splits: int) -> int:
+    """CTAs per (sequence, kv head, row block) of a decode step over n_splits splits: one per
+    split while there are at most SPLIT_CTAS in all, else fewer, each taking splits in turn.
+    A CTA per split of the whole cache made 8192 CTAs at batch 64 (context 1024), nearly all
+    past the filled positions, and the kernel took 1.74 ms of a 7.2 ms step (H200,
+    benchmarks/NOTES.md). Which CTA computes a split never changes its bits."""
+    return max(1, min(n_splits, SPLIT_CTAS // row_blocks))
 
 
 @triton.jit
@@ -105,37 +118,42 @@ def _rows(pid_row, START, T, GROUP, HKV, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def attention_kernel(Q, K, V, OUT, PART, START, T, D, GROUP, HKV, n_splits, splits_per_cta, scale,
+def attention_kernel(Q, K, V, OUT, PART, START, T, D, GROUP, HKV, n_splits, scale,
                      sqb, sqh, sqt, sqd, skb, skh, sks, skd, svb, svh, svs, svd,
                      STORE_PARTIAL: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_D: tl.constexpr):
-    """One pass (STORE_PARTIAL False: every split, then o / l into OUT [B, H, T, D]) or one
-    split of the split-parallel way (STORE_PARTIAL True, splits_per_cta 1: the partial into
-    PART [B, H, T, n_splits, BLOCK_D + 2] fp32, the split's o then m and l). Splits past
-    every row's position are skipped: the split-parallel grid covers the whole cache."""
+    """One pass (STORE_PARTIAL False: every split folded, then o / l into OUT [B, H, T, D]) or
+    the split-parallel way (STORE_PARTIAL True: splits program_id(1), + num_programs(1), ...,
+    each split's partial into PART [B, H, T, n_splits, BLOCK_D + 2] fp32, its o then m and
+    l). Splits past every row's position are skipped: the split-parallel grid covers the
+    whole cache."""
     b, kvh, rows, real, row_pos = _rows(tl.program_id(0), START, T, GROUP, HKV, BLOCK_M)
-    first = tl.program_id(1) * splits_per_cta
-    last = tl.minimum(tl.minimum(first + splits_per_cta, n_splits), tl.max(row_pos, 0) // SPLIT + 1)
+    live = tl.minimum(n_splits, tl.max(row_pos, 0) // SPLIT + 1)  # splits up to the rows' last position
     dims = tl.arange(0, BLOCK_D)
     heads = kvh * GROUP + rows % GROUP
     q = tl.load(Q + b.to(tl.int64) * sqb + heads[:, None] * sqh + (rows // GROUP)[:, None] * sqt
                 + dims[None, :] * sqd, mask=real[:, None] & (dims < D)[None, :], other=0.0)
     K_bh = K + b.to(tl.int64) * skb + kvh * skh
     V_bh = V + b.to(tl.int64) * svb + kvh * svh
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
-    o = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for j in range(first, last):
-        m_j, l_j, o_j = _split_partial(q, K_bh, V_bh, sks, skd, svs, svd, row_pos, j, scale, D, SPLIT, BLOCK_D)
-        m, l, o = _fold(m, l, o, m_j, l_j, o_j, j * SPLIT <= row_pos)
+    m0 = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l0 = tl.zeros([BLOCK_M], tl.float32)
+    o0 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     out_rows = (b.to(tl.int64) * HKV * GROUP + heads) * T + rows // GROUP  # [B, H, T] flattened
     if STORE_PARTIAL:
-        part = PART + (out_rows * n_splits + first) * (BLOCK_D + 2)
-        keep = real & (first * SPLIT <= row_pos)  # nothing where the split is past the rows
-        tl.store(part[:, None] + dims[None, :], o, mask=keep[:, None])
-        tl.store(part + BLOCK_D, m, mask=keep)
-        tl.store(part + BLOCK_D + 1, l, mask=keep)
+        for j in range(tl.program_id(1), live, tl.num_programs(1)):
+            m_j, l_j, o_j = _split_partial(q, K_bh, V_bh, sks, skd, svs, svd, row_pos, j, scale, D, SPLIT, BLOCK_D)
+            keep = real & (j * SPLIT <= row_pos)  # nothing where the split is past the rows
+            # folded into the empty state, as a one-pass CTA's first split is (the same bits)
+            m, l, o = _fold(m0, l0, o0, m_j, l_j, o_j, keep)
+            part = PART + (out_rows * n_splits + j) * (BLOCK_D + 2)
+            tl.store(part[:, None] + dims[None, :], o, mask=keep[:, None])
+            tl.store(part + BLOCK_D, m, mask=keep)
+            tl.store(part + BLOCK_D + 1, l, mask=keep)
     else:
+        m, l, o = m0, l0, o0
+        for j in range(0, live):
+            m_j, l_j, o_j = _split_partial(q, K_bh, V_bh, sks, skd, svs, svd, row_pos, j, scale, D, SPLIT, BLOCK_D)
+            m, l, o = _fold(m, l, o, m_j, l_j, o_j, j * SPLIT <= row_pos)
         tl.store(OUT + out_rows[:, None] * D + dims[None, :], _finish(o, l, OUT.dtype.element_ty),
                  mask=real[:, None] & (dims < D)[None, :])
 
@@ -168,7 +186,7 @@ def invariant_attention_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     """Launch the attention of q [B, H, T, D] (query t of sequence b at position start[b] + t)
     over k, v [B, Hkv, S, D] (positions 0..S-1; any strides) into contiguous out [B, H, T, D];
     start: int32 [B] on the device. One query per sequence (T = 1) takes the split-parallel
-    way, over a grid that covers all S positions; longer ones the one pass."""
+    way, over a grid that covers all S positions (``split_ctas``); longer ones the one pass."""
     batch, heads, t, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
     group = heads // hkv
@@ -182,10 +200,9 @@ def invariant_attention_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                   num_warps=NUM_WARPS, **EXACT_FP)
     if t == 1:
         part = torch.empty(batch * heads * n_splits * (block_d + 2), dtype=torch.float32, device=q.device)
-        attention_kernel[(batch * hkv * row_blocks, n_splits)](PART=part, splits_per_cta=1, STORE_PARTIAL=True,
-                                                               **common)
+        rows = batch * hkv * row_blocks
+        attention_kernel[(rows, split_ctas(rows, n_splits))](PART=part, STORE_PARTIAL=True, **common)
         merge_kernel[(batch * hkv * row_blocks,)](part, out, start, t, d, group, hkv, n_splits, SPLIT=SPLIT,
                                                   BLOCK_M=BLOCK_M, BLOCK_D=block_d, num_warps=NUM_WARPS, **EXACT_FP)
     else:
-        attention_kernel[(batch * hkv * row_blocks, 1)](PART=out, splits_per_cta=n_splits, STORE_PARTIAL=False,
-                                                        **common)
+        attention_kernel[(batch * hkv * row_blocks, 1)](PART=out, STORE_PARTIAL=False, **common)
