@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.common import EXACT_FP, _INTERPRETER, round_to, to_f32
+from tpfuse.kernels.common import EXACT_FP, _INTERPRETER, round_to
 from tpfuse.kernels.peer import tree_sum
 
 BLOCK_N = 64
@@ -152,8 +152,8 @@ def _chunk_sum(X, Wt, toks, cols, M, N, K, k0, CHUNK_K: tl.constexpr, BLOCK_K: t
     for k in range(k0, k0 + CHUNK_K, BLOCK_K):
         w = tl.load(Wt + cols.to(tl.int64)[:, None] * K + (k + ks)[None, :], mask=(cols < N)[:, None], other=0.0)
         x = tl.load(X + toks.to(tl.int64)[None, :] * K + (k + ks)[:, None], mask=(toks < M)[None, :], other=0.0)
-        if _INTERPRETER:  # numpy has no bf16 matmul: widen exactly, sum in fp32
-            acc = tl.dot(to_f32(w), to_f32(x), acc, input_precision="ieee")
+        if _INTERPRETER:  # numpy has no bf16 matmul, and BLAS's fp32 order follows the shape: sum in fp64
+            acc += tl.dot(w.to(tl.float64), x.to(tl.float64), input_precision="ieee").to(tl.float32)
         else:
             acc = tl.dot(w, x, acc)
     return acc
