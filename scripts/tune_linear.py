@@ -84,14 +84,14 @@ def _compile(work: list[tuple]) -> int:
     return done
 
 
-def measure(batches: list[int], jobs: int, axes: dict) -> list[dict]:
-    keys = {(k, c, d) for _, _, k, _, c, o in LAYERS for d in (o, torch.float32)}  # fp32: the bits check
+def measure(batches: list[int], jobs: int, axes: dict, layers: list[tuple]) -> list[dict]:
+    keys = {(k, c, d) for _, _, k, _, c, o in layers for d in (o, torch.float32)}  # fp32: the bits check
     work = [(f, k, c, o, m) for m in batches for f in grid(axes) for k, c, o in keys if served(f, c)]
     with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as pool:
         compiled = sum(pool.map(_compile, [work[i::jobs] for i in range(jobs)]))
     print(f"compiled {compiled} of {len(work)}", flush=True)
     records = []
-    for tp, name, k, n, chunks, out_dtype in LAYERS:
+    for tp, name, k, n, chunks, out_dtype in layers:
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(rotation(n * k * 2))]
         for m in batches:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -154,12 +154,17 @@ def main() -> int:
     p.add_argument("--out", default=".")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
     p.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1))
+    p.add_argument("--layers", nargs="+", default=None, help="TP=1 and TP=2 layers of these names (default: all)")
     for axis, values in AXES.items():
         p.add_argument("--" + axis.replace("_", "-"), type=int, nargs="+", default=values)
+    p.add_argument("--block-t", type=int, nargs="+", default=None, help="token tiles (default: the library's for M)")
     args = p.parse_args()
     axes = {axis: getattr(args, axis) for axis in AXES}
-    header = {**run_header(), "batches": args.batches, "grid": axes}
-    records = measure(args.batches, args.jobs, axes)
+    if args.block_t:
+        axes["block_t"] = args.block_t
+    layers = [layer for layer in LAYERS if args.layers is None or layer[1] in args.layers]
+    header = {**run_header(), "batches": args.batches, "grid": axes, "layers": [layer[1] for layer in layers]}
+    records = measure(args.batches, args.jobs, axes, layers)
     write_results(args.out, "tune_linear", header, records, markdown(header, records))
     print(open(os.path.join(args.out, "tune_linear.md")).read())
     return 0
