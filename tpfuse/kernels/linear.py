@@ -149,7 +149,8 @@ def _chunk_sum(X, Wt, toks, cols, M, N, K, k0, CHUNK_K: tl.constexpr, BLOCK_K: t
     tl.static_assert(CHUNK_K % BLOCK_K == 0, "the K step must divide the chunk (its loads are not masked)")
     ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros([cols.shape[0], toks.shape[0]], tl.float32)
-    for k in range(k0, k0 + CHUNK_K, BLOCK_K):
+    for step in range(0, CHUNK_K // BLOCK_K):
+        k = k0 + step * BLOCK_K
         w = tl.load(Wt + cols.to(tl.int64)[:, None] * K + (k + ks)[None, :], mask=(cols < N)[:, None], other=0.0)
         x = tl.load(X + toks.to(tl.int64)[None, :] * K + (k + ks)[:, None], mask=(toks < M)[None, :], other=0.0)
         if _INTERPRETER:  # numpy has no bf16 matmul, and BLAS's fp32 order follows the shape: sum in fp64
@@ -170,16 +171,13 @@ def _chunk_tree(X, Wt, toks, cols, M, N, K, k0, CHUNK_K: tl.constexpr, BLOCK_K: 
     inside one loop over every step miscompiled with wgmma (Triton 3.6, sm_90: other values,
     tests/test_invariant_matmul.py)."""
     zero = tl.zeros([cols.shape[0], toks.shape[0]], tl.float32)
-    slot0, slot1, slot2 = zero, zero, zero
-    for c in range(0, LEAVES - 1):
+    acc, slot0, slot1, slot2 = zero, zero, zero, zero
+    for c in tl.range(0, LEAVES, flatten=True):
         acc = _chunk_sum(X, Wt, toks, cols, M, N, K, k0 + c * CHUNK_K, CHUNK_K, BLOCK_K)
-        if c % 2 == 0:
-            slot0 = acc
-        elif c % 4 == 1:
-            slot1 = slot0 + acc
-        else:  # c % 8 == 3 (7 is the last chunk at 8 leaves)
-            slot2 = slot1 + (slot0 + acc)
-    acc = _chunk_sum(X, Wt, toks, cols, M, N, K, k0 + (LEAVES - 1) * CHUNK_K, CHUNK_K, BLOCK_K)
+        kept = c < LEAVES - 1
+        slot2 = tl.where(kept & (c % 8 == 3), slot1 + (slot0 + acc), slot2)
+        slot1 = tl.where(kept & (c % 4 == 1), slot0 + acc, slot1)
+        slot0 = tl.where(kept & (c % 2 == 0), acc, slot0)
     if LEAVES >= 2:
         acc = slot0 + acc
     if LEAVES >= 4:
