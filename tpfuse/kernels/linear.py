@@ -145,7 +145,8 @@ def check_chunks(k: int, chunks: int) -> int:
 @triton.jit
 def _chunk_sum(X, Wt, toks, cols, M, N, K, k0, CHUNK_K: tl.constexpr, BLOCK_K: tl.constexpr):
     """The fp32 [BLOCK_N, BLOCK_T] tile w[cols] @ x[toks].T over K columns [k0, k0 + CHUNK_K),
-    summed from zero in BLOCK_K steps, in order."""
+    summed from zero in BLOCK_K steps, in order (a loop of a fixed count, which
+    ``_chunk_tree``'s flattening needs)."""
     tl.static_assert(CHUNK_K % BLOCK_K == 0, "the K step must divide the chunk (its loads are not masked)")
     ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros([cols.shape[0], toks.shape[0]], tl.float32)
@@ -167,9 +168,14 @@ def _chunk_tree(X, Wt, toks, cols, M, N, K, k0, CHUNK_K: tl.constexpr, BLOCK_K: 
     pairwise tree (a subtree of ``peer.tree_sum``'s): each chunk's sum is kept in a slot for its
     level of the tree until its sibling is done, as a binary counter carries (slot 0 a chunk, 1
     a pair, 2 four), and the last chunk's sum is added to the kept ones after the loop; at most
-    log2(LEAVES) kept sums. Each chunk is its own K loop whose sum starts at zero: a sum reset
-    inside one loop over every step miscompiled with wgmma (Triton 3.6, sm_90: other values,
-    tests/test_invariant_matmul.py)."""
+    log2(LEAVES) kept sums, updated by selects. Triton flattens the chunk loop and each chunk's
+    K loop into one pipelined loop (``tl.range(flatten=True)``; with branches for the slots
+    and the K loop's bounds taken from the chunk it left them nested), so the loads run ahead
+    across a chunk's end where a loop per chunk refilled its pipeline (H200, gate_up at M = 64:
+    71.5 -> 61.5 us, lm_head 293 -> 256; benchmarks/NOTES.md). Each chunk's sum still starts
+    from zero in the dot's own chain; a reset written by hand inside one loop had miscompiled
+    with wgmma (Triton 3.6, sm_90), the flattened loop passes tests/test_invariant_matmul.py
+    on an H200."""
     zero = tl.zeros([cols.shape[0], toks.shape[0]], tl.float32)
     acc, slot0, slot1, slot2 = zero, zero, zero, zero
     for c in tl.range(0, LEAVES, flatten=True):
