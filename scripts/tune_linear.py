@@ -2,7 +2,8 @@
 ``LinearConfig.for_shape`` (tpfuse/kernels/linear.py). Not part of the library: it patches
 ``for_shape``.
 
-    python scripts/tune_linear.py [--out DIR] [--batches 1 64 256] [--jobs 16] [--block-n 64 128 ...]
+    python scripts/tune_linear.py [--out DIR] [--batches 1 64 256] [--jobs 16] [--layers qkv ...]
+                                  [--block-n 64 128 ...] [--block-t 32 64]
 
 Per Llama-3-8B layer (TP=1, and TP=2's row-parallel shards, whose chunks and fp32 partials
 differ), per M: every configuration of the grid below, each checked bit for bit (fp32 sums)
@@ -154,7 +155,8 @@ def main() -> int:
     p.add_argument("--out", default=".")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
     p.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1))
-    p.add_argument("--layers", nargs="+", default=None, help="TP=1 and TP=2 layers of these names (default: all)")
+    p.add_argument("--layers", nargs="+", default=None, choices=sorted({layer[1] for layer in LAYERS}),
+                   help="TP=1 and TP=2 layers of these names (default: all)")
     for axis, values in AXES.items():
         p.add_argument("--" + axis.replace("_", "-"), type=int, nargs="+", default=values)
     p.add_argument("--block-t", type=int, nargs="+", default=None, help="token tiles (default: the library's for M)")
@@ -163,7 +165,8 @@ def main() -> int:
     if args.block_t:
         axes["block_t"] = args.block_t
     layers = [layer for layer in LAYERS if args.layers is None or layer[1] in args.layers]
-    header = {**run_header(), "batches": args.batches, "grid": axes, "layers": [layer[1] for layer in layers]}
+    header = {**run_header(), "batches": args.batches, "grid": axes,
+              "layers": [f"tp{layer[0]}:{layer[1]}" for layer in layers]}
     records = measure(args.batches, args.jobs, axes, layers)
     write_results(args.out, "tune_linear", header, records, markdown(header, records))
     print(open(os.path.join(args.out, "tune_linear.md")).read())

@@ -232,6 +232,11 @@ def _bad_inputs_raise_before_communicating():
         bad = [
             (ValueError, "residual has shape", lambda: comm.all_reduce_add_rms_norm(x, x[:2], w)),
             (TypeError, "residual has dtype", lambda: comm.all_reduce_add_rms_norm(x, x.float(), w)),
+            # fp32 partial sums go with a 16-bit residual, and the weight follows the residual
+            (TypeError, "residual has dtype", lambda: comm.all_reduce_add_rms_norm(x.half(), x, w)),
+            (TypeError, "weight has dtype", lambda: comm.all_reduce_add_rms_norm(x.float(), x, w.half())),
+            (TypeError, "residual is", lambda: comm.reduce_scatter_add_rms_norm(x.float(), x[:4 // world], w)),
+            (TypeError, "residual has dtype", lambda: tpfuse.add_rms_norm(x.float(), x, w)),
             (ValueError, "weight has shape", lambda: comm.all_reduce_add_rms_norm(x, x, w[:32])),
             (ValueError, "weight has shape", lambda: comm.all_reduce_rms_norm(x, w[:63])),
             (TypeError, "dtype", lambda: comm.all_reduce_rms_norm(x.to(torch.int32), w)),

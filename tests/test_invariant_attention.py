@@ -6,6 +6,7 @@ Runs on CPU under Triton's interpreter (small shapes) and on CUDA (Llama-3-8B's 
 
 import pytest
 import torch
+import triton
 
 import tpfuse
 from tests.conftest import DEVICE, ON_GPU
@@ -20,14 +21,14 @@ CONTEXT = SPLIT + 37
 """Positions of the cache: a whole split and a part of a second (the interpreter's time)."""
 
 
-def _operands(heads, kv_heads, d, batch, seed, dtype=torch.bfloat16):
-    """q for CONTEXT positions per sequence, and a cache whose last positions hold NaN and Inf
-    (as an unwritten cache may): no query may read past its own position."""
+def _operands(heads, kv_heads, d, batch, seed, dtype=torch.bfloat16, context=CONTEXT):
+    """q for ``context`` positions per sequence, and a cache whose last positions hold NaN and
+    Inf (as an unwritten cache may): no query may read past its own position."""
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, heads, CONTEXT, d, generator=g).to(dtype).to(DEVICE)
-    k, v = (torch.randn(batch, kv_heads, CONTEXT + 9, d, generator=g).to(dtype).to(DEVICE) for _ in range(2))
-    k[:, :, CONTEXT:] = float("nan")
-    v[:, :, CONTEXT:] = float("inf")
+    q = torch.randn(batch, heads, context, d, generator=g).to(dtype).to(DEVICE)
+    k, v = (torch.randn(batch, kv_heads, context + 9, d, generator=g).to(dtype).to(DEVICE) for _ in range(2))
+    k[:, :, context:] = float("nan")
+    v[:, :, context:] = float("inf")
     return q, k, v
 
 
@@ -59,15 +60,19 @@ def test_a_sequence_has_the_same_bits_alone_and_in_a_batch(heads, kv_heads, d):
             assert torch.equal(alone[0], batch[b]), (n, b)
 
 
+@pytest.mark.parametrize("ctas", [1, 2])
 @pytest.mark.parametrize("heads, kv_heads, d", HEADS)
-def test_ctas_taking_several_splits_keep_their_bits(heads, kv_heads, d, monkeypatch):
-    """A decode step whose CTAs take every split of their rows in turn (SPLIT_CTAS forced to
-    1, as a large batch has fewer CTAs than splits): each sequence's bits are the prefill's at
-    its position, past one split and within the first."""
-    q, k, v = _operands(heads, kv_heads, d, 3, 5 * heads + d)
+def test_ctas_taking_several_splits_keep_their_bits(heads, kv_heads, d, ctas, monkeypatch):
+    """A decode step over 3 splits whose rows have fewer CTAs than splits (SPLIT_CTAS forced
+    down, as in a large batch): one CTA taking every split, or two taking splits 0, 2 and 1.
+    Each sequence's bits are the prefill's at its position, in the third split, the second
+    and the first."""
+    context = 2 * SPLIT + 37
+    q, k, v = _operands(heads, kv_heads, d, 3, 5 * heads + d, context=context)
     prefill = tpfuse.invariant_attention(q, k, v, _start(0, 0, 0), d ** -0.5)
-    monkeypatch.setattr(attention, "SPLIT_CTAS", 1)
-    starts = [SPLIT + 5, CONTEXT - 1, 2]
+    monkeypatch.setattr(attention, "SPLIT_CTAS", ctas * 3 * kv_heads)  # ctas a (sequence, kv head)
+    assert attention.split_ctas(3 * kv_heads, triton.cdiv(k.shape[2], SPLIT)) == ctas
+    starts = [2 * SPLIT + 5, context - 1 - SPLIT, 2]
     qs = torch.stack([q[b, :, t] for b, t in enumerate(starts)])[:, :, None]
     step = tpfuse.invariant_attention(qs, k, v, _start(*starts), d ** -0.5)
     for b, t in enumerate(starts):

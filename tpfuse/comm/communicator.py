@@ -455,7 +455,7 @@ class Communicator:
         Bitwise equal, on every rank and for every algo, to the split composition ``y,
         residual_out = self.all_reduce_add_rms_norm(x, residual, weight, eps, ...,
         algo="split"); q, scales = tpfuse.quant_fp8(y, mode, scale=scale, group=group)``:
-        y is quantized from its rounded values (x's dtype), with the scales of
+        y is quantized from its rounded values (the residual's dtype), with the scales of
         ``tpfuse.quant_fp8`` (mode "tensor": the static ``scale``, returned as is; "token":
         scales [..., 1] fp32; "group": [M, N / group] fp32, column-major with M padded to a
         multiple of 4, the layout DeepGEMM-style block-scaled GEMMs read). y itself is not

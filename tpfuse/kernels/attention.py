@@ -38,7 +38,7 @@ from tpfuse.kernels.common import EXACT_FP, _INTERPRETER, round_to, to_f32
 
 SPLIT = 64
 """Key positions per split: a [16, 64] score tile per dot, and at a context of 1024 sixteen
-CTAs per (sequence, kv head) in a decode step."""
+splits per (sequence, kv head) in a decode step."""
 BLOCK_M = 16
 """Query rows per dot (one mma.m16n8k16 row block), for every shape."""
 NUM_WARPS = 4
@@ -47,13 +47,14 @@ SPLIT_CTAS = 1024
 taking several splits past it (``split_ctas``)."""
 
 
-def split_ctas(row_blocks: int, n_splits: int) -> int:
-    """CTAs per (sequence, kv head, row block) of a decode step over n_splits splits: one per
-    split while there are at most SPLIT_CTAS in all, else fewer, each taking splits in turn.
+def split_ctas(programs: int, n_splits: int) -> int:
+    """CTAs per (sequence, kv head, row block), of which a decode step has ``programs``, over
+    n_splits splits: one per split while there are at most SPLIT_CTAS in all, else fewer, each
+    taking splits in turn.
     A CTA per split of the whole cache made 8192 CTAs at batch 64 (context 1024), nearly all
     past the filled positions, and the kernel took 1.74 ms of a 7.2 ms step (H200,
     benchmarks/NOTES.md). Which CTA computes a split never changes its bits."""
-    return max(1, min(n_splits, SPLIT_CTAS // row_blocks))
+    return max(1, min(n_splits, SPLIT_CTAS // programs))
 
 
 @triton.jit
@@ -200,9 +201,9 @@ def invariant_attention_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                   num_warps=NUM_WARPS, **EXACT_FP)
     if t == 1:
         part = torch.empty(batch * heads * n_splits * (block_d + 2), dtype=torch.float32, device=q.device)
-        rows = batch * hkv * row_blocks
-        attention_kernel[(rows, split_ctas(rows, n_splits))](PART=part, STORE_PARTIAL=True, **common)
-        merge_kernel[(batch * hkv * row_blocks,)](part, out, start, t, d, group, hkv, n_splits, SPLIT=SPLIT,
-                                                  BLOCK_M=BLOCK_M, BLOCK_D=block_d, num_warps=NUM_WARPS, **EXACT_FP)
+        programs = batch * hkv * row_blocks
+        attention_kernel[(programs, split_ctas(programs, n_splits))](PART=part, STORE_PARTIAL=True, **common)
+        merge_kernel[(programs,)](part, out, start, t, d, group, hkv, n_splits, SPLIT=SPLIT, BLOCK_M=BLOCK_M,
+                                  BLOCK_D=block_d, num_warps=NUM_WARPS, **EXACT_FP)
     else:
         attention_kernel[(batch * hkv * row_blocks, 1)](PART=out, STORE_PARTIAL=False, **common)

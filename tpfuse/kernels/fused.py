@@ -7,10 +7,10 @@ residual, w)`` (or ``tpfuse.rms_norm(r, w)``, residual_out then being r) because
 - the reduced rows come from ``sum_in_tree_order`` and one ``round_to``, as in
   ``tpfuse.kernels.allreduce``, and are rounded before the residual add;
 - the residual add and the norm are ``tpfuse.kernels.norm.norm_tile``, the body of the norm
-  forward kernel, on tiles of the same shape (``NormConfig``, from (N, dtype) alone) and the
-  same warps. The register layout Triton gives the tile fixes the order of the row
-  reduction, so tests/test_fused_layouts.py compiles these kernels and the norm kernel for
-  sm_90 and checks the layouts of their row reductions are the same.
+  forward kernel, on tiles of the same shape (``NormConfig``, from N and the residual's dtype
+  alone) and the same warps. The register layout Triton gives the tile fixes the order of
+  the row reduction, so tests/test_fused_layouts.py compiles these kernels and the norm
+  kernel for sm_90 and checks the layouts of their row reductions are the same.
 
 Each rank adds its own residual, so residuals that differ between ranks still give every
 rank its own split result.
@@ -69,7 +69,7 @@ OP_FUSED_SCATTER = tl.constexpr(5)
 OP_FUSED_GATHER = tl.constexpr(6)
 
 # Counts and flags are not specialised, so every batch size and both residual modes run one
-# compiled kernel per (N, dtype, world size), like the norm kernel.
+# compiled kernel per (N, x's and the residual's dtypes, world size), like the norm kernel.
 _UNSPECIALISED = ["n_rows", "rows_per_group", "has_residual", "rank", "timeout_ns", "scale_rows"]
 
 
@@ -448,6 +448,11 @@ def all_reduce_norm_into(x: torch.Tensor, weight: torch.Tensor | None, residual:
     piece of piece_elems elements, ``rows_pieces``); its norm: the tile of N and residual_out's dtype.
     """
     n_rows, n = x.shape
+    out = residual_out.dtype
+    if (x.dtype != out and not (x.dtype == torch.float32 and out.itemsize == 2)) or any(
+            t is not None and t.dtype != out for t in (residual, y)):
+        raise ValueError(f"all_reduce_norm_into: x {x.dtype}, residual, y and residual_out {out}: the outputs and "
+                         "the residual take one dtype, x the same or fp32 partial sums of a 16-bit one")
     cfg, layout, algo, protocol, grid = plan.norm, peers.layout, plan.algo, plan.protocol, plan.grid
     if cfg != NormConfig.from_shape(n, residual_out.dtype):  # cached: a plan for another shape must not launch
         raise ValueError(f"the plan's norm tile {cfg} is not that of hidden size {n} in {residual_out.dtype}")

@@ -79,7 +79,8 @@ class LinearConfig:
     @classmethod
     def for_shape(cls, m: int, n: int, chunks: int, chunk_k: int) -> "LinearConfig":
         """The fastest rule over scripts/tune_linear.py's grid on an H200 (Llama-3-8B's layers at
-        TP 1 and 2, M = 1-256; benchmarks/NOTES.md 2026-11-29):
+        TP 1 and 2, M = 1-256; benchmarks/NOTES.md 2026-11-29), measured before the chunk loop
+        was flattened (its records differ in places: a new sweep should choose again):
 
         - 64 tokens a tile (M > 32) where 128-row tiles alone number WIDE_MIN_CTAS (at M =
           64 gate_up and lm_head; at 256 every TP=1 layer): 128 weight rows a CTA on two

@@ -148,10 +148,11 @@ class Boundary:
     def __call__(self, partial: Tensor, residual: Tensor, weight: Tensor, eps: float, offset: float,
                  fp8: bool = False) -> tuple[Tensor | Fp8Activation, Tensor]:
         """With ``fp8`` y comes quantized per token (an ``Fp8Activation`` for the next fp8
-        GEMM): the "fused" boundary quantizes in its kernel, the others with
-        ``tpfuse.quant_fp8`` after the norm, the same bits."""
+        GEMM): the "fused" boundary quantizes in its kernel, the others (and fp32 partial
+        sums, whose path below never leaves the workspace) with ``tpfuse.quant_fp8`` after the
+        norm, the same bits."""
         if fp8:
-            if self.name == "fused" and self.world_size > 1:
+            if self.name == "fused" and self.world_size > 1 and partial.dtype == residual.dtype:
                 q, scales, residual = self.comm.all_reduce_add_rms_norm_fp8(partial, residual, weight, eps,
                                                                             mode="token", weight_offset=offset)
                 return Fp8Activation(q, scales), residual

@@ -104,8 +104,9 @@ class TPModel(nn.Module):
         invariant: every projection through ``tpfuse.invariant_matmul`` (docs/design.md 1.2),
             the row-parallel ones (o_proj, down_proj) as fp32 partial sums of G / W of their
             layer's G chunks, all-reduced in fp32 over the ranks' tree and rounded once before
-            the residual add (the "split" composition, whatever ``boundary`` says: the fused
-            kernel takes one dtype; at one rank the GEMM rounds, the same bits), and attention
+            the residual add (with boundary "fused" in the fused kernel where the message fits
+            the workspace, else the "split" composition in slices of rows: the same bits; at one
+            rank the GEMM rounds, the same bits again), and attention
             through ``tpfuse.invariant_attention`` (1.3) in prefill too, over the KV cache as
             in decode. The logits then have the same bits at every TP size, alone and in a
             batch, and from a prefill as from the decode steps (tests/test_models.py).
