@@ -159,6 +159,38 @@ def _sixty_layers(tokens, hidden, algo):
         return layer.failures()
 
 
+def _partials_grid():
+    """fp32 partial sums (an invariant row-parallel layer's) into a bf16/fp16 residual, every
+    algorithm and protocol, against the split composition ``add_rms_norm(all_reduce(x) rounded
+    to the residual's dtype, residual, w)``; then 60 decode layers of them, residual in place."""
+    import tpfuse
+    from tpfuse.comm import Communicator
+
+    with Communicator(max_bytes=64 << 20, timeout_s=60, knobs=table_knobs(**PROTOCOL_KNOBS)) as comm:
+        layer, seed = _Layer(comm), 0
+        for hidden in [256, 2880, 4096, 5120, 8192, 14336, 20000]:
+            for tokens in [1, 3, 16, 128, 513]:
+                for dtype in (torch.bfloat16, torch.float16):
+                    for algo in ALGOS:
+                        seed += 1
+                        x = layer.inputs(tokens, hidden, torch.float32, seed)[0]
+                        _, residual, weight = layer.inputs(tokens, hidden, dtype, seed + 10_000)
+                        if seed % 3 == 0:
+                            weight = weight.float()
+                        want = tpfuse.add_rms_norm(comm.all_reduce(x).to(dtype), residual, weight)
+                        with _poisoned_empty():
+                            got = comm.all_reduce_add_rms_norm(x, residual, weight, algo=algo)
+                        layer.expect(got, want, f"{tokens}x{hidden} fp32 into {dtype} {algo} weight {weight.dtype}")
+        _, residual, weight = layer.inputs(1, 4096, torch.bfloat16, 7)
+        res_fused, res_split = residual.clone(), residual.clone()
+        for i in range(60):
+            x = layer.inputs(1, 4096, torch.float32, 200 + i)[0]
+            y_fused, _ = comm.all_reduce_add_rms_norm(x, res_fused, weight, inplace=True)
+            y_split, _ = tpfuse.add_rms_norm(comm.all_reduce(x).to(torch.bfloat16), res_split, weight, inplace=True)
+        layer.expect((y_fused, res_fused), (y_split, res_split), "60 layers of fp32 partials")
+        return layer.failures() + ll_regions_not_zeroed(comm)
+
+
 def device_bytes(t: torch.Tensor) -> torch.Tensor:
     """t's elements' bytes, on t's device (group scales are a strided view)."""
     return t.reshape(-1).clone(memory_format=torch.contiguous_format).view(torch.uint8)
@@ -208,6 +240,11 @@ def test_gpu_fused_graph_capture_replayed_with_new_data():
                                          (128, "oneshot")])
 def test_gpu_sixty_layer_decode_fused_equals_split(tokens, algo):
     no_failures(run_ranks(NGPU, _sixty_layers, tokens, 4096, algo, backend="nccl", timeout_s=600))
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_gpu_fused_over_fp32_partials_bitwise_equal_to_split(world):
+    no_failures(run_ranks(world, _partials_grid, backend="nccl", timeout_s=600))
 
 
 def test_gpu_fused_fp8_bitwise_equal_to_split_over_the_shape_grid():
