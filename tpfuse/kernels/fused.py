@@ -454,8 +454,8 @@ def all_reduce_norm_into(x: torch.Tensor, weight: torch.Tensor | None, residual:
         raise ValueError(f"all_reduce_norm_into: x {x.dtype}, residual, y and residual_out {out}: the outputs and "
                          "the residual take one dtype, x the same or fp32 partial sums of a 16-bit one")
     cfg, layout, algo, protocol, grid = plan.norm, peers.layout, plan.algo, plan.protocol, plan.grid
-    if cfg != NormConfig.from_shape(n, residual_out.dtype):  # cached: a plan for another shape must not launch
-        raise ValueError(f"the plan's norm tile {cfg} is not that of hidden size {n} in {residual_out.dtype}")
+    if cfg != NormConfig.from_shape(n, out):  # cached: a plan for another shape must not launch
+        raise ValueError(f"the plan's norm tile {cfg} is not that of hidden size {n} in {out}")
     world = layout.world_size
     common = dict(
         X=x, RES=residual if residual is not None else x, W=weight if weight is not None else x,
